@@ -1,0 +1,38 @@
+# The two commands: `make demo` and `make test`. Both create or reuse .venv, install the
+# CPU build of torch first (pinned, so no CUDA packages are pulled), then gpuflex itself.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: demo test venv sshd bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
+	$(PIP) -e ".[test]"
+	touch $@
+
+# The SSH tests need OpenSSH's sshd; install it where it is missing and we are root (as on CI).
+sshd:
+	@if command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing openssh-server for the SSH tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; \
+	else echo "sshd not found and not root: the SSH tests will be skipped"; fi
+
+test: venv sshd
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) examples/demo.py
+
+bench: venv
+	$(PY) benchmarks/scale_pause.py
+	$(PY) benchmarks/steady_overhead.py
+
+clean:
+	rm -rf .demo build *.egg-info

@@ -1,0 +1,3 @@
+from gpuflex.cli import main
+
+main()

@@ -1,0 +1,227 @@
+"""Job commands: submit, status, scale, cancel, logs, events."""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import typer
+from rich.live import Live
+
+from gpuflex.cli import render
+from gpuflex.cli.common import command, console, obj, print_json
+from gpuflex.control.service import SubmitRequest, parse_env, parse_workers
+from gpuflex.errors import JobError, UsageError
+from gpuflex.states import JobState
+
+
+def register(app: typer.Typer) -> None:
+    app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(submit)
+    app.command()(status)
+    app.command()(scale)
+    app.command()(cancel)
+    app.command()(logs)
+    app.command()(events)
+
+
+@command
+def submit(
+    ctx: typer.Context,
+    cmd: Optional[list[str]] = typer.Argument(None, metavar="-- CMD ARGS...", help="The command each worker runs."),
+    name: Optional[str] = typer.Option(None, "--name", help="A name for the job (default: the program's name)."),
+    workers: str = typer.Option("1", "--workers", "-w", help="N, or MIN:MAX for an elastic job."),
+    gpus_per_worker: int = typer.Option(1, "--gpus-per-worker", help="GPUs (or CPU slots) per worker."),
+    priority: int = typer.Option(0, "--priority", help="Higher runs first."),
+    harvest: bool = typer.Option(False, "--harvest", help="Let 'gpuflex harvest' grow it onto idle GPUs."),
+    env: Optional[list[str]] = typer.Option(None, "--env", "-e", help="KEY=VALUE for the workers (repeatable)."),
+    workdir: Optional[str] = typer.Option(None, "--workdir", help="Working directory of the workers (default: here)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
+) -> None:
+    """Record a job and place it on free GPUs or slots; prints the job id.
+
+    Example: gpuflex submit --name mlp --workers 1:4 -- python examples/elastic_mlp.py --epochs 3
+    """
+    lo, hi = parse_workers(workers)
+    argv = [a for a in (cmd or [])]
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    req = SubmitRequest(argv=argv, name=name, min_workers=lo, max_workers=hi,
+                        gpus_per_worker=gpus_per_worker, priority=priority, harvest=harvest,
+                        env=parse_env(env or []), workdir=workdir)
+    svc = obj(ctx).service()
+    job_id = svc.submit(req)
+    with svc.sessions() as session:
+        job = svc.get(session, job_id)
+        if as_json:
+            print_json(render.job_json(job))
+        else:
+            console.print(f"job {job.id} ({job.name}) {job.state}"
+                          + (f": {job.queue_reason}" if job.queue_reason else
+                             f" with {job.world_size} worker(s)"))
+
+
+@command
+def status(
+    ctx: typer.Context,
+    job: Optional[str] = typer.Argument(None, help="A job id or name; all jobs when left out."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or an array of all jobs)."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh every --interval seconds until Ctrl-C."),
+    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes with --watch."),
+) -> None:
+    """Show jobs, or one job with its workers and last scale events.
+
+    Example: gpuflex status 3 --json
+    """
+    svc = obj(ctx).service()
+
+    def snapshot():
+        svc.refresh()
+        with svc.sessions() as session:
+            if job is None:
+                jobs = svc.list(session)
+                if as_json:
+                    return [render.job_json(j, progress=svc.progress.get(j.id)) for j in jobs]
+                return render.jobs_table(jobs, svc.progress)
+            j = svc.get(session, job)
+            if as_json:
+                return render.job_json(j, progress=svc.progress.get(j.id))
+            from rich.console import Group
+
+            head = (f"job {j.id} [bold]{j.name}[/] {j.state} world {j.world_size} "
+                    f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
+            prog = svc.progress.get(j.id)
+            if prog:
+                head += f" step {prog.get('step')} epoch {prog.get('epoch')}"
+                if prog.get("samples_per_s"):
+                    head += f" {prog['samples_per_s']:.0f} samples/s"
+            if j.queue_reason and j.state == "queued":
+                head += f"\n{j.queue_reason}"
+            if j.exit_reason:
+                head += f"\n{j.exit_reason}"
+            last = [e for e in j.events if e.kind in ("scale", "fault", "formed", "state")][-5:]
+            return Group(head, render.workers_table(j), render.events_table(j, last))
+
+    with svc.sessions() as session:  # fail fast on an unknown job, before any refresh loop
+        if job is not None:
+            svc.get(session, job)
+    if not watch:
+        out = snapshot()
+        print_json(out) if as_json else console.print(out)
+        return
+    try:
+        with Live(snapshot(), console=console, auto_refresh=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(snapshot(), refresh=True)
+    except KeyboardInterrupt:
+        pass
+
+
+@command
+def scale(
+    ctx: typer.Context,
+    job: str = typer.Argument(..., help="A job id or name."),
+    n: int = typer.Argument(..., help="The number of workers wanted (within the job's MIN:MAX)."),
+    wait: bool = typer.Option(False, "--wait", help="Wait until the workers have switched."),
+    timeout: float = typer.Option(300, "--timeout", help="Seconds to wait with --wait."),
+) -> None:
+    """Resize a running elastic job in place to N workers.
+
+    Example: gpuflex scale 3 4 --wait
+    """
+    svc = obj(ctx).service()
+    svc.refresh()
+    j = svc.scale(job, n)
+    console.print(f"job {j.id}: resizing to {n} worker(s)")
+    if not wait:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        svc.refresh()
+        with svc.sessions() as session:
+            cur = svc.get(session, j.id)
+            if JobState(cur.state).final:
+                raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
+            if cur.state == JobState.RUNNING.value and cur.world_size == n:
+                ev = [e for e in cur.events if e.kind == "scale"]
+                console.print(f"job {cur.id}: world size {n} at generation {cur.generation}"
+                              + (f" ({render.phases(ev[-1].data)})" if ev else ""))
+                return
+    raise JobError(f"job {j.id}: the resize to {n} did not finish within {timeout:.0f} s.")
+
+
+@command
+def cancel(ctx: typer.Context, job: str = typer.Argument(..., help="A job id or name.")) -> None:
+    """Stop all workers of a job (SIGTERM, then SIGKILL after the grace period) and free its GPUs.
+
+    Example: gpuflex cancel 3
+    """
+    svc = obj(ctx).service()
+    j = svc.cancel(job)
+    console.print(f"job {j.id} cancelled")
+
+
+@command
+def logs(
+    ctx: typer.Context,
+    job: str = typer.Argument(..., help="A job id or name."),
+    worker: Optional[int] = typer.Option(None, "--worker", help="Only this rank (or worker id, if no rank matches)."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
+) -> None:
+    """Print worker output.
+
+    Example: gpuflex logs 3 --worker 0 --follow
+    """
+    svc = obj(ctx).service()
+    svc.refresh()
+    with svc.sessions() as session:
+        j = svc.get(session, job)
+        chosen = list(j.workers)
+        if worker is not None:
+            chosen = [w for w in j.workers if w.rank == worker and not w.state in ("exited", "failed", "lost", "stopped")] \
+                or [w for w in j.workers if w.rank == worker] or [w for w in j.workers if w.wid == worker]
+            if not chosen:
+                raise UsageError(f"job {j.id} has no worker with rank or id {worker}.")
+        targets = [(w.host, w.wid, w.log_path) for w in chosen]
+        job_id = j.id
+    offsets = {t: 0 for t in targets}
+    many = len(targets) > 1
+    while True:
+        for t in targets:
+            host, wid, path = t
+            data = svc.pool.transport(host).read(path, offsets[t])
+            offsets[t] = data["offset"]
+            text = data["data"]
+            if text:
+                if many:
+                    text = "".join(f"[w{wid}] {line}" for line in text.splitlines(keepends=True))
+                console.out(text, end="", highlight=False)
+        if not follow:
+            return
+        svc.refresh()
+        with svc.sessions() as session:
+            if JobState(svc.get(session, job_id).state).final:
+                follow = False  # one last read, then stop
+                continue
+        time.sleep(0.5)
+
+
+@command
+def events(
+    ctx: typer.Context,
+    job: str = typer.Argument(..., help="A job id or name."),
+    as_json: bool = typer.Option(False, "--json", help="Print the events as a JSON array."),
+) -> None:
+    """Scale and fault history of a job, with per-phase timings.
+
+    Example: gpuflex events 3 --json
+    """
+    svc = obj(ctx).service()
+    svc.refresh()
+    with svc.sessions() as session:
+        j = svc.get(session, job)
+        if as_json:
+            print_json([render.event_json(e) for e in j.events])
+        else:
+            console.print(render.events_table(j, list(j.events)))

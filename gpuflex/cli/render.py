@@ -1,0 +1,90 @@
+"""Job, worker and event rendering: JSON objects (the contract) and rich tables."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.table import Table
+
+from gpuflex.db.models import Event, Job, Worker
+
+
+def worker_json(w: Worker) -> dict[str, Any]:
+    return {"rank": w.rank, "wid": w.wid, "host": w.host, "gpus": list(w.gpus), "pid": w.pid,
+            "state": w.state, "generation": w.generation, "exit_code": w.exit_code, "log": w.log_path}
+
+
+def job_json(job: Job, *, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "id": job.id, "name": job.name, "state": job.state, "user": job.user,
+        "argv": list(job.argv), "workdir": job.workdir, "env": dict(job.env),
+        "min_workers": job.min_workers, "max_workers": job.max_workers,
+        "target_workers": job.target_workers, "world_size": job.world_size,
+        "generation": job.generation, "gpus_per_worker": job.gpus_per_worker,
+        "priority": job.priority, "harvest": job.harvest, "restarts": job.restarts,
+        "queue_reason": job.queue_reason, "exit_code": job.exit_code, "exit_reason": job.exit_reason,
+        "created_at": job.created_at, "started_at": job.started_at, "ended_at": job.ended_at,
+        "step": (progress or {}).get("step"), "progress": progress,
+        "workers": [worker_json(w) for w in job.workers],
+    }
+
+
+def event_json(e: Event) -> dict[str, Any]:
+    return {"id": e.id, "job": e.job_id, "time": e.time, "kind": e.kind, "message": e.message,
+            "data": e.data}
+
+
+def ago(ts: float | None) -> str:
+    if ts is None:
+        return "-"
+    s = max(0, time.time() - ts)
+    if s < 60:
+        return f"{s:.0f}s"
+    if s < 3600:
+        return f"{s / 60:.0f}m"
+    return f"{s / 3600:.1f}h"
+
+
+_STATE_STYLE = {"queued": "yellow", "running": "green", "scaling": "cyan", "succeeded": "bold green",
+                "failed": "red", "cancelled": "magenta"}
+
+
+def jobs_table(jobs: list[Job], progress: dict[int, dict[str, Any]]) -> Table:
+    t = Table(title="gpuflex jobs", title_justify="left")
+    for col in ("ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "USER", "AGE", "NOTE"):
+        t.add_column(col, no_wrap=col != "NOTE")
+    for j in jobs:
+        note = j.queue_reason if j.state == "queued" else (j.exit_reason or "")
+        step = (progress.get(j.id) or {}).get("step")
+        t.add_row(str(j.id), j.name, f"[{_STATE_STYLE.get(j.state, '')}]{j.state}[/]",
+                  f"{j.world_size}/{j.min_workers}:{j.max_workers}", str(j.generation),
+                  "-" if step is None else str(step), j.user, ago(j.created_at), note or "")
+    return t
+
+
+def workers_table(job: Job) -> Table:
+    t = Table(title=f"workers of job {job.id}", title_justify="left")
+    for col in ("RANK", "WID", "HOST", "DEVICES", "PID", "STATE", "GEN", "EXIT"):
+        t.add_column(col)
+    for w in job.workers:
+        t.add_row("-" if w.rank is None else str(w.rank), str(w.wid), w.host,
+                  ",".join(map(str, w.gpus)), str(w.pid or "-"), w.state, str(w.generation),
+                  "-" if w.exit_code is None else str(w.exit_code))
+    return t
+
+
+def phases(data: dict[str, Any]) -> str:
+    t = data.get("timings") or {}
+    order = ("detect", "agree", "rebuild", "copy", "verify", "first_step", "total")
+    return " ".join(f"{k}={t[k] * 1000:.0f}ms" for k in order if isinstance(t.get(k), (int, float)))
+
+
+def events_table(job: Job, events: list[Event]) -> Table:
+    t = Table(title=f"events of job {job.id}", title_justify="left")
+    for col in ("TIME", "KIND", "WHAT", "PHASES"):
+        t.add_column(col)
+    for e in events:
+        t.add_row(time.strftime("%H:%M:%S", time.localtime(e.time)) + f".{int(e.time % 1 * 1000):03d}",
+                  e.kind, e.message, phases(e.data))
+    return t

@@ -1,0 +1,1 @@
+"""The control side: applies decisions through transports and records them."""

@@ -1,0 +1,86 @@
+"""The pool of hosts: config mirrored into the DB, transports, free devices."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpuflex.config import Config, HostConfig
+from gpuflex.db.models import Gpu, Host, Job, Worker
+from gpuflex.hosts.transport import Transport, make_transport
+from gpuflex.policy.placement import HostFree
+from gpuflex.states import JobState, WorkerState
+
+
+class Pool:
+    """Hosts from the config with one transport each (opened on first use)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self._transports: dict[str, Transport] = {}
+
+    def transport(self, host: str | HostConfig) -> Transport:
+        cfg = host if isinstance(host, HostConfig) else self.config.host(host)
+        if cfg.name not in self._transports:
+            self._transports[cfg.name] = make_transport(cfg)
+        return self._transports[cfg.name]
+
+    def close(self) -> None:
+        for t in self._transports.values():
+            t.close()
+        self._transports.clear()
+
+    def sync_hosts(self, session: Session) -> None:
+        """Mirror the configured hosts (and the slots of CPU hosts) into the DB."""
+        existing = {h.name: h for h in session.scalars(select(Host))}
+        for cfg in self.config.hosts:
+            host = existing.get(cfg.name)
+            if host is None:
+                host = Host(name=cfg.name, address=cfg.address)
+                session.add(host)
+            host.address, host.owner = cfg.address, cfg.owner
+            slots = cfg.cpu_slots
+            if slots is not None:
+                have = {g.index: g for g in host.gpus}
+                for i in range(slots):
+                    if i not in have:
+                        host.gpus.append(Gpu(index=i, kind="slot", verdict="slot"))
+                for i, g in have.items():
+                    if i >= slots or g.kind != "slot":
+                        host.gpus.remove(g)
+            elif isinstance(cfg.gpus, list):
+                for g in list(host.gpus):
+                    if g.index not in cfg.gpus:
+                        host.gpus.remove(g)
+        session.flush()
+
+    def held_devices(self, session: Session) -> dict[str, set[int]]:
+        """Devices held by workers that are not final, per host."""
+        held: dict[str, set[int]] = {}
+        rows = session.execute(
+            select(Worker.host, Worker.gpus, Worker.state).join(Job)
+            .where(Job.state.in_([JobState.RUNNING.value, JobState.SCALING.value]))
+        )
+        for host, gpus, state in rows:
+            if not WorkerState(state).final:
+                held.setdefault(host, set()).update(gpus)
+        return held
+
+    def free(self, session: Session) -> list[HostFree]:
+        """Free devices per host: configured devices minus held ones (GPU hosts: the probed
+        GPUs that are usable now)."""
+        held = self.held_devices(session)
+        out = []
+        for cfg in self.config.hosts:
+            host = session.scalar(select(Host).where(Host.name == cfg.name))
+            if host is None or host.reachable is False:
+                continue
+            taken = held.get(cfg.name, set())
+            if cfg.cpu_slots is not None:
+                devices = [i for i in range(cfg.cpu_slots) if i not in taken]
+                out.append(HostFree(cfg.name, tuple(devices), slots=True))
+            else:
+                usable = [g.index for g in host.gpus if g.verdict in ("idle", "free")
+                          and g.index not in taken]
+                out.append(HostFree(cfg.name, tuple(sorted(usable)), slots=False))
+        return out

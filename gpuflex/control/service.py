@@ -1,0 +1,184 @@
+"""The job service: every CLI command is a thin wrapper over one of these methods.
+
+A service owns a session factory and a pool. Mutating operations run under a file lock
+beside the database, so concurrent gpuflex commands (and cron ticks) do not place the
+same job twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Iterator
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from gpuflex.config import Config
+from gpuflex.control import lifecycle
+from gpuflex.control.launch import local_user
+from gpuflex.control.pool import Pool
+from gpuflex.db.engine import open_database, sqlite_path
+from gpuflex.db.models import Event, Job
+from gpuflex.errors import UnknownJobError, UsageError
+from gpuflex.states import JobState
+
+_ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class SubmitRequest:
+    argv: list[str]
+    name: str | None = None
+    min_workers: int = 1
+    max_workers: int = 1
+    gpus_per_worker: int = 1
+    priority: int = 0
+    harvest: bool = False
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    workdir: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.argv or not self.argv[0].strip():
+            raise UsageError("no command to run; put it after '--', e.g. gpuflex submit -- python train.py.")
+        if self.min_workers < 1 or self.max_workers < self.min_workers:
+            raise UsageError(f"bad worker range {self.min_workers}:{self.max_workers}.")
+        if self.gpus_per_worker < 0:
+            raise UsageError(f"--gpus-per-worker {self.gpus_per_worker}: must be 0 or more.")
+        if self.name is not None and not _NAME.match(self.name):
+            raise UsageError(f"--name {self.name!r}: use letters, digits, '.', '_' or '-' (at most 64).")
+        if self.workdir is not None and not os.path.isdir(os.path.expanduser(self.workdir)):
+            raise UsageError(f"--workdir {self.workdir!r} is not a directory.")
+
+
+def parse_workers(text: str) -> tuple[int, int]:
+    """'N' or 'MIN:MAX' -> (min, max); raises UsageError naming the value."""
+    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    if not m:
+        raise UsageError(f"--workers {text!r} is not N or MIN:MAX (e.g. 2 or 1:4).")
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) is not None else lo
+    if lo < 1:
+        raise UsageError(f"--workers {text!r}: at least 1 worker is needed.")
+    if hi < lo:
+        raise UsageError(f"--workers {text!r}: MAX ({hi}) is below MIN ({lo}); write MIN:MAX.")
+    return lo, hi
+
+
+def parse_env(items: list[str]) -> dict[str, str]:
+    env = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--env {item!r} has no '='; write --env KEY=VALUE.")
+        if not _ENV_KEY.match(key):
+            raise UsageError(f"--env {item!r}: {key!r} is not a valid variable name.")
+        env[key] = value
+    return env
+
+
+class JobService:
+    def __init__(self, config: Config, sessions: sessionmaker[Session] | None = None) -> None:
+        self.config = config
+        self.sessions = sessions or open_database(config.database_url)
+        self.pool = Pool(config)
+        self.progress: dict[int, dict] = {}  # job id -> the coordinator's last progress report
+
+    def close(self) -> None:
+        self.pool.close()
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Session]:
+        """A session under the service's file lock, committed on success."""
+        path = sqlite_path(self.config.database_url)
+        lock = Path(str(path) + ".ops.lock") if path else None
+        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600) if lock else None
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            with self.sessions.begin() as session:
+                yield session
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    # ---- reads -------------------------------------------------------------------
+    def get(self, session: Session, ref: str | int) -> Job:
+        """A job by id or name (the newest of that name); UnknownJobError otherwise."""
+        text = str(ref).strip()
+        job = None
+        if text.isdigit():
+            job = session.get(Job, int(text))
+        elif _NAME.match(text):
+            job = session.scalar(select(Job).where(Job.name == text).order_by(Job.id.desc()).limit(1))
+        if job is None:
+            raise UnknownJobError(text)
+        return job
+
+    def list(self, session: Session) -> list[Job]:
+        return list(session.scalars(select(Job).order_by(Job.id)))
+
+    # ---- the periodic work every command does first ----------------------------
+    def refresh(self) -> None:
+        """Read reality (workers, coordinators) and start queued jobs that now fit."""
+        with self.locked() as session:
+            self.pool.sync_hosts(session)
+            for job in session.scalars(select(Job).where(
+                    Job.state.in_([JobState.RUNNING.value, JobState.SCALING.value]))):
+                lifecycle.reconcile(self, session, job)
+            session.flush()
+            lifecycle.place_queued(self, session)
+
+    # ---- commands ----------------------------------------------------------------
+    def submit(self, req: SubmitRequest) -> int:
+        workdir = os.path.abspath(os.path.expanduser(req.workdir or os.getcwd()))
+        with self.locked() as session:
+            self.pool.sync_hosts(session)
+            job = Job(
+                token=secrets.token_hex(6), name=req.name or os.path.basename(req.argv[0]),
+                state=JobState.QUEUED.value, argv=list(req.argv), workdir=workdir, env=dict(req.env),
+                min_workers=req.min_workers, max_workers=req.max_workers,
+                gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
+                user=local_user(),
+            )
+            session.add(job)
+            session.flush()
+            record(session, job, "submitted", f"submitted: {' '.join(job.argv)}",
+                   workers=f"{job.min_workers}:{job.max_workers}")
+            lifecycle.place_queued(self, session)
+            return job.id
+
+    def cancel(self, ref: str) -> Job:
+        with self.locked() as session:
+            job = self.get(session, ref)
+            if JobState(job.state).final:
+                raise UsageError(f"job {job.id} is already {job.state}; nothing to cancel.")
+            lifecycle.stop_job(self, session, job, JobState.CANCELLED, "cancelled by user")
+            lifecycle.place_queued(self, session)
+            return job
+
+    def scale(self, ref: str, n: int) -> Job:
+        with self.locked() as session:
+            job = self.get(session, ref)
+            return lifecycle.scale(self, session, job, n)
+
+
+def record(session: Session, job: Job, kind: str, message: str, **data) -> Event:
+    ev = Event(job=job, time=time.time(), kind=kind, message=message, data=data)
+    session.add(ev)
+    return ev
+
+
+def set_state(session: Session, job: Job, target: JobState, message: str, **data) -> None:
+    JobState(job.state).check_transition(target)
+    job.state = target.value
+    if target.final:
+        job.ended_at = time.time()
+    record(session, job, "state", f"{target.value}: {message}", state=target.value, **data)

@@ -1,0 +1,112 @@
+"""Engine from a URL, SQLite pragmas, and migrations applied under a file lock."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import sqlalchemy as sa
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from gpuflex.errors import DatabaseError
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file behind a sqlite URL (with ~ expanded), or None for other databases."""
+    u = sa.engine.make_url(url)
+    if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:":
+        return None
+    return Path(os.path.expanduser(u.database))
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for `url`; for SQLite the directory is created and WAL + busy timeout set.
+
+    Raises DatabaseError when the file cannot be created or opened.
+    """
+    path = sqlite_path(url)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DatabaseError(f"cannot create the database directory {path.parent}: {e.strerror}.",
+                                hint="Set [database] url in gpuflex.toml to a writable place.") from None
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            raise DatabaseError(f"the database {path} is not writable.",
+                                hint="Set [database] url in gpuflex.toml to a writable place.")
+        url = sa.engine.URL.create("sqlite", database=str(path)).render_as_string()
+    engine = sa.create_engine(url, connect_args={"timeout": 30} if path else {})
+    if path is not None:
+        event.listen(engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.close()
+
+
+def alembic_config(engine: Engine):
+    from alembic.config import Config as AlembicConfig
+
+    cfg = AlembicConfig()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.attributes["engine"] = engine
+    return cfg
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def head_revision(engine: Engine) -> str:
+    from alembic.script import ScriptDirectory
+
+    return ScriptDirectory.from_config(alembic_config(engine)).get_current_head()
+
+
+def upgrade(engine: Engine) -> bool:
+    """Bring the schema to head. Returns True when a migration ran.
+
+    Taken under a file lock beside the database, and the revision is read again inside
+    the lock, so concurrent first uses migrate once.
+    """
+    from alembic import command
+
+    head = head_revision(engine)
+    try:
+        if current_revision(engine) == head:
+            return False
+    except sa.exc.OperationalError as e:
+        raise DatabaseError(f"cannot open the database: {e.orig}.") from None
+    path = sqlite_path(str(engine.url))
+    lock_path = Path(str(path) + ".lock") if path else None
+    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600) if lock_path else None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        if current_revision(engine) == head:
+            return False
+        command.upgrade(alembic_config(engine), "head")
+        return True
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def open_database(url: str) -> sessionmaker[Session]:
+    """Engine + schema at head + a session factory: the one entry point the service uses."""
+    engine = make_engine(url)
+    upgrade(engine)
+    return sessionmaker(engine, expire_on_commit=False)

@@ -1,0 +1,130 @@
+"""SQLAlchemy 2.0 typed models. The schema itself comes only from `migrations/`."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+def now() -> float:
+    return time.time()
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Host(Base):
+    """A host of the pool, mirrored from the config at each command."""
+
+    __tablename__ = "hosts"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    address: Mapped[str] = mapped_column(String(255))
+    owner: Mapped[str | None] = mapped_column(String(64))
+    reachable: Mapped[bool | None] = mapped_column(Boolean)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    last_probe_at: Mapped[float | None] = mapped_column(Float)
+    gpus: Mapped[list["Gpu"]] = relationship(back_populates="host", cascade="all, delete-orphan",
+                                             order_by="Gpu.index")
+
+
+class Gpu(Base):
+    """One schedulable device: a GPU, or a CPU slot on a `cpu:N` host (kind='slot')."""
+
+    __tablename__ = "gpus"
+    __table_args__ = (UniqueConstraint("host_id", "index"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host_id: Mapped[int] = mapped_column(ForeignKey("hosts.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    kind: Mapped[str] = mapped_column(String(8), default="gpu")
+    uuid: Mapped[str | None] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(128))
+    utilization_pct: Mapped[float | None] = mapped_column(Float)
+    memory_used_mib: Mapped[float | None] = mapped_column(Float)
+    memory_total_mib: Mapped[float | None] = mapped_column(Float)
+    idle_streak: Mapped[int] = mapped_column(Integer, default=0)
+    verdict: Mapped[str | None] = mapped_column(String(32))
+    updated_at: Mapped[float | None] = mapped_column(Float)
+    host: Mapped[Host] = relationship(back_populates="gpus")
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token: Mapped[str] = mapped_column(String(32), unique=True)
+    name: Mapped[str] = mapped_column(String(128))
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    argv: Mapped[list[str]] = mapped_column(JSON)
+    workdir: Mapped[str] = mapped_column(Text)
+    env: Mapped[dict[str, str]] = mapped_column(JSON)
+    min_workers: Mapped[int] = mapped_column(Integer)
+    max_workers: Mapped[int] = mapped_column(Integer)
+    target_workers: Mapped[int | None] = mapped_column(Integer)
+    gpus_per_worker: Mapped[int] = mapped_column(Integer)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    harvest: Mapped[bool] = mapped_column(Boolean, default=False)
+    user: Mapped[str] = mapped_column(String(64))
+    generation: Mapped[int] = mapped_column(Integer, default=0)
+    world_size: Mapped[int] = mapped_column(Integer, default=0)
+    queue_reason: Mapped[str | None] = mapped_column(Text)
+    store_host: Mapped[str | None] = mapped_column(String(64))
+    store_addr: Mapped[str | None] = mapped_column(String(255))
+    store_port: Mapped[int | None] = mapped_column(Integer)
+    store_pgid: Mapped[int | None] = mapped_column(Integer)
+    checkpoint_dir: Mapped[str | None] = mapped_column(Text)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[float] = mapped_column(Float, default=now)
+    started_at: Mapped[float | None] = mapped_column(Float)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    exit_reason: Mapped[str | None] = mapped_column(Text)
+    workers: Mapped[list["Worker"]] = relationship(back_populates="job", cascade="all, delete-orphan",
+                                                   order_by="Worker.wid")
+    events: Mapped[list["Event"]] = relationship(back_populates="job", cascade="all, delete-orphan",
+                                                 order_by="Event.id")
+
+
+class Worker(Base):
+    """One worker process. `wid` is stable for the process's life; `rank` changes per generation."""
+
+    __tablename__ = "workers"
+    __table_args__ = (UniqueConstraint("job_id", "wid"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    wid: Mapped[int] = mapped_column(Integer)
+    rank: Mapped[int | None] = mapped_column(Integer)
+    host: Mapped[str] = mapped_column(String(64))
+    gpus: Mapped[list[int]] = mapped_column(JSON)
+    pid: Mapped[int | None] = mapped_column(Integer)
+    pgid: Mapped[int | None] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))
+    generation: Mapped[int] = mapped_column(Integer, default=0)
+    log_path: Mapped[str] = mapped_column(Text)
+    exit_path: Mapped[str] = mapped_column(Text)
+    control_path: Mapped[str | None] = mapped_column(Text)
+    exit_code: Mapped[int | None] = mapped_column(Integer)
+    started_at: Mapped[float] = mapped_column(Float, default=now)
+    ended_at: Mapped[float | None] = mapped_column(Float)
+    job: Mapped[Job] = relationship(back_populates="workers")
+
+
+class Event(Base):
+    """Every state change, scale and fault of a job, with its time and details."""
+
+    __tablename__ = "events"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    time: Mapped[float] = mapped_column(Float, default=now)
+    kind: Mapped[str] = mapped_column(String(32))
+    message: Mapped[str] = mapped_column(Text)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    job: Mapped[Job] = relationship(back_populates="events")
+
+
+def to_datetime(ts: float | None) -> dt.datetime | None:
+    return dt.datetime.fromtimestamp(ts) if ts is not None else None

@@ -1,0 +1,204 @@
+"""The job coordinator: serves the job's TCPStore and is the only writer of generations.
+
+gpuflex starts one per job on its first host (`python -m gpuflex.elastic.coordinator`),
+apart from the workers, so a worker crash never takes the store down. Each tick it reads
+heartbeats, failure reports, readiness and the desired membership, and decides:
+
+- recover: a member of the current generation reported a failure or stopped beating;
+  once every member has reported, gone stale or finished, the reporters (plus ready
+  newcomers) form the next generation;
+- rollback: the newest generation's state did not verify; the previous members
+  (leavers included, they wait for the verdict) form the next one and the newcomers are
+  rejected;
+- resize: the desired membership differs and every newcomer is ready.
+
+Its control socket answers `status` and `resize` (the desired membership).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from gpuflex.elastic import keys
+from gpuflex.elastic.control import ControlServer
+
+TICK_S = 0.05
+
+
+class Coordinator:
+    def __init__(self, store: TCPStore, initial: list[int], hb_timeout_s: float,
+                 start_timeout_s: float = 600) -> None:
+        self.store = store
+        self.hb_timeout_s = hb_timeout_s
+        self.start_timeout_s = start_timeout_s
+        self.lock = threading.Lock()
+        self.desired: list[int] = list(initial)
+        self.generation = 0
+        self.members: list[int] = []
+        self.history: list[dict[str, Any]] = []
+        self.rejected: set[int] = set()
+        self.finished = False
+        self.started = time.time()
+        self._hb_seen: dict[int, tuple[str, float]] = {}
+        self.progress: dict[str, Any] | None = None
+        store.set(keys.DESIRED, json.dumps(self.desired))
+
+    # ---- store helpers -------------------------------------------------------------
+    def has(self, key: str) -> bool:
+        return self.store.check([key])
+
+    def get_json(self, key: str) -> Any:
+        return json.loads(self.store.get(key)) if self.has(key) else None
+
+    def alive(self, wid: int) -> bool:
+        """A worker is alive while its heartbeat counter keeps changing."""
+        key = keys.hb(wid)
+        now = time.monotonic()
+        if not self.has(key):
+            return False
+        value = self.store.get(key).decode()
+        prev = self._hb_seen.get(wid)
+        if prev is None or prev[0] != value:
+            self._hb_seen[wid] = (value, now)
+            return True
+        return now - prev[1] < self.hb_timeout_s
+
+    def gone(self, wid: int) -> bool:
+        return self.has(keys.done(wid)) or self.has(keys.left(wid))
+
+    # ---- decisions -----------------------------------------------------------------
+    def publish(self, members: list[int], kind: str, message: str) -> None:
+        g = self.generation + 1
+        rec = {"generation": g, "kind": kind, "members": members, "prev": self.members,
+               "created": time.time(), "message": message}
+        self.store.set(keys.members(g), json.dumps(rec))
+        self.store.set(keys.LATEST, str(g))
+        self.generation, self.members = g, list(members)
+        self.history.append({**rec, "verified": False, "ok": None, "timings": None})
+        print(f"generation {g} ({kind}): members {members} - {message}", flush=True)
+
+    def tick(self) -> None:
+        with self.lock:
+            self._tick()
+
+    def _tick(self) -> None:
+        if self.has(keys.PROGRESS):
+            self.progress = json.loads(self.store.get(keys.PROGRESS))
+        if self.has(keys.FINISHED):
+            self.finished = True
+        if self.finished:
+            return
+        desired_new = [w for w in self.desired if w not in self.members and w not in self.rejected]
+        ready_new = [w for w in desired_new if self.has(keys.ready(w)) and self.alive(w)]
+        if self.generation == 0:
+            waited = time.time() - self.started
+            if len(ready_new) == len(desired_new) or (ready_new and waited > self.start_timeout_s):
+                self.publish(ready_new, "initial", f"{len(ready_new)} worker(s) ready")
+            return
+        g, cur = self.generation, self.history[-1]
+        self._read_verdict(g, cur)
+        for h in self.history[:-1]:
+            if h["timings"] is None and self.has(keys.timings(h["generation"])):
+                h["timings"] = self.get_json(keys.timings(h["generation"]))
+        failed = [w for w in self.members if self.has(keys.fail(g, w))]
+        stale = [w for w in self.members if not self.gone(w) and not self.alive(w)]
+        if cur["ok"] is False:
+            self._rollback(cur)
+            return
+        if failed or stale:
+            undecided = [w for w in self.members
+                         if w not in failed and w not in stale and not self.gone(w)]
+            if undecided:
+                return  # the others will see the failure at their next collective
+            survivors = [w for w in failed if w not in stale]
+            joiners = [w for w in ready_new if w not in survivors]
+            keep = [w for w in survivors if w in self.desired] or survivors
+            if keep or joiners:
+                lost = [w for w in self.members if w not in survivors]
+                self.publish(keep + joiners, "recover", f"lost worker(s) {lost}")
+            return
+        if not cur["verified"]:
+            return
+        if self.desired != sorted(self.members) and set(desired_new) == set(ready_new):
+            keep = [w for w in self.members if w in self.desired]
+            if keep:
+                self.publish(keep + sorted(ready_new), "resize",
+                             f"resize {len(self.members)} -> {len(keep) + len(ready_new)}")
+
+    def _read_verdict(self, g: int, cur: dict[str, Any]) -> None:
+        if cur["ok"] is None and self.has(keys.verdict(g)):
+            v = self.get_json(keys.verdict(g))
+            cur["ok"] = bool(v.get("ok"))
+            cur["verified"] = cur["ok"]
+            if not cur["ok"]:
+                cur["message"] += f"; rolled back: {v.get('reason')}"
+        if cur["timings"] is None and self.has(keys.timings(g)):
+            cur["timings"] = self.get_json(keys.timings(g))
+
+    def _rollback(self, cur: dict[str, Any]) -> None:
+        newcomers = [w for w in cur["members"] if w not in cur["prev"]]
+        for w in newcomers:
+            self.rejected.add(w)
+            self.store.set(keys.rejected(w), "1")
+        back = [w for w in cur["prev"] if self.alive(w) and not self.has(keys.done(w))]
+        self.desired = sorted(back)
+        self.store.set(keys.DESIRED, json.dumps(self.desired))
+        cur["ok"] = False
+        cur["verified"] = True  # decided, so it is reported
+        self.publish(back, "rollback", f"state check failed; back to {back}")
+
+    # ---- control socket -------------------------------------------------------------
+    def op_status(self, _msg: dict[str, Any]) -> dict[str, Any]:
+        with self.lock:
+            cur = self.history[-1] if self.history else None
+            settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired)
+            return {"generation": self.generation, "members": self.members, "desired": self.desired,
+                    "settled": settled, "finished": self.finished, "progress": self.progress,
+                    "history": [dict(h, verified=h["verified"] and (h["timings"] is not None or h is not cur))
+                                for h in self.history]}
+
+    def op_resize(self, msg: dict[str, Any]) -> dict[str, Any]:
+        wanted = msg["members"]
+        if not isinstance(wanted, list) or not wanted or not all(isinstance(w, int) for w in wanted):
+            raise ValueError("members must be a non-empty list of worker ids")
+        with self.lock:
+            self.desired = sorted(set(wanted))
+            self.store.set(keys.DESIRED, json.dumps(self.desired))
+            return {"desired": self.desired}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m gpuflex.elastic.coordinator")
+    ap.add_argument("--port", type=int, required=True)
+    ap.add_argument("--members", required=True, help="initial worker ids, comma-separated")
+    ap.add_argument("--control", required=True, help="path of the control socket")
+    ap.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    args = ap.parse_args(argv)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False,
+                     timeout=dt.timedelta(seconds=30))
+    coord = Coordinator(store, [int(w) for w in args.members.split(",") if w],
+                        hb_timeout_s=args.heartbeat_timeout)
+    server = ControlServer(args.control, {"status": coord.op_status, "resize": coord.op_resize})
+    print(f"coordinator listening on port {args.port}, control {args.control}", flush=True)
+    try:
+        while not stop.wait(TICK_S):
+            coord.tick()
+    finally:
+        server.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Key names in a job's store: the protocol between the coordinator and the workers.
+
+members/{g}      JSON {generation, kind, members (wids in rank order), prev, created}; written
+                 once, by the coordinator only
+latest           the newest generation number
+ready/{wid}      a worker is warmed up and waiting to join
+hb/{wid}         heartbeat counter, bumped by each worker's heartbeat thread
+fail/{g}/{wid}   a member of generation g saw a collective fail (or a formation step)
+joined/{g}/{wid} a member arrived at generation g's barrier
+verdict/{g}      JSON {ok, reason?} from rank 0 once the copied state was verified
+timings/{g}      JSON per-phase timings of forming g, from rank 0 after its first step
+done/{wid}       the worker finished (training over or stopped); left/{wid}: retired by a shrink
+rejected/{wid}   the coordinator gave up on a newcomer (e.g. its state did not verify)
+desired          JSON list of wids the controller wants
+progress         JSON {step, epoch, samples_per_s, loss, time} from rank 0, about once a second
+finished         rank 0 reached the end of training
+"""
+
+from __future__ import annotations
+
+
+def members(g: int) -> str:
+    return f"members/{g}"
+
+
+def ready(wid: int) -> str:
+    return f"ready/{wid}"
+
+
+def hb(wid: int) -> str:
+    return f"hb/{wid}"
+
+
+def fail(g: int, wid: int) -> str:
+    return f"fail/{g}/{wid}"
+
+
+def joined(g: int, wid: int) -> str:
+    return f"joined/{g}/{wid}"
+
+
+def verdict(g: int) -> str:
+    return f"verdict/{g}"
+
+
+def timings(g: int) -> str:
+    return f"timings/{g}"
+
+
+def done(wid: int) -> str:
+    return f"done/{wid}"
+
+
+def left(wid: int) -> str:
+    return f"left/{wid}"
+
+
+def rejected(wid: int) -> str:
+    return f"rejected/{wid}"
+
+
+def pg_prefix(g: int) -> str:
+    return f"pg/{g}/"
+
+
+LATEST = "latest"
+DESIRED = "desired"
+PROGRESS = "progress"
+FINISHED = "finished"

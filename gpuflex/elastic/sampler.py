@@ -1,0 +1,92 @@
+"""The elastic sampler: a fixed global batch split over whatever workers there are now.
+
+Global batch k of epoch e is `perm_e[k*B:(k+1)*B]` where `perm_e` is a permutation drawn
+from `seed + e` alone, so which samples form a step never depends on the world size;
+only the split over ranks does. The last batch of an epoch may be smaller: nothing is
+dropped and nothing is padded, so every sample of an epoch is processed exactly once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """One rank's share of one global batch.
+
+    `indices`: the sample ids this rank processes. `global_size`: samples in the whole
+    global batch. Weight a per-sample *sum* by 1/global_size (or a local mean by
+    `weight`) and sum the gradients over ranks: the result is exactly the full-batch mean.
+    """
+
+    epoch: int
+    step: int            # global step, counted across epochs
+    step_in_epoch: int
+    indices: torch.Tensor
+    global_size: int
+    offset: int          # where this rank's share starts inside the global batch
+    rank: int
+    world_size: int
+
+    @property
+    def weight(self) -> float:
+        return len(self.indices) / self.global_size if self.global_size else 0.0
+
+    @property
+    def slice(self) -> slice:
+        """This rank's part of a tensor built for the whole global batch."""
+        return slice(self.offset, self.offset + len(self.indices))
+
+
+def split(total: int, world: int, rank: int) -> tuple[int, int]:
+    """(offset, length) of rank's contiguous share; shares differ by at most one."""
+    base, extra = divmod(total, world)
+    length = base + (1 if rank < extra else 0)
+    offset = rank * base + min(rank, extra)
+    return offset, length
+
+
+class ElasticSampler:
+    def __init__(self, num_samples: int, global_batch_size: int, *, epochs: int, seed: int = 0) -> None:
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
+        if epochs < 1:
+            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        self.num_samples = num_samples
+        self.global_batch_size = global_batch_size
+        self.epochs = epochs
+        self.seed = seed
+        self._perm_epoch = -1
+        self._perm: torch.Tensor | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return -(-self.num_samples // self.global_batch_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.steps_per_epoch * self.epochs
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            self._perm = torch.randperm(self.num_samples, generator=g)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def global_batch(self, step: int) -> tuple[int, int, torch.Tensor]:
+        """(epoch, step_in_epoch, sample ids) of global step `step`."""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        perm = self.permutation(epoch)
+        return epoch, k, perm[k * self.global_batch_size:(k + 1) * self.global_batch_size]
+
+    def batch(self, step: int, rank: int, world: int) -> Batch:
+        epoch, k, ids = self.global_batch(step)
+        offset, length = split(len(ids), world, rank)
+        return Batch(epoch=epoch, step=step, step_in_epoch=k, indices=ids[offset:offset + length],
+                     global_size=len(ids), offset=offset, rank=rank, world_size=world)

@@ -1,0 +1,201 @@
+"""Host-side process operations, the same on this machine and over SSH.
+
+Run as `python -m gpuflex.hosts.hostops OP` with a JSON request on stdin; it prints one
+JSON reply. `LocalTransport` calls the functions directly where that is safe; `spawn`
+always runs as its own process because it forks. Standard library only: remote hosts
+need nothing but gpuflex itself importable by their `python`.
+
+A worker runs under a small supervisor that is the leader of a new session (so the
+whole group can be signalled) and that records the worker's exit status in an exit
+file; a group that is gone without an exit file was killed or lost with its host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+
+def spawn(spec: dict[str, Any]) -> dict[str, int]:
+    """Start `spec["argv"]` detached; returns {"pid": worker pid, "pgid": group id}.
+
+    spec: argv, cwd, env (added to this environment), log (stdout+stderr appended),
+    exit_path (JSON exit record written when the worker ends).
+    """
+    for key in ("log", "exit_path"):
+        Path(os.path.expanduser(spec[key])).parent.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    first = os.fork()
+    if first == 0:  # the future supervisor
+        os.close(read_fd)
+        try:
+            os.setsid()
+            _supervise(spec, write_fd)
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as r:
+        reply = r.read()
+    if not reply:
+        raise RuntimeError("the supervisor died before starting the worker")
+    data = json.loads(reply)
+    if "error" in data:
+        raise RuntimeError(data["error"])
+    return data
+
+
+def _supervise(spec: dict[str, Any], report_fd: int) -> None:
+    log_path = os.path.expanduser(spec["log"])
+    exit_path = os.path.expanduser(spec["exit_path"])
+    env = dict(os.environ)
+    env.update(spec.get("env") or {})
+    try:
+        log = open(log_path, "ab", buffering=0)
+        proc = subprocess.Popen(
+            spec["argv"], cwd=os.path.expanduser(spec.get("cwd") or "~"), env=env,
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )
+    except OSError as e:
+        os.write(report_fd, json.dumps({"error": f"cannot start {spec['argv'][0]!r}: {e.strerror}"}).encode())
+        os.close(report_fd)
+        return
+    # The supervisor stays to write the exit record: group signals are for the worker.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    os.write(report_fd, json.dumps({"pid": proc.pid, "pgid": os.getpgrp()}).encode())
+    os.close(report_fd)
+    # Detach from whoever started us (an SSH channel, the CLI).
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    rc = proc.wait()
+    record = {"returncode": rc, "ended_at": time.time()}
+    tmp = exit_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, exit_path)
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any non-zombie process of group `pgid` exists (Linux /proc)."""
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # the command name may hold spaces and parentheses: split after the last ')'
+        fields = stat[stat.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def read_exit(exit_path: str) -> dict[str, Any] | None:
+    try:
+        with open(os.path.expanduser(exit_path)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def status(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For each {pgid, exit_path}: {"alive": bool, "exit": exit record or None}."""
+    out = []
+    for item in items:
+        record = read_exit(item["exit_path"])
+        alive = bool(item.get("pgid")) and group_alive(int(item["pgid"]))
+        out.append({"alive": alive, "exit": record})
+    return out
+
+
+def signal_groups(pgids: list[int], signum: int) -> list[bool]:
+    """Send `signum` to each group; False where the group no longer exists."""
+    sent = []
+    for pgid in pgids:
+        try:
+            os.killpg(int(pgid), signum)
+            sent.append(True)
+        except ProcessLookupError:
+            sent.append(False)
+        except PermissionError:
+            sent.append(False)
+    return sent
+
+
+def stop_groups(pgids: list[int], grace_s: float) -> list[str]:
+    """SIGTERM each group, wait up to `grace_s`, then SIGKILL what is left.
+
+    Returns per group: "gone" (already gone), "terminated" or "killed".
+    """
+    result = ["terminated" if ok else "gone"
+              for ok in signal_groups(pgids, signal.SIGTERM)]
+    deadline = time.monotonic() + grace_s
+    pending = [i for i, r in enumerate(result) if r == "terminated"]
+    while pending and time.monotonic() < deadline:
+        pending = [i for i in pending if group_alive(int(pgids[i]))]
+        if pending:
+            time.sleep(0.05)
+    for i in pending:
+        if group_alive(int(pgids[i])):
+            signal_groups([pgids[i]], signal.SIGKILL)
+            result[i] = "killed"
+    # SIGKILL is not instant: wait (briefly) until the kernel has removed them
+    deadline = time.monotonic() + 5
+    while any(group_alive(int(pgids[i])) for i in pending) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return result
+
+
+def read_file(path: str, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
+    """Up to `limit` bytes of `path` from `offset`, as text; {"missing": True} if absent."""
+    try:
+        with open(os.path.expanduser(path), "rb") as f:
+            f.seek(offset)
+            data = f.read(limit)
+            size = os.fstat(f.fileno()).st_size
+    except FileNotFoundError:
+        return {"missing": True, "data": "", "offset": offset, "size": 0}
+    return {"missing": False, "data": data.decode("utf-8", "replace"), "offset": offset + len(data),
+            "size": size}
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(json.dumps({"error": "usage: python -m gpuflex.hosts.hostops OP < request.json"}))
+        return 2
+    op = argv[0]
+    try:
+        req = json.loads(sys.stdin.read() or "{}")
+        if op == "spawn":
+            reply: Any = spawn(req)
+        elif op == "status":
+            reply = status(req["items"])
+        elif op == "signal":
+            reply = signal_groups(req["pgids"], int(req["signal"]))
+        elif op == "stop":
+            reply = stop_groups(req["pgids"], float(req["grace_s"]))
+        elif op == "read":
+            reply = read_file(req["path"], int(req.get("offset", 0)), int(req.get("limit", 1 << 20)))
+        else:
+            print(json.dumps({"error": f"unknown op {op!r}"}))
+            return 2
+    except (KeyError, ValueError, TypeError, RuntimeError, OSError) as e:
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
+        return 1
+    print(json.dumps({"ok": reply}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

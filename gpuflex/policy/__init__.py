@@ -1,0 +1,1 @@
+"""Pure decisions: (state, settings) -> actions. No I/O here."""
