@@ -1,0 +1,166 @@
+"""Shared fixtures: a throw-away home, a per-test gpuflex.toml, the CLI two ways, DB dumps.
+
+Every test gets HOME and the working directory set to its own tmp_path, so nothing reads
+or writes the real home, and `./gpuflex.toml` lookups see only what the test wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+FINAL_STATES = {"succeeded", "failed", "cancelled"}
+# generous: a job launch starts a coordinator that imports torch, on a busy 2-core box
+JOB_DEADLINE_S = 180
+
+
+def gpuflex_script() -> str:
+    """The installed `gpuflex` console script (beside this interpreter, else on PATH)."""
+    here = Path(sys.executable).parent / "gpuflex"
+    if here.exists():
+        return str(here)
+    found = shutil.which("gpuflex")
+    if not found:
+        pytest.fail("the gpuflex console script is not installed (pip install -e .)")
+    return found
+
+
+def write_config(tmp_path: Path, *, slots: int = 4, grace_s: float = 3, name: str = "g.toml",
+                 extra: str = "") -> Path:
+    """A gpuflex.toml with one local CPU-slot host and its DB and workdir under tmp_path."""
+    cfg = tmp_path / name
+    cfg.write_text(
+        f'[database]\nurl = "sqlite:///{tmp_path}/g.db"\n\n'
+        f"[jobs]\ncancel_grace_s = {grace_s}\n\n"
+        f'[[hosts]]\nname = "local"\naddress = "local"\ngpus = "cpu:{slots}"\n'
+        f'workdir = "{tmp_path}/work"\n' + extra
+    )
+    return cfg
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """HOME and cwd are tmp_path; no $GPUFLEX_CONFIG leaks in from outside."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("GPUFLEX_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+@pytest.fixture
+def config_path(home) -> Path:
+    return write_config(home)
+
+
+@pytest.fixture
+def db_path(home) -> Path:
+    return home / "g.db"
+
+
+class GpuflexCLI:
+    """Runs the installed console script in a subprocess with the test's config and home."""
+
+    def __init__(self, home: Path, config: Path | None) -> None:
+        self.home = home
+        self.config = config
+        self.script = gpuflex_script()
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env["HOME"] = str(self.home)
+        env.pop("GPUFLEX_CONFIG", None)
+        if self.config is not None:
+            env["GPUFLEX_CONFIG"] = str(self.config)
+        env["COLUMNS"] = "200"
+        env.update(extra)
+        return env
+
+    def __call__(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([self.script, *args], capture_output=True, text=True,
+                              timeout=timeout, env=env or self.env(), cwd=cwd or self.home)
+
+    def ok(self, *args: str) -> subprocess.CompletedProcess:
+        p = self(*args)
+        assert p.returncode == 0, f"gpuflex {' '.join(args)} -> {p.returncode}\n{p.stdout}\n{p.stderr}"
+        assert "Traceback" not in p.stdout + p.stderr
+        return p
+
+    def json(self, *args: str):
+        return json.loads(self.ok(*args, "--json").stdout)
+
+    def submit(self, argv: list[str], *options: str) -> dict:
+        """`gpuflex submit OPTIONS --json -- ARGV`; returns the job object it prints."""
+        p = self.ok("submit", *options, "--json", "--", *argv)
+        return json.loads(p.stdout)
+
+    def wait_final(self, job_id: int, deadline_s: float = JOB_DEADLINE_S) -> dict:
+        """Poll `status ID --json` (each call is a refresh) until the job's state is final."""
+        end = time.monotonic() + deadline_s
+        while True:
+            job = self.json("status", str(job_id))
+            if job["state"] in FINAL_STATES:
+                return job
+            if time.monotonic() > end:
+                pytest.fail(f"job {job_id} still {job['state']} after {deadline_s} s: {job}")
+            time.sleep(0.3)
+
+
+@pytest.fixture
+def gf(home, config_path, db_path):
+    """The console script with this test's config; cancels and kills leftovers at teardown."""
+    cli = GpuflexCLI(home, config_path)
+    yield cli
+    cleanup_jobs(cli, db_path)
+
+
+def cleanup_jobs(cli: GpuflexCLI, db_path: Path) -> None:
+    """Cancel every job that is not final, then SIGKILL any process group the DB names."""
+    if not db_path.exists():
+        return
+    for job_id, state in db_rows(db_path, "SELECT id, state FROM jobs"):
+        if state not in FINAL_STATES:
+            cli("cancel", str(job_id), timeout=60)
+    from gpuflex.hosts.hostops import group_alive
+
+    pgids = [r[0] for r in db_rows(db_path, "SELECT pgid FROM workers WHERE pgid IS NOT NULL")]
+    pgids += [r[0] for r in db_rows(db_path, "SELECT store_pgid FROM jobs WHERE store_pgid IS NOT NULL")]
+    for pgid in pgids:
+        if group_alive(pgid):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def db_rows(db_path: Path, sql: str, params: tuple = ()) -> list[tuple]:
+    con = sqlite3.connect(str(db_path), timeout=30)
+    try:
+        return con.execute(sql, params).fetchall()
+    finally:
+        con.close()
+
+
+def db_dump(db_path: Path) -> dict[str, list[tuple]]:
+    """Every row of every table (sorted), to prove a command changed nothing."""
+    con = sqlite3.connect(str(db_path), timeout=30)
+    try:
+        tables = [r[0] for r in con.execute(
+            "SELECT name FROM sqlite_master WHERE type='table' ORDER BY name")]
+        return {t: sorted(con.execute(f'SELECT * FROM "{t}"').fetchall(), key=repr) for t in tables}
+    finally:
+        con.close()
+
+
+def py(code: str) -> list[str]:
+    """argv running `code` with this interpreter (the workers' python)."""
+    return [sys.executable, "-c", code]
