@@ -69,7 +69,7 @@ def test_builtin_default_is_one_local_host_with_cpu_slots(home):
 
 
 def test_builtin_default_through_the_cli_makes_the_db_under_local_state(home):
-    from conftest import GpuflexCLI
+    from tests.conftest import GpuflexCLI
 
     cli = GpuflexCLI(home, None)
     view = cli.json("hosts")

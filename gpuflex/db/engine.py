@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from gpuflex.errors import DatabaseError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+_HINT = "Set [database] url in gpuflex.toml to a writable SQLite file (sqlite:///path/gpuflex.db)."
 
 
 def sqlite_path(url: str) -> Path | None:
@@ -29,18 +30,28 @@ def make_engine(url: str) -> Engine:
 
     Raises DatabaseError when the file cannot be created or opened.
     """
-    path = sqlite_path(url)
+    try:
+        path = sqlite_path(url)
+    except sa.exc.ArgumentError as e:
+        raise DatabaseError(f"not a usable database URL {url!r}: {e}.", hint=_HINT) from None
     if path is not None:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # something on the way is a file, not a directory
+            raise DatabaseError(f"cannot create the database directory {path.parent}: "
+                                f"a file of that name is in the way.", hint=_HINT) from None
         except OSError as e:
             raise DatabaseError(f"cannot create the database directory {path.parent}: {e.strerror}.",
-                                hint="Set [database] url in gpuflex.toml to a writable place.") from None
+                                hint=_HINT) from None
         if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise DatabaseError(f"the database {path} is not writable.",
-                                hint="Set [database] url in gpuflex.toml to a writable place.")
+            raise DatabaseError(f"the database {path} is not writable.", hint=_HINT)
         url = sa.engine.URL.create("sqlite", database=str(path)).render_as_string()
-    engine = sa.create_engine(url, connect_args={"timeout": 30} if path else {})
+    try:
+        engine = sa.create_engine(url, connect_args={"timeout": 30} if path else {})
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as e:
+        # an unknown dialect, or a driver that is not installed
+        shown = sa.engine.make_url(url).render_as_string(hide_password=True)
+        raise DatabaseError(f"cannot use the database URL {shown!r}: {e}.", hint=_HINT) from None
     if path is not None:
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
@@ -88,8 +99,9 @@ def upgrade(engine: Engine) -> bool:
     try:
         if current_revision(engine) == head:
             return False
-    except sa.exc.OperationalError as e:
-        raise DatabaseError(f"cannot open the database: {e.orig}.") from None
+    except sa.exc.DatabaseError as e:  # unopenable, or a file that is not a database
+        raise DatabaseError(f"cannot open the database {engine.url.database}: {e.orig}.",
+                            hint=_HINT) from None
     path = sqlite_path(str(engine.url))
     lock_path = Path(str(path) + ".lock") if path else None
     fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600) if lock_path else None

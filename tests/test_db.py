@@ -1,0 +1,151 @@
+"""The job DB: migrations give exactly the models' schema, WAL, and one upgrade under a lock."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+
+from tests.conftest import db_rows
+from gpuflex.db.engine import current_revision, head_revision, make_engine, open_database, upgrade
+from gpuflex.db.models import Base, Host, Job
+from gpuflex.errors import DatabaseError
+
+
+def _url(path) -> str:
+    return f"sqlite:///{path}"
+
+
+def test_migrations_give_exactly_the_models_schema(tmp_path):
+    engine = make_engine(_url(tmp_path / "g.db"))
+    assert upgrade(engine) is True
+    with engine.connect() as conn:
+        ctx = MigrationContext.configure(conn, opts={"compare_type": True,
+                                                     "compare_server_default": True})
+        diffs = compare_metadata(ctx, Base.metadata)
+        tables = set(sa.inspect(conn).get_table_names())
+    assert diffs == []
+    assert tables == set(Base.metadata.tables) | {"alembic_version"}
+
+
+def test_head_is_recorded_once_and_a_second_upgrade_does_nothing(tmp_path):
+    engine = make_engine(_url(tmp_path / "g.db"))
+    assert current_revision(engine) is None
+    assert upgrade(engine) is True
+    assert current_revision(engine) == head_revision(engine)
+    assert upgrade(engine) is False
+    assert db_rows(tmp_path / "g.db", "SELECT version_num FROM alembic_version") == [
+        (head_revision(engine),)]
+
+
+def test_sqlite_runs_in_wal_mode_with_a_busy_timeout_and_foreign_keys(tmp_path):
+    engine = make_engine(_url(tmp_path / "g.db"))
+    upgrade(engine)
+    with engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+        assert conn.exec_driver_sql("PRAGMA busy_timeout").scalar() == 30000
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1
+    # WAL is a property of the file: a plain sqlite3 connection sees it too
+    assert db_rows(tmp_path / "g.db", "PRAGMA journal_mode") == [("wal",)]
+
+
+def test_open_database_creates_missing_directories_and_expands_home(home):
+    sessions = open_database("sqlite:///~/deep/er/g.db")
+    assert (home / "deep" / "er" / "g.db").is_file()
+    with sessions.begin() as s:
+        s.add(Host(name="h", address="local"))
+    with sessions() as s:
+        assert [h.name for h in s.scalars(sa.select(Host))] == ["h"]
+
+
+def test_deleting_a_job_cascades_to_its_workers_and_events(tmp_path):
+    from gpuflex.db.models import Event, Worker
+
+    sessions = open_database(_url(tmp_path / "g.db"))
+    with sessions.begin() as s:
+        job = Job(token="t1", name="j", state="queued", argv=["x"], workdir="/", env={},
+                  min_workers=1, max_workers=1, gpus_per_worker=1, user="u")
+        job.workers.append(Worker(wid=0, host="local", gpus=[0], state="starting",
+                                  log_path="/l", exit_path="/e"))
+        job.events.append(Event(kind="k", message="m"))
+        s.add(job)
+    with sessions.begin() as s:
+        s.execute(sa.delete(Job))  # a bulk delete: only the FK's ON DELETE CASCADE can help
+    assert db_rows(tmp_path / "g.db", "SELECT count(*) FROM workers") == [(0,)]
+    assert db_rows(tmp_path / "g.db", "SELECT count(*) FROM events") == [(0,)]
+
+
+_OPEN_AND_REPORT = textwrap.dedent("""
+    import json, sys
+    from gpuflex.db.engine import make_engine, upgrade, current_revision
+    engine = make_engine(sys.argv[1])
+    ran = upgrade(engine)
+    print(json.dumps({"ran": ran, "rev": current_revision(engine)}))
+""")
+
+
+def test_concurrent_first_use_migrates_once(tmp_path):
+    url = _url(tmp_path / "fresh" / "g.db")
+    procs = [subprocess.Popen([sys.executable, "-c", _OPEN_AND_REPORT, url],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    head = head_revision(make_engine(url))
+    assert [r["rev"] for r in results] == [head] * 4
+    assert sum(r["ran"] for r in results) == 1
+    assert db_rows(tmp_path / "fresh" / "g.db", "SELECT version_num FROM alembic_version") == [(head,)]
+
+
+def test_concurrent_cli_commands_on_a_fresh_db_all_succeed(home, config_path, db_path):
+    from tests.conftest import GpuflexCLI
+
+    cli = GpuflexCLI(home, config_path)
+    procs = [subprocess.Popen([cli.script, "status", "--json"], env=cli.env(), cwd=home,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert json.loads(out) == []
+    assert len(db_rows(db_path, "SELECT version_num FROM alembic_version")) == 1
+    # the configured host and its 4 slots are mirrored once, not once per command
+    assert db_rows(db_path, "SELECT name FROM hosts") == [("local",)]
+    assert db_rows(db_path, "SELECT count(*) FROM gpus") == [(4,)]
+
+
+def test_db_upgrade_command_reports_the_revision(home, config_path, db_path):
+    from tests.conftest import GpuflexCLI
+
+    cli = GpuflexCLI(home, config_path)
+    first = cli.ok("db", "upgrade")
+    head = db_rows(db_path, "SELECT version_num FROM alembic_version")[0][0]
+    assert f"upgraded to revision {head}" in first.stdout
+    second = cli.ok("db", "upgrade")
+    assert f"already at revision {head}" in second.stdout
+
+
+@pytest.mark.parametrize("url,fragment", [
+    ("sqlite:///{tmp}/afile/g.db", "a file of that name is in the way"),
+    ("sqlite:///{tmp}/adir", "cannot open the database"),
+    ("sqlite:///{tmp}/notadb", "file is not a database"),
+    ("nosuchdialect://x/y", "cannot use the database URL"),
+], ids=["parent-is-a-file", "path-is-a-directory", "not-a-database", "unknown-dialect"])
+def test_unusable_database_is_a_database_error(tmp_path, url, fragment):
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "adir").mkdir()
+    (tmp_path / "notadb").write_text("this is not sqlite\n" * 10)
+    with pytest.raises(DatabaseError) as info:
+        open_database(url.format(tmp=tmp_path))
+    assert fragment in str(info.value)
+    assert info.value.exit_code == 2
+    assert (tmp_path / "notadb").read_text() == "this is not sqlite\n" * 10
