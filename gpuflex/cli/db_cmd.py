@@ -4,7 +4,7 @@ import typer
 
 from gpuflex.cli.common import command, console, obj
 
-app = typer.Typer(help="Database maintenance.", no_args_is_help=True)
+app = typer.Typer(help="Database maintenance.\n\nExample: gpuflex db upgrade", no_args_is_help=True)
 
 
 @app.command("upgrade")

@@ -1,0 +1,49 @@
+"""Every command and command group has --help with an example."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from gpuflex.cli import app
+from tests.conftest import gpuflex_script
+
+
+def command_paths(cmd, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """The root, every group and every command (of the click tree typer builds), as argv."""
+    out = [prefix]
+    if getattr(cmd, "commands", None):
+        for name, sub in sorted(cmd.commands.items()):
+            out += command_paths(sub, prefix + (name,))
+    return out
+
+
+PATHS = command_paths(typer.main.get_command(app))
+
+
+def test_the_walk_finds_every_contract_command():
+    names = {" ".join(p) for p in PATHS}
+    assert names >= {"", "submit", "status", "scale", "cancel", "logs", "events", "hosts",
+                     "db", "db upgrade"}
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[" ".join(p) or "gpuflex" for p in PATHS])
+def test_help_has_an_example(path, home):
+    for flag in ("--help", "-h"):
+        result = CliRunner().invoke(app, [*path, flag], env={"COLUMNS": "120"})
+        assert result.exit_code == 0, result.output
+        assert "Example:" in result.output
+        assert "Usage:" in result.output
+        assert f"gpuflex {' '.join(path)}".strip() in result.output.replace("  ", " ")
+
+
+def test_help_needs_no_config_or_database(home):
+    (home / "gpuflex.toml").write_text("this is = = not toml")
+    p = subprocess.run([gpuflex_script(), "db", "upgrade", "--help"], capture_output=True,
+                       text=True, cwd=home, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "Example: gpuflex db upgrade" in p.stdout
+    assert list(home.iterdir()) == [home / "gpuflex.toml"]
