@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from gpuflex.config import Config, load_config
 from gpuflex.errors import GpuflexError
@@ -50,7 +51,8 @@ def command(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except GpuflexError as e:
-            err_console.print(f"[red]error:[/red] {e}", markup=True)
+            # escape: messages quote user values and name TOML tables ("[database] url")
+            err_console.print(f"[red]error:[/red] {escape(str(e))}", markup=True)
             raise typer.Exit(e.exit_code) from None
         finally:
             if ctx is not None and isinstance(ctx.obj, Context):

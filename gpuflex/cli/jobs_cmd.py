@@ -60,6 +60,12 @@ def submit(
                              f" with {job.world_size} worker(s)"))
 
 
+def _known(svc, job: str) -> None:
+    """Fail on an unknown job before the refresh, so bad input changes nothing."""
+    with svc.sessions() as session:
+        svc.get(session, job)
+
+
 @command
 def status(
     ctx: typer.Context,
@@ -101,9 +107,8 @@ def status(
             last = [e for e in j.events if e.kind in ("scale", "fault", "formed", "state")][-5:]
             return Group(head, render.workers_table(j), render.events_table(j, last))
 
-    with svc.sessions() as session:  # fail fast on an unknown job, before any refresh loop
-        if job is not None:
-            svc.get(session, job)
+    if job is not None:
+        _known(svc, job)
     if not watch:
         out = snapshot()
         print_json(out) if as_json else console.print(out)
@@ -130,6 +135,7 @@ def scale(
     Example: gpuflex scale 3 4 --wait
     """
     svc = obj(ctx).service()
+    _known(svc, job)
     svc.refresh()
     j = svc.scale(job, n)
     console.print(f"job {j.id}: resizing to {n} worker(s)")
@@ -174,6 +180,7 @@ def logs(
     Example: gpuflex logs 3 --worker 0 --follow
     """
     svc = obj(ctx).service()
+    _known(svc, job)
     svc.refresh()
     with svc.sessions() as session:
         j = svc.get(session, job)
@@ -218,6 +225,7 @@ def events(
     Example: gpuflex events 3 --json
     """
     svc = obj(ctx).service()
+    _known(svc, job)
     svc.refresh()
     with svc.sessions() as session:
         j = svc.get(session, job)

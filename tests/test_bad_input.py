@@ -1,0 +1,223 @@
+"""Bad input: exit code 2, one clear line on stderr, no traceback, and nothing changed.
+
+Each case runs twice: in-process through typer's CliRunner and through the installed
+console script, against a DB that already holds a finished job (or, for config and
+database errors, where no DB may appear at all).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuflex.cli import app
+from gpuflex.config import load_config
+from gpuflex.control.service import JobService
+from gpuflex.db.models import Event, Job, Worker
+from tests.conftest import GpuflexCLI, db_dump, write_config
+
+
+@pytest.fixture(params=["clirunner", "script"])
+def run(request, home):
+    """run(config, *args) -> (exit code, stdout, stderr), the CLI one way or the other."""
+
+    def via_runner(config: Path, *args: str):
+        env = {"HOME": str(home), "GPUFLEX_CONFIG": str(config), "COLUMNS": "200"}
+        r = CliRunner().invoke(app, list(args), env=env)
+        if r.exception is not None and not isinstance(r.exception, SystemExit):
+            raise r.exception  # would have been a traceback for a user
+        return r.exit_code, r.stdout, r.stderr
+
+    def via_script(config: Path, *args: str):
+        p = GpuflexCLI(home, config)(*args)
+        return p.returncode, p.stdout, p.stderr
+
+    return via_runner if request.param == "clirunner" else via_script
+
+
+@pytest.fixture
+def seeded(config_path, db_path) -> Path:
+    """A DB at head with the host mirrored and one succeeded job (id 1, name 'done')."""
+    svc = JobService(load_config(str(config_path)))
+    svc.refresh()
+    with svc.sessions.begin() as s:
+        job = Job(token="abc123", name="done", state="succeeded", argv=["true"], workdir=str(db_path.parent),
+                  env={}, min_workers=1, max_workers=2, gpus_per_worker=1, user="u", world_size=1,
+                  exit_code=0, exit_reason="all workers exited 0", started_at=time.time(),
+                  ended_at=time.time())
+        job.workers.append(Worker(wid=0, rank=0, host="local", gpus=[0], state="exited", exit_code=0,
+                                  log_path=str(db_path.parent / "w0.log"),
+                                  exit_path=str(db_path.parent / "w0.exit")))
+        job.events.append(Event(kind="state", message="succeeded: all workers exited 0"))
+        s.add(job)
+    svc.close()
+    assert len(db_dump(db_path)["jobs"]) == 1
+    return config_path
+
+
+def assert_rejected(result, *fragments: str) -> str:
+    code, out, err = result
+    text = out + err
+    assert "Traceback" not in text
+    assert code == 2, text
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got: {err!r}"
+    assert lines[0].startswith("error: ")
+    for f in fragments:
+        assert f in lines[0], f"{f!r} not in {lines[0]!r}"
+    return lines[0]
+
+
+def check_unchanged(run, seeded, db_path, args, *fragments) -> str:
+    before = db_dump(db_path)
+    line = assert_rejected(run(seeded, *args), *fragments)
+    assert db_dump(db_path) == before
+    return line
+
+
+# ---- submit --------------------------------------------------------------------------------
+def test_workers_max_below_min(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--workers", "3:1", "--", "true"],
+                    "'3:1'", "MAX (1) is below MIN (3)", "MIN:MAX")
+
+
+def test_workers_zero(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--workers", "0", "--", "true"],
+                    "'0'", "at least 1 worker")
+
+
+def test_workers_not_a_number(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--workers", "x", "--", "true"],
+                    "'x'", "not N or MIN:MAX", "e.g. 2 or 1:4")
+
+
+def test_workers_value_is_shown_verbatim_not_as_markup(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--workers", "[red]2", "--", "true"],
+                    "'[red]2'")
+
+
+@pytest.mark.parametrize("args", [["submit"], ["submit", "--"], ["submit", "--", ""],
+                                  ["submit", "--workers", "2", "--", "  "]],
+                         ids=["nothing", "bare-dashes", "empty-string", "blank"])
+def test_empty_command(run, seeded, db_path, args):
+    check_unchanged(run, seeded, db_path, args, "no command to run", "after '--'")
+
+
+def test_env_without_equals(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--env", "FOO", "--", "true"],
+                    "'FOO'", "no '='", "KEY=VALUE")
+
+
+def test_env_with_a_bad_name(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--env", "1X=2", "--", "true"],
+                    "'1X'", "not a valid variable name")
+
+
+def test_negative_gpus_per_worker(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--gpus-per-worker", "-1", "--", "true"],
+                    "--gpus-per-worker -1", "0 or more")
+
+
+def test_missing_workdir(run, seeded, db_path, home):
+    check_unchanged(run, seeded, db_path, ["submit", "--workdir", str(home / "nope"), "--", "true"],
+                    str(home / "nope"), "not a directory")
+
+
+def test_bad_job_name(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--name", "a b", "--", "true"], "'a b'")
+
+
+# ---- unknown jobs ------------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [["status", "99"], ["status", "99", "--json"], ["status", "nosuchjob"],
+                                  ["cancel", "99"], ["logs", "99"], ["events", "99"],
+                                  ["scale", "99", "2"]],
+                         ids=["status", "status-json", "status-by-name", "cancel", "logs", "events", "scale"])
+def test_unknown_job(run, seeded, db_path, args):
+    check_unchanged(run, seeded, db_path, args, f"no job '{args[1]}'", "gpuflex status")
+
+
+def test_unknown_job_on_an_empty_db_leaves_it_empty(run, config_path, db_path):
+    GpuflexCLI(db_path.parent, config_path).ok("db", "upgrade")
+    check_unchanged(run, config_path, db_path, ["logs", "7"], "no job '7'")
+    assert db_dump(db_path)["hosts"] == []
+
+
+def test_cancel_a_finished_job(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["cancel", "1"], "already succeeded")
+
+
+def test_scale_a_finished_job(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["scale", "done", "2"], "only running jobs can be scaled")
+
+
+def test_logs_of_a_missing_worker(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["logs", "1", "--worker", "5"], "no worker with rank or id 5")
+
+
+# ---- config and database -------------------------------------------------------------------------
+def _config(home: Path, text: str) -> Path:
+    f = home / "bad.toml"
+    f.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n' + text)
+    return f
+
+
+def _no_db(home: Path) -> None:
+    assert not (home / "g.db").exists()
+    assert not list(home.glob("g.db*"))
+
+
+def test_unknown_config_key(run, home):
+    f = _config(home, "[jobs]\ncancel_grace=3\n")
+    assert_rejected(run(f, "status"), str(f), "jobs.cancel_grace", "unknown key", "cancel_grace_s")
+    _no_db(home)
+
+
+def test_config_value_of_the_wrong_type(run, home):
+    f = _config(home, '[[hosts]]\nname = "local"\ngpus = "cpu:4"\nport = "22"\n')
+    assert_rejected(run(f, "submit", "--", "true"), str(f), "hosts[0].port", "expected int", "'22'")
+    _no_db(home)
+
+
+def test_toml_syntax_error(run, home):
+    f = _config(home, "[jobs\ncancel_grace_s = 3\n")
+    assert_rejected(run(f, "status"), str(f), "TOML syntax error", "line 3", "column")
+    _no_db(home)
+
+
+def test_missing_config_file(run, home):
+    assert_rejected(run(home / "absent.toml", "status"), str(home / "absent.toml"), "file not found")
+    _no_db(home)
+
+
+def test_unwritable_database_path(run, home):
+    (home / "afile").write_text("keep me")
+    f = home / "c.toml"
+    f.write_text(f'[database]\nurl = "sqlite:///{home}/afile/g.db"\n')
+    assert_rejected(run(f, "submit", "--", "true"), str(home / "afile"), "[database] url")
+    assert (home / "afile").read_text() == "keep me"
+    assert sorted(p.name for p in home.iterdir()) == ["afile", "c.toml"]
+
+
+def test_database_file_that_is_not_sqlite(run, home):
+    (home / "junk.db").write_text("junk\n" * 100)
+    f = home / "c.toml"
+    f.write_text(f'[database]\nurl = "sqlite:///{home}/junk.db"\n')
+    assert_rejected(run(f, "status"), "not a database", "[database] url")
+    assert (home / "junk.db").read_text() == "junk\n" * 100
+
+
+def test_database_url_with_an_unknown_dialect(run, home):
+    f = home / "c.toml"
+    f.write_text('[database]\nurl = "nosuch://host/db"\n')
+    assert_rejected(run(f, "status"), "nosuch", "[database] url")
+
+
+def test_bad_config_through_the_environment_is_the_same_error(home):
+    f = write_config(home, extra="colour = 1\n")
+    p = GpuflexCLI(home, f)("hosts")
+    assert_rejected((p.returncode, p.stdout, p.stderr), str(f), "hosts[0].colour", "unknown key")
+    _no_db(home)
