@@ -39,6 +39,7 @@ class JobSettings:
     cancel_grace_s: float = 10          # SIGTERM, then SIGKILL after this
     checkpoint_interval_s: float = 60   # on-disk checkpoints of elastic jobs
     pg_timeout_s: float = 10            # process-group timeout inside workers
+    heartbeat_timeout_s: float = 3      # a worker silent this long is taken for dead
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +183,7 @@ def parse_config(data: dict[str, Any], path: str) -> Config:
         cancel_grace_s=js.number("cancel_grace_s", 10),
         checkpoint_interval_s=js.number("checkpoint_interval_s", 60, minimum=0.1),
         pg_timeout_s=js.number("pg_timeout_s", 10, minimum=1),
+        heartbeat_timeout_s=js.number("heartbeat_timeout_s", 3, minimum=1),
     )
 
     raw_hosts = data.get("hosts")

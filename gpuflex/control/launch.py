@@ -51,7 +51,7 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
         argv=[host.python, "-m", "gpuflex.elastic.coordinator",
               "--port", str(port), "--members", ",".join(map(str, members)),
               "--control", coordinator_socket(job),
-              "--heartbeat-timeout", str(config.jobs.pg_timeout_s / 2)],
+              "--heartbeat-timeout", str(config.jobs.heartbeat_timeout_s)],
         cwd=d, env={"PYTHONUNBUFFERED": "1"},
         log=posixpath.join(d, "coordinator.log"),
         exit_path=posixpath.join(d, "coordinator.exit"),

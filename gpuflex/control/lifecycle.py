@@ -106,9 +106,19 @@ def spawn_worker(svc: "JobService", session: Session, job: Job, wid: int, a: Ass
 
 
 # ---- reading reality ---------------------------------------------------------------
-def coordinator_request(svc: "JobService", job: Job, message: dict[str, Any]) -> dict[str, Any]:
+def coordinator_request(svc: "JobService", job: Job, message: dict[str, Any],
+                        wait_s: float = 0.0) -> dict[str, Any]:
+    """One request to the job's coordinator; retried for up to `wait_s` while it starts."""
     t = svc.pool.transport(job.store_host)
-    reply = t.control_request(L.coordinator_socket(job), message)
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            reply = t.control_request(L.coordinator_socket(job), message)
+            break
+        except TransportError:
+            if time.monotonic() >= deadline or not coordinator_alive(svc, job):
+                raise
+            time.sleep(0.2)
     if not reply.get("ok"):
         raise JobError(f"job {job.id}: coordinator refused {message.get('op')}: {reply.get('error')}")
     return reply
@@ -169,14 +179,16 @@ def read_coordinator(svc: "JobService", session: Session, job: Job) -> dict[str,
                 w.generation = gen
                 if w.state == WorkerState.STARTING.value:
                     w.state = WorkerState.RUNNING.value
-            elif not WorkerState(w.state).final:
+            else:
                 w.rank = None
     seen = {e.data.get("generation") for e in job.events if e.kind in ("scale", "fault", "formed")}
     for h in st.get("history", []):
         if h["generation"] in seen or not h.get("verified"):
             continue
         kind = {"initial": "formed", "resize": "scale", "recover": "fault"}.get(h["kind"], h["kind"])
-        _record(session, job, kind, h.get("message", kind), **h)
+        data = {k: v for k, v in h.items() if k not in ("kind", "message")}
+        _record(session, job, kind, f"generation {h['generation']}: {h.get('message', kind)}",
+                generation_kind=h["kind"], **data)
     if job.state == JobState.SCALING.value and st.get("settled"):
         _set_state(session, job, JobState.RUNNING, f"world size {job.world_size} at generation {gen}")
     return st
@@ -278,13 +290,13 @@ def scale(svc: "JobService", session: Session, job: Job, n: int) -> Job:
                 w.state = WorkerState.LEAVING.value
         desired = sorted(w.wid for w in keep)
     session.flush()
-    coordinator_request(svc, job, {"op": "resize", "members": desired})
+    coordinator_request(svc, job, {"op": "resize", "members": desired}, wait_s=30)
     poke_workers(svc, job)
     job.target_workers = n
     if job.state != JobState.SCALING.value:
-        _set_state(session, job, JobState.SCALING, f"resize to {n} worker(s) requested", target=n)
+        _set_state(session, job, JobState.SCALING, f"resize to {n} worker(s) requested", target_workers=n)
     else:
-        _record(session, job, "scale-request", f"resize to {n} worker(s) requested", target=n)
+        _record(session, job, "scale-request", f"resize to {n} worker(s) requested", target_workers=n)
     return job
 
 

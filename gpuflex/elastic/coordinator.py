@@ -46,6 +46,9 @@ class Coordinator:
         self.members: list[int] = []
         self.history: list[dict[str, Any]] = []
         self.rejected: set[int] = set()
+        self.known: set[int] = set(initial)   # every worker id ever wanted
+        self.released: set[int] = set()
+        self.ever_members: set[int] = set()
         self.finished = False
         self.started = time.time()
         self._hb_seen: dict[int, tuple[str, float]] = {}
@@ -83,6 +86,7 @@ class Coordinator:
         self.store.set(keys.members(g), json.dumps(rec))
         self.store.set(keys.LATEST, str(g))
         self.generation, self.members = g, list(members)
+        self.ever_members |= set(members)
         self.history.append({**rec, "verified": False, "ok": None, "timings": None})
         print(f"generation {g} ({kind}): members {members} - {message}", flush=True)
 
@@ -93,10 +97,20 @@ class Coordinator:
     def _tick(self) -> None:
         if self.has(keys.PROGRESS):
             self.progress = json.loads(self.store.get(keys.PROGRESS))
+        if self.has("desired_request"):
+            req = self.store.get("desired_request").decode()
+            if req != getattr(self, "_last_request", None):
+                self._last_request = req
+                self.desired = sorted(set(json.loads(req)))
+                self.known |= set(self.desired)
+                self.store.set(keys.DESIRED, json.dumps(self.desired))
         if self.has(keys.FINISHED):
             self.finished = True
         if self.finished:
             return
+        for w in self.known - set(self.desired) - self.ever_members - self.released:
+            self.released.add(w)   # wanted once, never joined, no longer wanted
+            self.store.set(keys.released(w), "1")
         desired_new = [w for w in self.desired if w not in self.members and w not in self.rejected]
         ready_new = [w for w in desired_new if self.has(keys.ready(w)) and self.alive(w)]
         if self.generation == 0:
@@ -172,6 +186,7 @@ class Coordinator:
             raise ValueError("members must be a non-empty list of worker ids")
         with self.lock:
             self.desired = sorted(set(wanted))
+            self.known |= set(self.desired)
             self.store.set(keys.DESIRED, json.dumps(self.desired))
             return {"desired": self.desired}
 

@@ -11,6 +11,7 @@ verdict/{g}      JSON {ok, reason?} from rank 0 once the copied state was verifi
 timings/{g}      JSON per-phase timings of forming g, from rank 0 after its first step
 done/{wid}       the worker finished (training over or stopped); left/{wid}: retired by a shrink
 rejected/{wid}   the coordinator gave up on a newcomer (e.g. its state did not verify)
+released/{wid}   a newcomer no longer wanted (a shrink came before it joined): exit 0
 desired          JSON list of wids the controller wants
 progress         JSON {step, epoch, samples_per_s, loss, time} from rank 0, about once a second
 finished         rank 0 reached the end of training
@@ -57,6 +58,10 @@ def left(wid: int) -> str:
 
 def rejected(wid: int) -> str:
     return f"rejected/{wid}"
+
+
+def released(wid: int) -> str:
+    return f"released/{wid}"
 
 
 def pg_prefix(g: int) -> str:

@@ -1,0 +1,396 @@
+"""`ElasticRun`: the training loop driver a torch user adopts in a few lines.
+
+    run = ElasticRun(model=model, optimizer=opt, scheduler=sched,
+                     num_samples=len(data), global_batch_size=256, epochs=10, seed=0)
+    for batch in run:                      # a step boundary before every batch
+        loss = loss_fn(model(x[batch.indices]), y[batch.indices]) * batch.weight
+        optimizer.zero_grad()
+        run.backward(loss)                 # backward + exact all-reduce of gradients
+        optimizer.step(); scheduler.step()
+
+Under gpuflex (GPUFLEX_STORE set) the run joins the job's current generation and
+follows resizes and faults in place; without it the same script runs alone.
+
+At each step boundary the members agree, with one small all-reduce, on the ids of the
+samples processed in the step just done, on stopping, on a checkpoint and on a switch to
+a newer generation; then the state is committed in memory. A collective that fails (a
+dead peer) is noted and handled at the next boundary: the survivors report it, the
+coordinator publishes the next generation, and every member restores the same commit.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+from gpuflex.elastic import keys
+from gpuflex.elastic.formation import Formation
+from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
+                                        Rendezvous, StoreLost)
+from gpuflex.elastic.sampler import Batch, ElasticSampler
+from gpuflex.elastic.state import (Registry, Snapshots, load_checkpoint, materialize, rng_state,
+                                   save_checkpoint, set_rng_state)
+
+POLL_INTERVAL_S = 0.2      # how often rank 0 looks for a newer generation without a poke
+PROGRESS_INTERVAL_S = 1.0
+
+
+class ElasticRun:
+    """Drives an elastic data-parallel training loop; see the module docstring."""
+
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 num_samples: int, global_batch_size: int, epochs: int, seed: int = 0,
+                 scheduler: Any = None, scaler: Any = None, extra: dict[str, Any] | None = None,
+                 track_samples: bool = False, checkpoint_dir: str | None = None,
+                 checkpoint_interval_s: float | None = None) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, seed=seed)
+        self.registry = Registry()
+        self.registry.add("model", model)
+        self.registry.add("optimizer", optimizer)
+        self.registry.add("scheduler", scheduler)
+        self.registry.add("scaler", scaler)
+        for name, obj in (extra or {}).items():
+            self.registry.add(f"extra.{name}", obj)
+        self.track_samples = track_samples
+        self.samples: dict[int, list[int]] = {}
+        self.step_log: list[list[float]] = []
+        self.step = 0
+        self.stopped = False
+        env = os.environ
+        self.wid = int(env.get("GPUFLEX_WORKER_ID", "0"))
+        self.store_address = env.get("GPUFLEX_STORE")
+        self.checkpoint_dir = checkpoint_dir or env.get("GPUFLEX_CHECKPOINT_DIR")
+        self.checkpoint_interval_s = float(checkpoint_interval_s or env.get("GPUFLEX_CHECKPOINT_INTERVAL_S", 60))
+        self.pg_timeout_s = float(env.get("GPUFLEX_PG_TIMEOUT_S", 10))
+        self.rank, self.world_size, self.generation = 0, 1, 0
+        self.device = self._pick_device()
+        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
+        self.snapshots = Snapshots()
+        self.rdzv: Rendezvous | None = None
+        self.formation: Formation | None = None
+        self._broken: str | None = None       # a collective failed during this step
+        self._stop_requested = threading.Event()
+        self._checkpoint_requested = threading.Event()
+        self._poke = threading.Event()
+        self._last_poll = 0.0
+        self._last_ckpt = time.monotonic()
+        self._last_progress = 0.0
+        self._last_loss: torch.Tensor | None = None
+        self._step_ids: torch.Tensor | None = None
+        self._step_started: float | None = None
+        self._last_agree_s = 0.0
+        self._grad_flat: torch.Tensor | None = None
+        self._rate = 0.0
+        self._pending_timings: dict[str, Any] | None = None
+        self._control = None
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, lambda *_: self._stop_requested.set())
+
+    # ---- public properties ---------------------------------------------------------------
+    @property
+    def is_primary(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def epoch(self) -> int:
+        return min(self.step // self.sampler.steps_per_epoch, self.sampler.epochs)
+
+    @property
+    def distributed(self) -> bool:
+        return self.store_address is not None
+
+    def _pick_device(self) -> torch.device:
+        if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "-1"):
+            torch.cuda.set_device(0)
+            return torch.device("cuda", 0)
+        return torch.device("cpu")
+
+    # ---- the loop -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[Batch]:
+        try:
+            self._start()
+            while True:
+                if not self._boundary():
+                    return
+                batch = self.sampler.batch(self.step, self.rank, self.world_size)
+                self._step_ids = batch.indices if self.track_samples else None
+                self._step_started = time.time()
+                yield batch
+        except StoreLost as e:
+            print(f"gpuflex: {e}; exiting with {STORE_LOST_EXIT} so the job restarts from its "
+                  "last checkpoint", file=sys.stderr, flush=True)
+            self._close()
+            os._exit(STORE_LOST_EXIT)
+        except Evicted as e:
+            print(f"gpuflex: worker {self.wid} {e}; exiting", file=sys.stderr, flush=True)
+            self._close()
+            sys.exit(EVICTED_EXIT)
+        except Leaving:
+            self._close()
+            sys.exit(0)
+        finally:
+            self._close()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), then sum the gradients over the members (exact full-batch mean
+        when each rank's loss is its per-sample sum over the global batch size)."""
+        loss.backward()
+        self._last_loss = loss.detach()
+        if self.world_size > 1 and self._broken is None:
+            params = [p for p in self.model.parameters() if p.requires_grad]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            n = sum(g.numel() for g in grads)
+            if self._grad_flat is None or self._grad_flat.numel() != n:
+                self._grad_flat = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
+            views, off = [], 0
+            for g in grads:
+                views.append(self._grad_flat[off:off + g.numel()].view_as(g))
+                off += g.numel()
+            torch._foreach_copy_(views, grads)
+            if not self._collective(dist.all_reduce, self._grad_flat):
+                return
+            for p, v in zip(params, views):
+                if p.grad is None:
+                    p.grad = v.clone()
+                else:
+                    p.grad.copy_(v)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> bool:
+        """A user collective that a dead peer cannot crash; False if it failed."""
+        if self.world_size == 1:
+            return True
+        return self._collective(dist.all_reduce, tensor, op=op) if self._broken is None else False
+
+    def _collective(self, fn, *args, **kwargs) -> bool:
+        try:
+            fn(*args, **kwargs)
+            return True
+        except (RuntimeError, ValueError) as e:   # DistBackendError is a RuntimeError
+            self._broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            return False
+
+    # ---- start, boundary, switch ---------------------------------------------------------------
+    def _start(self) -> None:
+        if not self.distributed:
+            ck = load_checkpoint(self._ckpt_path()) if self.checkpoint_dir else None
+            if ck is not None:
+                self._load_payload(ck)
+            self._commit()
+            return
+        from gpuflex.elastic.worker_control import start_control
+
+        self._control = start_control(self)
+        self.rdzv = Rendezvous(self.store_address, self.wid, timeout_s=max(60.0, self.pg_timeout_s))
+        self.formation = Formation(self)
+        self.rdzv.set(keys.ready(self.wid), str(time.time()))
+        self.formation.enter(after=0, was_member=False, failed_at=None, clean=False)
+
+    def _boundary(self) -> bool:
+        """Confirm the step just done, then agree on what happens next. False: stop."""
+        now = time.time()
+        done_step = self._step_started is not None
+        self._step_started = None
+        flags = None if self._broken is not None else self._agree(done_step)
+        if flags is None:   # a collective of this step (or the agreement) failed
+            why, self._broken = self._broken, None
+            self.formation.recover(why)
+            return self._more()
+        switch_to, stop, ckpt, ids = flags
+        if done_step:
+            self._confirm_step(ids, now)
+        self._commit()
+        if self._pending_timings is not None and done_step:
+            if self.rank == 0:
+                self._pending_timings["first_step"] = now - self._pending_timings.pop("_formed_at")
+                self.rdzv.set(keys.timings(self.generation), _json(self._pending_timings))
+            self._pending_timings = None
+        if stop:
+            self.stopped = True
+            self._checkpoint()
+            return False
+        if self.step >= self.sampler.total_steps:
+            self._checkpoint()
+            if self.rdzv is not None and self.rank == 0:
+                self.rdzv.set(keys.FINISHED, "1")
+            return False
+        if self.rank == 0 and (ckpt or time.monotonic() - self._last_ckpt >= self.checkpoint_interval_s):
+            self._checkpoint()
+        self._report_progress()
+        if switch_to > self.generation:
+            self.formation.switch(switch_to, agreed_at=now)
+            return self._more()
+        return True
+
+    def _more(self) -> bool:
+        return self.step < self.sampler.total_steps and not self.stopped
+
+    def _agree(self, done_step: bool):
+        """One all-reduce: [switch generation (rank 0), stop, checkpoint, sample ids...]."""
+        t0 = time.perf_counter()
+        stop = self._stop_requested.is_set()
+        ckpt = self._checkpoint_requested.is_set()
+        self._checkpoint_requested.clear()
+        switch = 0
+        if self.rank == 0 and self.rdzv is not None:
+            now = time.monotonic()
+            if self._poke.is_set() or now - self._last_poll >= POLL_INTERVAL_S:
+                self._poke.clear()
+                self._last_poll = now
+                latest = self.rdzv.latest()
+                switch = latest if latest > self.generation else 0
+        b = self.sampler.global_batch_size if self.track_samples else 0
+        vec = torch.zeros(3 + 2 * b, dtype=torch.int64)
+        vec[0], vec[1], vec[2] = switch, int(stop), int(ckpt)
+        batch_ids = self._step_ids
+        if b and done_step and batch_ids is not None:
+            off = self._last_offset()
+            vec[3 + off:3 + off + len(batch_ids)] = batch_ids + 1
+            vec[3 + b + off:3 + b + off + len(batch_ids)] = 1
+        if self.world_size > 1:
+            dev = vec.to(self.device) if self.backend == "nccl" else vec
+            if not self._collective(dist.all_reduce, dev):
+                return None
+            vec = dev.cpu()
+        ids = None
+        if b:
+            counts = vec[3 + b:]
+            if int(counts.max()) > 1:
+                raise RuntimeError("a sample was processed twice in one step (runtime bug)")
+            ids = (vec[3:3 + b][counts == 1] - 1).tolist()
+        self._last_agree_s = time.perf_counter() - t0
+        return int(vec[0]), bool(vec[1]), bool(vec[2]), ids
+
+    def _last_offset(self) -> int:
+        _, _, ids = self.sampler.global_batch(self.step)
+        from gpuflex.elastic.sampler import split
+
+        return split(len(ids), self.world_size, self.rank)[0]
+
+    def _confirm_step(self, ids: list[int] | None, now: float) -> None:
+        if ids is not None:
+            self.samples.setdefault(self.epoch, []).extend(ids)
+        self.step_log.append([self.step, now, self.world_size])
+        self.step += 1
+
+    # ---- commits, checkpoints -----------------------------------------------------------------
+    def capture(self) -> dict[str, Any]:
+        return {"objects": self.registry.capture(), "rng": rng_state(), "step": self.step}
+
+    def _lens(self) -> dict[str, int]:
+        return {"step_log": len(self.step_log),
+                **{f"samples.{e}": len(v) for e, v in self.samples.items()}}
+
+    def _commit(self) -> None:
+        if self.distributed:
+            self._commit_now()
+
+    def _commit_now(self) -> None:
+        self.snapshots.commit(self.step, self.capture(), self._lens())
+
+    def restore(self, step: int, *, live_is_current: bool) -> None:
+        """Make the live state the commit of `step` (a no-op when it already is)."""
+        snap = self.snapshots.rewind(step)
+        if not live_is_current:
+            self.apply_tree(materialize(snap))
+        self.step = snap.step
+        del self.step_log[snap.lens["step_log"]:]
+        for e in list(self.samples):
+            n = snap.lens.get(f"samples.{e}", 0)
+            del self.samples[e][n:]
+            if not self.samples[e]:
+                del self.samples[e]
+
+    def apply_tree(self, tree: dict[str, Any]) -> None:
+        self.registry.load(tree["objects"])
+        set_rng_state(tree["rng"])
+        self.step = int(tree["step"])
+
+    def logs_payload(self) -> dict[str, Any]:
+        return {"step_log": [list(x) for x in self.step_log],
+                "samples": {e: list(v) for e, v in self.samples.items()}}
+
+    def load_logs(self, logs: dict[str, Any]) -> None:
+        self.step_log = [list(x) for x in logs["step_log"]]
+        self.samples = {int(e): list(v) for e, v in logs["samples"].items()}
+
+    def _ckpt_path(self) -> str:
+        return os.path.join(self.checkpoint_dir, "checkpoint.pt")
+
+    def _checkpoint(self) -> None:
+        if not self.checkpoint_dir or self.rank != 0:
+            return
+        tree = self.capture()
+        save_checkpoint(self._ckpt_path(), {"state": tree, "logs": self.logs_payload(),
+                                            "time": time.time(), "world_size": self.world_size})
+        self._last_ckpt = time.monotonic()
+
+    def _load_payload(self, payload: dict[str, Any]) -> None:
+        self.apply_tree(payload["state"])
+        self.load_logs(payload["logs"])
+        print(f"gpuflex: resumed from checkpoint at step {self.step}", file=sys.stderr, flush=True)
+
+    def load_disk_checkpoint(self) -> bool:
+        ck = load_checkpoint(self._ckpt_path()) if self.checkpoint_dir else None
+        if ck is None:
+            return False
+        self._load_payload(ck)
+        return True
+
+    def _report_progress(self) -> None:
+        if self.rank != 0 or self.rdzv is None:
+            return
+        now = time.monotonic()
+        if now - self._last_progress < PROGRESS_INTERVAL_S:
+            return
+        n = min(len(self.step_log), 20)
+        if n >= 2:
+            dt_ = self.step_log[-1][1] - self.step_log[-n][1]
+            self._rate = (n - 1) * self.sampler.global_batch_size / dt_ if dt_ > 0 else 0.0
+        self._last_progress = now
+        self.rdzv.set(keys.PROGRESS, _json(self.status()))
+
+    def status(self) -> dict[str, Any]:
+        loss = self._last_loss
+        return {"wid": self.wid, "rank": self.rank, "world_size": self.world_size,
+                "generation": self.generation, "step": self.step, "epoch": self.epoch,
+                "samples_per_s": round(self._rate, 2),
+                "loss": None if loss is None else float(loss),
+                "time": time.time()}
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    def _close(self) -> None:
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.rdzv is not None:
+            try:
+                self.rdzv.set(keys.done(self.wid), "1")
+            except StoreLost:
+                pass
+            self.rdzv.close()
+        if self._control is not None:
+            self._control.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    def init_process_group(self, g: int, rank: int, world: int) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        store = dist.PrefixStore(keys.pg_prefix(g), self.rdzv.store)
+        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
+                                timeout=dt.timedelta(seconds=self.pg_timeout_s))
+
+
+def _json(data: Any) -> str:
+    import json
+
+    return json.dumps(data)

@@ -1,0 +1,225 @@
+"""Training state: capture, commit (cheap, every step), restore, checksum and checkpoint.
+
+The registered objects (model, optimizer, scheduler, scaler, user counters) plus the
+runtime's own counters and RNG states form one tree. `flatten` splits it into a skeleton
+(everything but tensors) and a tensor list; a `FlatState` keeps the tensors in one
+preallocated buffer per (dtype, device), so a commit is a handful of in-place copies and
+a state copy to newcomers is one broadcast per buffer.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import random
+import zlib
+from typing import Any
+
+import torch
+
+try:  # numpy's RNG is part of the state only where numpy is installed
+    import numpy as _np
+except ImportError:  # pragma: no cover
+    _np = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ref:
+    """Placeholder for the i-th tensor of a flattened tree."""
+
+    i: int
+
+
+def flatten(tree: Any, out: list[torch.Tensor] | None = None) -> tuple[Any, list[torch.Tensor]]:
+    out = [] if out is None else out
+    if isinstance(tree, torch.Tensor):
+        out.append(tree)
+        return _Ref(len(out) - 1), out
+    if isinstance(tree, dict):
+        return type(tree)((k, flatten(v, out)[0]) for k, v in tree.items()), out
+    if isinstance(tree, (list, tuple)) and not hasattr(tree, "_fields"):
+        return type(tree)(flatten(v, out)[0] for v in tree), out
+    return tree, out
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(skeleton, _Ref):
+        return tensors[skeleton.i]
+    if isinstance(skeleton, dict):
+        return type(skeleton)((k, unflatten(v, tensors)) for k, v in skeleton.items())
+    if isinstance(skeleton, (list, tuple)) and not hasattr(skeleton, "_fields"):
+        return type(skeleton)(unflatten(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if _np is not None:
+        state["numpy"] = _np.random.get_state()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+    if "numpy" in state and _np is not None:
+        _np.random.set_state(state["numpy"])
+
+
+class Registry:
+    """The objects whose state the runtime owns, by name."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, Any] = {}
+
+    def add(self, name: str, obj: Any) -> None:
+        if obj is None:
+            return
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) and not isinstance(obj, dict):
+            raise TypeError(f"{name}: expected an object with state_dict()/load_state_dict() or a dict, "
+                            f"got {type(obj).__name__}")
+        self.objects[name] = obj
+
+    def capture(self) -> dict[str, Any]:
+        return {name: (dict(obj) if isinstance(obj, dict) else obj.state_dict())
+                for name, obj in self.objects.items()}
+
+    def load(self, tree: dict[str, Any]) -> None:
+        for name, obj in self.objects.items():
+            if name not in tree:
+                raise KeyError(f"state has no {name!r}")
+            if isinstance(obj, dict):
+                obj.clear()
+                obj.update(tree[name])
+            else:
+                obj.load_state_dict(tree[name])
+
+
+def layout_of(tensors: list[torch.Tensor]) -> tuple:
+    return tuple((t.dtype, t.device, tuple(t.shape)) for t in tensors)
+
+
+class FlatState:
+    """Tensors packed into one contiguous buffer per (dtype, device)."""
+
+    def __init__(self, layout: tuple) -> None:
+        self.layout = layout
+        sizes: dict[tuple, int] = {}
+        places = []
+        for dtype, device, shape in layout:
+            n = 1
+            for s in shape:
+                n *= s
+            key = (dtype, device)
+            places.append((key, sizes.get(key, 0), n, shape))
+            sizes[key] = sizes.get(key, 0) + n
+        self.buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
+        self.views = [self.buffers[key][off:off + n].view(shape) for key, off, n, shape in places]
+
+    def copy_from(self, tensors: list[torch.Tensor]) -> None:
+        if self.views:
+            torch._foreach_copy_(self.views, [t.detach() for t in tensors])
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers.values())
+
+    def checksum(self) -> int:
+        return checksum_tensors(list(self.buffers.values()))
+
+
+def checksum_tensors(tensors: list[torch.Tensor]) -> int:
+    """CRC32 over the raw bytes of the tensors, in order (bit-exact comparison)."""
+    crc = 0
+    for t in tensors:
+        t = t.detach().contiguous()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if t.numel():
+            crc = zlib.crc32(t.view(torch.uint8).reshape(-1).numpy(), crc) if t.dtype != torch.bool \
+                else zlib.crc32(t.to(torch.uint8).numpy(), crc)
+    return crc
+
+
+@dataclasses.dataclass
+class Snapshot:
+    step: int
+    skeleton: Any
+    flat: FlatState
+    lens: dict[str, int]
+
+
+class Snapshots:
+    """The last two commits (a survivor may be one step ahead of its peers at a fault)."""
+
+    def __init__(self) -> None:
+        self.slots: list[Snapshot] = []   # oldest first, at most two
+
+    def commit(self, step: int, tree: Any, lens: dict[str, int]) -> Snapshot:
+        skeleton, tensors = flatten(tree)
+        layout = layout_of(tensors)
+        reuse = self.slots[0] if len(self.slots) == 2 else None
+        if reuse is not None and reuse.flat.layout == layout:
+            flat = reuse.flat
+        else:
+            flat = FlatState(layout)
+        flat.copy_from(tensors)
+        snap = Snapshot(step, copy.deepcopy(skeleton), flat, dict(lens))
+        self.slots = (self.slots + [snap])[-2:]
+        return snap
+
+    def adopt(self, snap: Snapshot) -> None:
+        self.slots = [snap]
+
+    def latest(self) -> Snapshot | None:
+        return self.slots[-1] if self.slots else None
+
+    def at(self, step: int) -> Snapshot | None:
+        for s in self.slots:
+            if s.step == step:
+                return s
+        return None
+
+    def rewind(self, step: int) -> Snapshot:
+        snap = self.at(step)
+        if snap is None:
+            raise LookupError(f"no commit of step {step}")
+        self.slots = [snap]
+        return snap
+
+    def steps(self) -> tuple[int, int]:
+        """(latest step, the one before) or -1 where there is none."""
+        s = [x.step for x in self.slots]
+        return (s[-1] if s else -1, s[-2] if len(s) > 1 else -1)
+
+
+def materialize(snap: Snapshot) -> Any:
+    """The snapshot's tree with tensors cloned (loading must never alias a commit slot)."""
+    return unflatten(copy.deepcopy(snap.skeleton), [v.clone() for v in snap.flat.views])
+
+
+def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
+    """Atomic write: temp file in the same directory, fsync, rename, fsync the directory."""
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "wb") as f:
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    return torch.load(path, map_location="cpu", weights_only=False)
