@@ -1,0 +1,154 @@
+"""The command line, in-process (typer's CliRunner) and as the installed console script.
+
+These tests start no worker processes: jobs here ask for more slots than the host has,
+so they stay queued. Real workers are in test_local_jobs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuflex.cli import app
+from tests.conftest import GpuflexCLI, db_dump, db_rows, write_config
+
+
+class Result:
+    def __init__(self, code: int, stdout: str, stderr: str) -> None:
+        self.code, self.stdout, self.stderr = code, stdout, stderr
+
+    def json(self):
+        assert self.code == 0, self.stderr
+        return json.loads(self.stdout)
+
+
+@pytest.fixture(params=["clirunner", "script"])
+def cli(request, home, config_path):
+    """cli(*args, config=..., env=...) -> Result, one way or the other; the test's config by default."""
+
+    def via_runner(*args: str, env: dict[str, str] | None = None) -> Result:
+        full = {"HOME": str(home), "GPUFLEX_CONFIG": str(config_path), "COLUMNS": "200", **(env or {})}
+        r = CliRunner().invoke(app, list(args), env=full)
+        if r.exception is not None and not isinstance(r.exception, SystemExit):
+            raise r.exception
+        return Result(r.exit_code, r.stdout, r.stderr)
+
+    def via_script(*args: str, env: dict[str, str] | None = None) -> Result:
+        g = GpuflexCLI(home, config_path)
+        p = g(*args, env=g.env(**(env or {})))
+        return Result(p.returncode, p.stdout, p.stderr)
+
+    return via_runner if request.param == "clirunner" else via_script
+
+
+def test_status_of_an_empty_pool(cli):
+    assert cli("status", "--json").json() == []
+    table = cli("status")
+    assert table.code == 0 and "ID" in table.stdout and "STATE" in table.stdout
+
+
+def test_hosts_shows_the_configured_slots(cli):
+    view = cli("hosts", "--json").json()
+    assert [(h["name"], h["address"]) for h in view] == [("local", "local")]
+    assert [(d["index"], d["kind"], d["holder"]) for d in view[0]["devices"]] == [
+        (i, "slot", None) for i in range(4)]
+    text = cli("hosts").stdout
+    assert "slot 3" in text and "free" in text
+
+
+def test_submit_records_a_job_that_waits_for_slots(cli, home, db_path):
+    job = cli("submit", "--json", "--name", "big", "--workers", "5:6", "--priority", "3",
+              "--env", "A=1", "--env", "B=x=y", "--workdir", str(home), "--",
+              "python", "train.py", "--lr", "0.1").json()
+    assert job["id"] == 1 and job["name"] == "big" and job["state"] == "queued"
+    assert (job["min_workers"], job["max_workers"], job["world_size"], job["generation"]) == (5, 6, 0, 0)
+    assert job["argv"] == ["python", "train.py", "--lr", "0.1"]
+    assert job["env"] == {"A": "1", "B": "x=y"}
+    assert (job["priority"], job["workdir"], job["workers"]) == (3, str(home), [])
+    assert job["queue_reason"] == "waiting for 5 free slots on local (4 free now)"
+    assert db_rows(db_path, "SELECT name, state, min_workers, max_workers, priority FROM jobs") == [
+        ("big", "queued", 5, 6, 3)]
+    assert db_rows(db_path, "SELECT count(*) FROM workers") == [(0,)]
+    events = cli("events", "1", "--json").json()
+    assert [e["kind"] for e in events] == ["submitted", "queued"]
+    assert events[1]["message"] == job["queue_reason"]
+
+
+def test_submit_prints_the_id_and_why_it_waits(cli):
+    r = cli("submit", "--workers", "9", "--", "python", "x.py")
+    assert r.code == 0
+    assert r.stdout.strip() == "job 1 (python) queued: waiting for 9 free slots on local (4 free now)"
+
+
+def test_status_of_one_job_and_of_all(cli):
+    cli("submit", "--name", "a", "--workers", "5", "--", "true")
+    cli("submit", "--name", "b", "--workers", "6", "--", "true")
+    one = cli("status", "2", "--json").json()
+    assert (one["id"], one["name"], one["state"]) == (2, "b", "queued")
+    assert cli("status", "b", "--json").json()["id"] == 2
+    all_jobs = cli("status", "--json").json()
+    assert isinstance(all_jobs, list) and [j["name"] for j in all_jobs] == ["a", "b"]
+    assert all(set(j) >= {"id", "name", "state", "min_workers", "max_workers", "world_size",
+                          "generation", "workers"} for j in all_jobs)
+    text = cli("status", "a").stdout
+    assert "job 1" in text and "queued" in text and "waiting for 5 free slots on local" in text
+
+
+def test_a_name_refers_to_the_newest_job_of_that_name(cli):
+    cli("submit", "--name", "same", "--workers", "5", "--", "true")
+    cli("submit", "--name", "same", "--workers", "7", "--", "true")
+    assert cli("status", "same", "--json").json()["min_workers"] == 7
+
+
+def test_cancel_a_queued_job(cli, db_path):
+    cli("submit", "--name", "q", "--workers", "5", "--", "true")
+    r = cli("cancel", "q")
+    assert (r.code, r.stdout.strip()) == (0, "job 1 cancelled")
+    st = cli("status", "1", "--json").json()
+    assert st["state"] == "cancelled" and st["ended_at"] is not None
+    assert cli("events", "1", "--json").json()[-1]["message"] == "cancelled: cancelled by user"
+
+
+def test_scale_a_queued_job_is_refused_and_changes_nothing(cli, db_path):
+    cli("submit", "--workers", "5:8", "--", "true")
+    before = db_dump(db_path)
+    r = cli("scale", "1", "6")
+    assert r.code == 2 and "only running jobs can be scaled" in r.stderr
+    assert db_dump(db_path) == before
+
+
+def test_config_option_beats_the_environment(cli, home):
+    other = home / "other"
+    other.mkdir()
+    write_config(other, slots=2)
+    for flag in ("--config", "-c"):
+        view = cli(flag, str(other / "g.toml"), "hosts", "--json").json()
+        assert len(view[0]["devices"]) == 2
+    assert (other / "g.db").is_file()
+    assert len(cli("hosts", "--json").json()[0]["devices"]) == 4
+
+
+def test_gpuflex_toml_in_the_working_directory_is_found(home):
+    write_config(home, slots=3, name="gpuflex.toml")
+    g = GpuflexCLI(home, None)
+    assert len(g.json("hosts")[0]["devices"]) == 3
+    assert (home / "g.db").is_file()
+
+
+def test_python_dash_m_gpuflex_is_the_same_cli(home, config_path):
+    env = GpuflexCLI(home, config_path).env()
+    p = subprocess.run([sys.executable, "-m", "gpuflex", "status", "--json"], env=env, cwd=home,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == []
+
+
+def test_no_arguments_prints_help(home):
+    r = CliRunner().invoke(app, [], env={"HOME": str(home)})
+    assert "Usage:" in r.output and "submit" in r.output
+    assert not Path(home, ".local").exists()
