@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -70,6 +72,7 @@ class Pool:
         """Free devices per host: configured devices minus held ones (GPU hosts: the probed
         GPUs that are usable now)."""
         held = self.held_devices(session)
+        now = time.time()
         out = []
         for cfg in self.config.hosts:
             host = session.scalar(select(Host).where(Host.name == cfg.name))
@@ -80,7 +83,17 @@ class Pool:
                 devices = [i for i in range(cfg.cpu_slots) if i not in taken]
                 out.append(HostFree(cfg.name, tuple(devices), slots=True))
             else:
-                usable = [g.index for g in host.gpus if g.verdict in ("idle", "free")
+                # verdicts come from gpuflex.hosts.probe: "free" (no owner, no foreign
+                # process) or "idle" (an owner's GPU quiet for idle_samples probes); a
+                # probe too old to trust offers nothing
+                if host.last_probe_at is not None and now - host.last_probe_at > self.probe_max_age_s:
+                    continue
+                usable = [g.index for g in host.gpus if g.kind == "gpu" and g.verdict in ("idle", "free")
                           and g.index not in taken]
                 out.append(HostFree(cfg.name, tuple(sorted(usable)), slots=False))
         return out
+
+    @property
+    def probe_max_age_s(self) -> float:
+        """How old a GPU host's last probe may be for its verdicts to still place work."""
+        return max(3 * self.config.harvest.interval_s, 300.0)

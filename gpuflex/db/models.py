@@ -6,7 +6,7 @@ import datetime as dt
 import time
 from typing import Any
 
-from sqlalchemy import JSON, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 
@@ -128,3 +128,23 @@ class Event(Base):
 
 def to_datetime(ts: float | None) -> dt.datetime | None:
     return dt.datetime.fromtimestamp(ts) if ts is not None else None
+
+
+class GpuSample(Base):
+    """One probe of one GPU: the bounded history behind the idle verdicts and the
+    foreign processes seen on it (kept per GPU up to gpuflex.hosts.probe.HISTORY_PER_GPU).
+
+    `foreign_pids`: [{"pid": int, "user": str | None, "memory_mib": float | None}] for
+    compute processes that are not gpuflex workers."""
+
+    __tablename__ = "gpu_samples"
+    __table_args__ = (Index("ix_gpu_samples_host_gpu_time", "host", "gpu_index", "time"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    host: Mapped[str] = mapped_column(String(64))
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    uuid: Mapped[str | None] = mapped_column(String(64))
+    time: Mapped[float] = mapped_column(Float, default=now)
+    utilization_pct: Mapped[float | None] = mapped_column(Float)
+    memory_used_mib: Mapped[float | None] = mapped_column(Float)
+    memory_total_mib: Mapped[float | None] = mapped_column(Float)
+    foreign_pids: Mapped[list[dict[str, Any]]] = mapped_column(JSON, default=list)

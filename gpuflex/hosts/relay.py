@@ -1,0 +1,57 @@
+"""Relay one JSON-lines exchange to a unix control socket on this host.
+
+Run as `python -m gpuflex.hosts.relay PATH [--timeout S]` by `SSHTransport.control_request`
+(paramiko has no direct-streamlocal channel). Reads one JSON line on stdin, sends it
+to the socket at PATH, prints the one-line reply. Every failure is a JSON line
+`{"ok": false, "error": ...}`; `"relay_error": true` marks a failure of the relay
+itself (socket missing, refused, timed out) as opposed to a reply from the server.
+Standard library and gpuflex's transport module only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from gpuflex.hosts.transport import unix_request
+
+
+def relay(path: str, line: str, timeout: float) -> dict:
+    try:
+        message = json.loads(line)
+    except ValueError as e:
+        return {"ok": False, "error": f"relay: stdin is not one JSON line: {e}", "relay_error": True}
+    if not isinstance(message, dict):
+        return {"ok": False, "error": "relay: the message must be a JSON object", "relay_error": True}
+    try:
+        reply = unix_request(os.path.expanduser(path), message, timeout)
+    except (OSError, ValueError) as e:
+        return {"ok": False, "error": f"{type(e).__name__}: {e}", "relay_error": True}
+    if not isinstance(reply, dict):
+        return {"ok": False, "error": f"the server sent a non-object reply: {reply!r:.200}", "relay_error": True}
+    return reply
+
+
+def main(argv: list[str]) -> int:
+    timeout = 5.0
+    args = list(argv)
+    if "--timeout" in args:
+        i = args.index("--timeout")
+        try:
+            timeout = float(args[i + 1])
+        except (IndexError, ValueError):
+            print(json.dumps({"ok": False, "error": "relay: --timeout needs seconds", "relay_error": True}))
+            return 2
+        del args[i:i + 2]
+    if len(args) != 1:
+        print(json.dumps({"ok": False, "error": "usage: python -m gpuflex.hosts.relay PATH [--timeout S]",
+                          "relay_error": True}))
+        return 2
+    reply = relay(args[0], sys.stdin.readline(), timeout)
+    print(json.dumps(reply))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
