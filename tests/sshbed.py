@@ -146,6 +146,7 @@ def start_bed(root: Path, n: int = 3, first_octet: int = 2, gpus_per_host: int =
         h = SshdHost(name=name, address=f"127.0.0.{first_octet + i}", port=0, dir=d, host_key_pub=pub,
                      smi_state=d / "smi.json", nvidia_smi=d / "nvidia-smi", workdir=d / "work")
         h.workdir.mkdir(exist_ok=True)
+        (d / "home").mkdir(exist_ok=True)
         h.nvidia_smi.write_text("#!/bin/sh\nexec " + shlex.join(
             [sys.executable, "-I", "-S", str(FAKE_SMI), "--state", str(h.smi_state)]) + ' "$@"\n')
         h.nvidia_smi.chmod(0o755)
@@ -192,6 +193,10 @@ def _config_text(h: SshdHost, authorized: Path, extra: list[str]) -> str:
         "MaxSessions 64",           # one pooled connection carries many channels
         "MaxStartups 64:30:128",
         "LogLevel INFO",
+        # a throw-away HOME: the login shell would otherwise source the real ~/.bashrc
+        # for every command (bash does so under sshd), and a developer's pyenv/conda
+        # init there costs a quarter second per command
+        f"SetEnv HOME={h.dir / 'home'}",
         *extra,
     ]) + "\n"
 

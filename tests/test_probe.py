@@ -4,6 +4,7 @@ over real sshd hosts with the fake nvidia-smi."""
 from __future__ import annotations
 
 import json
+import time
 import os
 import subprocess
 import sys
@@ -225,3 +226,24 @@ def test_gpuflex_hosts_json_over_three_sshd_hosts(ssh_bed, tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def test_the_placer_offers_free_and_idle_gpus_of_a_fresh_probe_only(session):
+    from gpuflex.config import parse_config
+    from gpuflex.control.pool import Pool
+
+    cfg = parse_config({"hosts": [{"name": "box", "address": "10.0.0.1"},
+                                  {"name": "owned", "address": "10.0.0.2", "owner": "alice"}]}, "<test>")
+    pool = Pool(cfg)
+    pool.sync_hosts(session)
+    box, owned = session.scalars(select(Host).order_by(Host.name)).all()
+    now = time.time()
+    record_probe(session, box, cfg.host("box"),
+                 host_probe(now, apps=[ComputeApp("GPU-b", 99, 10.0)]), cfg.harvest)
+    record_probe(session, owned, cfg.host("owned"), host_probe(now, util=50.0), cfg.harvest)
+    assert {h.name: h.devices for h in pool.free(session)} == {"box": (0,), "owned": ()}
+    for _ in range(cfg.harvest.idle_samples):  # quiet long enough: GPU 1, then 0 too
+        record_probe(session, owned, cfg.host("owned"), host_probe(now), cfg.harvest)
+    assert {h.name: h.devices for h in pool.free(session)} == {"box": (0,), "owned": (0, 1)}
+    box.last_probe_at = now - pool.probe_max_age_s - 1  # a stale probe places nothing
+    assert {h.name: h.devices for h in pool.free(session)} == {"owned": (0, 1)}
