@@ -20,8 +20,7 @@ from gpuflex.db.models import Event, Job, Worker
 from tests.conftest import GpuflexCLI, db_dump, write_config
 
 
-@pytest.fixture(params=["clirunner", "script"])
-def run(request, home):
+def make_run(kind: str, home: Path):
     """run(config, *args) -> (exit code, stdout, stderr), the CLI one way or the other."""
 
     def via_runner(config: Path, *args: str):
@@ -35,7 +34,19 @@ def run(request, home):
         p = GpuflexCLI(home, config)(*args)
         return p.returncode, p.stdout, p.stderr
 
-    return via_runner if request.param == "clirunner" else via_script
+    return via_runner if kind == "clirunner" else via_script
+
+
+@pytest.fixture(params=["clirunner", "script"])
+def run(request, home):
+    """Both ways, for the cases the contract lists."""
+    return make_run(request.param, home)
+
+
+@pytest.fixture
+def run_fast(home):
+    """In-process only, for further cases (the machine is small and shared)."""
+    return make_run("clirunner", home)
 
 
 @pytest.fixture
@@ -112,8 +123,8 @@ def test_env_without_equals(run, seeded, db_path):
                     "'FOO'", "no '='", "KEY=VALUE")
 
 
-def test_env_with_a_bad_name(run, seeded, db_path):
-    check_unchanged(run, seeded, db_path, ["submit", "--env", "1X=2", "--", "true"],
+def test_env_with_a_bad_name(run_fast, seeded, db_path):
+    check_unchanged(run_fast, seeded, db_path, ["submit", "--env", "1X=2", "--", "true"],
                     "'1X'", "not a valid variable name")
 
 
@@ -122,13 +133,13 @@ def test_negative_gpus_per_worker(run, seeded, db_path):
                     "--gpus-per-worker -1", "0 or more")
 
 
-def test_missing_workdir(run, seeded, db_path, home):
-    check_unchanged(run, seeded, db_path, ["submit", "--workdir", str(home / "nope"), "--", "true"],
+def test_missing_workdir(run_fast, seeded, db_path, home):
+    check_unchanged(run_fast, seeded, db_path, ["submit", "--workdir", str(home / "nope"), "--", "true"],
                     str(home / "nope"), "not a directory")
 
 
-def test_bad_job_name(run, seeded, db_path):
-    check_unchanged(run, seeded, db_path, ["submit", "--name", "a b", "--", "true"], "'a b'")
+def test_bad_job_name(run_fast, seeded, db_path):
+    check_unchanged(run_fast, seeded, db_path, ["submit", "--name", "a b", "--", "true"], "'a b'")
 
 
 # ---- unknown jobs ------------------------------------------------------------------------------
@@ -140,22 +151,22 @@ def test_unknown_job(run, seeded, db_path, args):
     check_unchanged(run, seeded, db_path, args, f"no job '{args[1]}'", "gpuflex status")
 
 
-def test_unknown_job_on_an_empty_db_leaves_it_empty(run, config_path, db_path):
+def test_unknown_job_on_an_empty_db_leaves_it_empty(run_fast, config_path, db_path):
     GpuflexCLI(db_path.parent, config_path).ok("db", "upgrade")
-    check_unchanged(run, config_path, db_path, ["logs", "7"], "no job '7'")
+    check_unchanged(run_fast, config_path, db_path, ["logs", "7"], "no job '7'")
     assert db_dump(db_path)["hosts"] == []
 
 
-def test_cancel_a_finished_job(run, seeded, db_path):
-    check_unchanged(run, seeded, db_path, ["cancel", "1"], "already succeeded")
+def test_cancel_a_finished_job(run_fast, seeded, db_path):
+    check_unchanged(run_fast, seeded, db_path, ["cancel", "1"], "already succeeded")
 
 
-def test_scale_a_finished_job(run, seeded, db_path):
-    check_unchanged(run, seeded, db_path, ["scale", "done", "2"], "only running jobs can be scaled")
+def test_scale_a_finished_job(run_fast, seeded, db_path):
+    check_unchanged(run_fast, seeded, db_path, ["scale", "done", "2"], "only running jobs can be scaled")
 
 
-def test_logs_of_a_missing_worker(run, seeded, db_path):
-    check_unchanged(run, seeded, db_path, ["logs", "1", "--worker", "5"], "no worker with rank or id 5")
+def test_logs_of_a_missing_worker(run_fast, seeded, db_path):
+    check_unchanged(run_fast, seeded, db_path, ["logs", "1", "--worker", "5"], "no worker with rank or id 5")
 
 
 # ---- config and database -------------------------------------------------------------------------
@@ -210,10 +221,10 @@ def test_database_file_that_is_not_sqlite(run, home):
     assert (home / "junk.db").read_text() == "junk\n" * 100
 
 
-def test_database_url_with_an_unknown_dialect(run, home):
+def test_database_url_with_an_unknown_dialect(run_fast, home):
     f = home / "c.toml"
     f.write_text('[database]\nurl = "nosuch://host/db"\n')
-    assert_rejected(run(f, "status"), "nosuch", "[database] url")
+    assert_rejected(run_fast(f, "status"), "nosuch", "[database] url")
 
 
 def test_bad_config_through_the_environment_is_the_same_error(home):

@@ -27,9 +27,8 @@ class Result:
         return json.loads(self.stdout)
 
 
-@pytest.fixture(params=["clirunner", "script"])
-def cli(request, home, config_path):
-    """cli(*args, config=..., env=...) -> Result, one way or the other; the test's config by default."""
+def make_cli(kind: str, home: Path, config_path: Path):
+    """cli(*args, env=...) -> Result, in-process or as the console script, with the test's config."""
 
     def via_runner(*args: str, env: dict[str, str] | None = None) -> Result:
         full = {"HOME": str(home), "GPUFLEX_CONFIG": str(config_path), "COLUMNS": "200", **(env or {})}
@@ -43,7 +42,19 @@ def cli(request, home, config_path):
         p = g(*args, env=g.env(**(env or {})))
         return Result(p.returncode, p.stdout, p.stderr)
 
-    return via_runner if request.param == "clirunner" else via_script
+    return via_runner if kind == "clirunner" else via_script
+
+
+@pytest.fixture(params=["clirunner", "script"])
+def cli(request, home, config_path):
+    """Both ways: for the basic contract."""
+    return make_cli(request.param, home, config_path)
+
+
+@pytest.fixture
+def cli_fast(home, config_path):
+    """In-process only: for tests that run many commands (the machine is small and shared)."""
+    return make_cli("clirunner", home, config_path)
 
 
 def test_status_of_an_empty_pool(cli):
@@ -85,39 +96,39 @@ def test_submit_prints_the_id_and_why_it_waits(cli):
     assert r.stdout.strip() == "job 1 (python) queued: waiting for 9 free slots on local (4 free now)"
 
 
-def test_status_of_one_job_and_of_all(cli):
-    cli("submit", "--name", "a", "--workers", "5", "--", "true")
-    cli("submit", "--name", "b", "--workers", "6", "--", "true")
-    one = cli("status", "2", "--json").json()
+def test_status_of_one_job_and_of_all(cli_fast):
+    cli_fast("submit", "--name", "a", "--workers", "5", "--", "true")
+    cli_fast("submit", "--name", "b", "--workers", "6", "--", "true")
+    one = cli_fast("status", "2", "--json").json()
     assert (one["id"], one["name"], one["state"]) == (2, "b", "queued")
-    assert cli("status", "b", "--json").json()["id"] == 2
-    all_jobs = cli("status", "--json").json()
+    assert cli_fast("status", "b", "--json").json()["id"] == 2
+    all_jobs = cli_fast("status", "--json").json()
     assert isinstance(all_jobs, list) and [j["name"] for j in all_jobs] == ["a", "b"]
     assert all(set(j) >= {"id", "name", "state", "min_workers", "max_workers", "world_size",
                           "generation", "workers"} for j in all_jobs)
-    text = cli("status", "a").stdout
+    text = cli_fast("status", "a").stdout
     assert "job 1" in text and "queued" in text and "waiting for 5 free slots on local" in text
 
 
-def test_a_name_refers_to_the_newest_job_of_that_name(cli):
-    cli("submit", "--name", "same", "--workers", "5", "--", "true")
-    cli("submit", "--name", "same", "--workers", "7", "--", "true")
-    assert cli("status", "same", "--json").json()["min_workers"] == 7
+def test_a_name_refers_to_the_newest_job_of_that_name(cli_fast):
+    cli_fast("submit", "--name", "same", "--workers", "5", "--", "true")
+    cli_fast("submit", "--name", "same", "--workers", "7", "--", "true")
+    assert cli_fast("status", "same", "--json").json()["min_workers"] == 7
 
 
-def test_cancel_a_queued_job(cli, db_path):
-    cli("submit", "--name", "q", "--workers", "5", "--", "true")
-    r = cli("cancel", "q")
+def test_cancel_a_queued_job(cli_fast, db_path):
+    cli_fast("submit", "--name", "q", "--workers", "5", "--", "true")
+    r = cli_fast("cancel", "q")
     assert (r.code, r.stdout.strip()) == (0, "job 1 cancelled")
-    st = cli("status", "1", "--json").json()
+    st = cli_fast("status", "1", "--json").json()
     assert st["state"] == "cancelled" and st["ended_at"] is not None
-    assert cli("events", "1", "--json").json()[-1]["message"] == "cancelled: cancelled by user"
+    assert cli_fast("events", "1", "--json").json()[-1]["message"] == "cancelled: cancelled by user"
 
 
-def test_scale_a_queued_job_is_refused_and_changes_nothing(cli, db_path):
-    cli("submit", "--workers", "5:8", "--", "true")
+def test_scale_a_queued_job_is_refused_and_changes_nothing(cli_fast, db_path):
+    cli_fast("submit", "--workers", "5:8", "--", "true")
     before = db_dump(db_path)
-    r = cli("scale", "1", "6")
+    r = cli_fast("scale", "1", "6")
     assert r.code == 2 and "only running jobs can be scaled" in r.stderr
     assert db_dump(db_path) == before
 
