@@ -208,6 +208,9 @@ class SSHTransport(Transport):
             rc = chan.recv_exit_status()
         except socket.timeout:
             raise TransportError(self.host.name, f"command timed out after {timeout} s: {argv[0]}") from None
+        except _TooMuchOutput:
+            raise TransportError(self.host.name, f"{argv[0]} wrote more than {MAX_OUTPUT} bytes; "
+                                                 "stopped reading") from None
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise TransportError(self.host.name, f"lost the connection to {_where(self.host)} "
                                                  f"while running {argv[0]}: {e or type(e).__name__}") from None
@@ -238,6 +241,10 @@ class SSHTransport(Transport):
         return reply
 
 
+class _TooMuchOutput(Exception):
+    pass
+
+
 def _collect(chan: paramiko.Channel, deadline: float) -> tuple[bytes | None, bytes]:
     """Read stdout and stderr until both end; (None, b"") when the deadline passes first."""
     out, err = bytearray(), bytearray()
@@ -247,7 +254,7 @@ def _collect(chan: paramiko.Channel, deadline: float) -> tuple[bytes | None, byt
         while chan.recv_stderr_ready():
             err += chan.recv_stderr(_READ)
         if len(out) + len(err) > MAX_OUTPUT:
-            raise paramiko.SSHException(f"output larger than {MAX_OUTPUT} bytes")
+            raise _TooMuchOutput()
         if chan.eof_received or chan.closed:
             if not chan.recv_ready() and not chan.recv_stderr_ready():
                 return bytes(out), bytes(err)
