@@ -164,3 +164,27 @@ def db_dump(db_path: Path) -> dict[str, list[tuple]]:
 def py(code: str) -> list[str]:
     """argv running `code` with this interpreter (the workers' python)."""
     return [sys.executable, "-c", code]
+
+
+def add_finished_job(config_path: Path, name: str, logs: list[Path]) -> int:
+    """Record a succeeded job whose workers wrote `logs` (no processes); returns its id."""
+    from gpuflex.config import load_config
+    from gpuflex.control.service import JobService
+    from gpuflex.db.models import Job, Worker
+
+    svc = JobService(load_config(str(config_path)))
+    try:
+        svc.refresh()
+        with svc.sessions.begin() as s:
+            job = Job(token=f"t{time.time_ns()}"[-12:], name=name, state="succeeded", argv=["true"],
+                      workdir=str(config_path.parent), env={}, min_workers=len(logs),
+                      max_workers=len(logs), gpus_per_worker=1, user="u", world_size=len(logs),
+                      exit_code=0, started_at=time.time(), ended_at=time.time())
+            for wid, log in enumerate(logs):
+                job.workers.append(Worker(wid=wid, rank=wid, host="local", gpus=[wid], state="exited",
+                                          exit_code=0, log_path=str(log), exit_path=f"{log}.exit"))
+            s.add(job)
+            s.flush()
+            return job.id
+    finally:
+        svc.close()

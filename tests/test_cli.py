@@ -15,7 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuflex.cli import app
-from tests.conftest import GpuflexCLI, db_dump, db_rows, write_config
+from tests.conftest import GpuflexCLI, add_finished_job, db_dump, db_rows, write_config
 
 
 class Result:
@@ -163,3 +163,28 @@ def test_no_arguments_prints_help(home):
     r = CliRunner().invoke(app, [], env={"HOME": str(home)})
     assert "Usage:" in r.output and "submit" in r.output
     assert not Path(home, ".local").exists()
+
+
+def test_logs_prints_all_of_a_large_log_with_one_prefix_per_line(cli_fast, home, config_path):
+    # more than one read's worth (1 MiB), with lines that straddle the read boundary
+    big = [f"w0 line {i} " + "x" * (i % 97) for i in range(25000)]
+    (home / "w0.log").write_text("\n".join(big) + "\n")
+    (home / "w1.log").write_text("a\nb")  # the last line has no newline
+    job_id = add_finished_job(config_path, "big-log", [home / "w0.log", home / "w1.log"])
+    assert (home / "w0.log").stat().st_size > 1 << 20
+
+    one = cli_fast("logs", str(job_id), "--worker", "0")
+    assert one.code == 0
+    assert one.stdout == (home / "w0.log").read_text()
+
+    both = cli_fast("logs", "big-log").stdout.splitlines()
+    assert both == [f"[w0] {line}" for line in big] + ["[w1] a", "[w1] b"]
+
+
+def test_a_host_python_that_cannot_run_is_reported_not_a_traceback(home):
+    bad_python = home / "notexec"
+    bad_python.write_text("#!/bin/sh\n")  # not executable: exec fails with EACCES, even for root
+    cfg = write_config(home, extra=f'python = "{bad_python}"\n')
+    r = make_cli("clirunner", home, cfg)("submit", "--", "true")
+    assert r.code in (0, 1)  # recorded (and waiting or failed), or the operation failed
+    assert f"cannot run {bad_python}: Permission denied" in r.stdout + r.stderr

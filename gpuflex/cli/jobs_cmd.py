@@ -193,18 +193,32 @@ def logs(
         targets = [(w.host, w.wid, w.log_path) for w in chosen]
         job_id = j.id
     offsets = {t: 0 for t in targets}
+    pending = {t: "" for t in targets}  # an unfinished line, held back so its prefix is printed once
     many = len(targets) > 1
+
+    def emit(text: str, wid: int) -> None:
+        if many:
+            text = "".join(f"[w{wid}] {line}" for line in text.splitlines(keepends=True))
+        if text:
+            console.out(text, end="", highlight=False)
+
     while True:
         for t in targets:
             host, wid, path = t
-            data = svc.pool.transport(host).read(path, offsets[t])
-            offsets[t] = data["offset"]
-            text = data["data"]
-            if text:
+            while True:  # one read returns at most 1 MiB: drain what the file holds now
+                data = svc.pool.transport(host).read(path, offsets[t])
+                offsets[t] = data["offset"]
+                if not data["data"]:
+                    break
+                text = data["data"]
                 if many:
-                    text = "".join(f"[w{wid}] {line}" for line in text.splitlines(keepends=True))
-                console.out(text, end="", highlight=False)
+                    head, nl, pending[t] = (pending[t] + text).rpartition("\n")
+                    text = head + nl
+                emit(text, wid)
         if not follow:
+            for t in targets:
+                if pending[t]:
+                    emit(pending[t] + "\n", t[1])
             return
         svc.refresh()
         with svc.sessions() as session:

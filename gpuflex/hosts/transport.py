@@ -121,6 +121,8 @@ class LocalTransport(Transport):
             p = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
         except FileNotFoundError:
             raise TransportError(self.host.name, f"command not found: {argv[0]}") from None
+        except OSError as e:  # not executable, a directory, ...
+            raise TransportError(self.host.name, f"cannot run {argv[0]}: {e.strerror}") from None
         except subprocess.TimeoutExpired:
             raise TransportError(self.host.name, f"command timed out after {timeout} s: {argv[0]}") from None
         return CommandResult(p.returncode, p.stdout, p.stderr)
