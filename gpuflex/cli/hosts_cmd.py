@@ -87,13 +87,8 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
 
 @command
 def _list(ctx: typer.Context, as_json: bool) -> None:
-    from gpuflex.hosts.probe import collect_probes, record_probes
-
     svc = obj(ctx).service()
-    results = collect_probes(svc.pool)       # outside the service lock: hosts may be slow
-    with svc.locked() as session:
-        record_probes(svc.pool, session, results, svc.config.harvest)
-    svc.refresh()
+    svc.refresh(probe=True)
     view = pool_view(svc)
     if as_json:
         print_json(view)

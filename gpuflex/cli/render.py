@@ -12,7 +12,8 @@ from gpuflex.db.models import Event, Job, Worker
 
 def worker_json(w: Worker) -> dict[str, Any]:
     return {"rank": w.rank, "wid": w.wid, "host": w.host, "gpus": list(w.gpus), "pid": w.pid,
-            "state": w.state, "generation": w.generation, "exit_code": w.exit_code, "log": w.log_path}
+            "state": w.state, "generation": w.generation, "exit_code": w.exit_code, "log": w.log_path,
+            "control": w.control_path}
 
 
 def job_json(job: Job, *, progress: dict[str, Any] | None = None) -> dict[str, Any]:

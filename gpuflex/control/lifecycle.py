@@ -70,6 +70,7 @@ def start_job(svc: "JobService", session: Session, job: Job, assignments: list[A
     """Start the coordinator on the first host, then one worker per assignment."""
     first = svc.config.host(assignments[0].host)
     t = svc.pool.transport(first)
+    job.started_at = time.time()   # the current run: workers started before it are history
     job.store_host = first.name
     job.store_addr = L.store_address(first)
     job.store_port = L.free_port(t)
@@ -84,7 +85,6 @@ def start_job(svc: "JobService", session: Session, job: Job, assignments: list[A
     job.generation = 0
     job.world_size = len(assignments)
     job.target_workers = len(assignments)
-    job.started_at = job.started_at or time.time()
     job.queue_reason = None
     _set_state(session, job, JobState.RUNNING,
                f"{len(assignments)} worker(s) on {', '.join(sorted({a.host for a in assignments}))}",
@@ -207,12 +207,13 @@ def end_worker(session: Session, job: Job, w: Worker, state: WorkerState, rc: in
 def finish(svc: "JobService", session: Session, job: Job, coord: dict[str, Any] | None) -> None:
     """All workers have ended: decide the job's outcome, or requeue it after a lost store."""
     stop_coordinator(svc, job)
-    if any(w.exit_code == STORE_LOST_EXIT for w in job.workers if w.generation == job.generation):
+    current = [w for w in job.workers if job.started_at is None or w.started_at >= job.started_at]
+    if any(w.exit_code == STORE_LOST_EXIT for w in current if w.generation == job.generation):
         job.restarts += 1
         _set_state(session, job, JobState.QUEUED,
                    "the job store was lost; restarting from the last checkpoint", restarts=job.restarts)
         return
-    last = [w for w in job.workers if w.generation == job.generation] or list(job.workers)
+    last = [w for w in current if w.generation == job.generation] or current
     failed = [w for w in last if w.state != WorkerState.EXITED.value]
     if failed:
         job.exit_code = failed[0].exit_code if failed[0].exit_code is not None else -9
@@ -225,22 +226,31 @@ def finish(svc: "JobService", session: Session, job: Job, coord: dict[str, Any] 
 
 # ---- stopping ------------------------------------------------------------------------
 def stop_processes(svc: "JobService", session: Session, job: Job) -> None:
-    """SIGTERM every live worker (grace, then SIGKILL), then the coordinator."""
+    """SIGTERM every live worker (grace, then SIGKILL), all hosts at once, then the coordinator."""
+    from gpuflex.hosts.fanout import fan_out
+
     by_host: dict[str, list[Worker]] = collections.defaultdict(list)
     for w in live_workers(job):
         if w.pgid:
             by_host[w.host].append(w)
-    for host, workers in by_host.items():  # TODO(ssh issue): fan out in parallel
-        try:
-            svc.pool.transport(host).stop([w.pgid for w in workers], svc.config.jobs.cancel_grace_s)
-        except TransportError as e:
-            _record(session, job, "host-unreachable", str(e), host=host)
+    grace = svc.config.jobs.cancel_grace_s
+    hosts = [svc.config.host(h) for h in by_host]
+    transports = {h.name: svc.pool.transport(h) for h in hosts}  # made here: the pool is not thread-safe
+
+    def stop_host(h):
+        workers = by_host[h.name]
+        t = transports[h.name]
+        t.stop([w.pgid for w in workers], grace)
+        return t.status([(w.pgid, w.exit_path) for w in workers])
+
+    limit = grace + max((h.connect_timeout_s + 2 * h.command_timeout_s for h in hosts), default=0) + 5
+    for name, result in fan_out(hosts, stop_host, limit).items():
+        if not result.ok:
+            _record(session, job, "host-unreachable", str(result.error), host=name)
             continue
-        for w in workers:
-            st = svc.pool.transport(host).status([(w.pgid, w.exit_path)])[0]
+        for w, st in zip(by_host[name], result.value):
             rc = st.returncode
-            state = WorkerState.STOPPED if rc is None or rc != 0 else WorkerState.EXITED
-            end_worker(session, job, w, state, rc)
+            end_worker(session, job, w, WorkerState.EXITED if rc == 0 else WorkerState.STOPPED, rc)
     for w in live_workers(job):  # never spawned, or host unreachable
         end_worker(session, job, w, WorkerState.LOST, None)
     stop_coordinator(svc, job)

@@ -126,10 +126,24 @@ class JobService:
         return list(session.scalars(select(Job).order_by(Job.id)))
 
     # ---- the periodic work every command does first ----------------------------
-    def refresh(self) -> None:
-        """Read reality (workers, coordinators) and start queued jobs that now fit."""
+    def collect_probes(self):
+        """Probe the GPU hosts (not CPU-slot hosts) in parallel, outside the lock."""
+        from gpuflex.hosts.probe import collect_probes
+
+        return collect_probes(self.pool)
+
+    def record_probes(self, session: Session, results) -> None:
+        from gpuflex.hosts.probe import record_probes
+
+        record_probes(self.pool, session, results, self.config.harvest)
+
+    def refresh(self, probe: bool = False) -> None:
+        """Read reality (workers, coordinators; GPUs too with `probe`) and start queued
+        jobs that now fit."""
+        results = self.collect_probes() if probe else {}
         with self.locked() as session:
             self.pool.sync_hosts(session)
+            self.record_probes(session, results)
             for job in session.scalars(select(Job).where(
                     Job.state.in_([JobState.RUNNING.value, JobState.SCALING.value]))):
                 lifecycle.reconcile(self, session, job)
@@ -139,8 +153,10 @@ class JobService:
     # ---- commands ----------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> int:
         workdir = os.path.abspath(os.path.expanduser(req.workdir or os.getcwd()))
+        results = self.collect_probes()
         with self.locked() as session:
             self.pool.sync_hosts(session)
+            self.record_probes(session, results)
             job = Job(
                 token=secrets.token_hex(6), name=req.name or os.path.basename(req.argv[0]),
                 state=JobState.QUEUED.value, argv=list(req.argv), workdir=workdir, env=dict(req.env),
@@ -165,7 +181,9 @@ class JobService:
             return job
 
     def scale(self, ref: str, n: int) -> Job:
+        results = self.collect_probes()
         with self.locked() as session:
+            self.record_probes(session, results)
             job = self.get(session, ref)
             return lifecycle.scale(self, session, job, n)
 

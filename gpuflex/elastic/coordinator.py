@@ -111,7 +111,8 @@ class Coordinator:
         for w in self.known - set(self.desired) - self.ever_members - self.released:
             self.released.add(w)   # wanted once, never joined, no longer wanted
             self.store.set(keys.released(w), "1")
-        desired_new = [w for w in self.desired if w not in self.members and w not in self.rejected]
+        desired_new = [w for w in self.desired
+                       if w not in self.ever_members and w not in self.rejected]
         ready_new = [w for w in desired_new if self.has(keys.ready(w)) and self.alive(w)]
         if self.generation == 0:
             waited = time.time() - self.started
@@ -138,6 +139,8 @@ class Coordinator:
             keep = [w for w in survivors if w in self.desired] or survivors
             if keep or joiners:
                 lost = [w for w in self.members if w not in survivors]
+                self.desired = [w for w in self.desired if w not in lost]
+                self.store.set(keys.DESIRED, json.dumps(self.desired))
                 self.publish(keep + joiners, "recover", f"lost worker(s) {lost}")
             return
         if not cur["verified"]:

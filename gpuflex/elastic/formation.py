@@ -115,7 +115,7 @@ class Formation:
         t1 = time.time()
         copied = self._sync_state(rank, world, clean)
         t2 = time.time()
-        self._verify(g, rank, world, received=copied > 0 and run.snapshots.latest() is not None)
+        self._verify(g, rank)
         t3 = time.time()
         run.rank, run.world_size, run.generation = rank, world, g
         run._grad_flat = None
@@ -133,7 +133,7 @@ class Formation:
                  f"(rebuild {t1 - t0:.3f}s, copy {t2 - t1:.3f}s, {copied} bytes)")
 
     def _sync_state(self, rank: int, world: int, clean: bool) -> int:
-        """Bring every member to the same commit; returns the bytes this rank received."""
+        """Bring every member to the same commit; returns the bytes broadcast (0: no copy)."""
         run = self.run
         latest, prev = run.snapshots.steps()
         vec = torch.zeros(2 * world, dtype=torch.int64)
@@ -164,17 +164,17 @@ class Formation:
         for buf in flat.buffers.values():
             self._broadcast(buf, src)
         if mine is not None:
-            return 0
+            return flat.nbytes()   # sent (or received again, unchanged)
         snap = Snapshot(h["step"], h["skeleton"], flat, h["lens"])
         run.snapshots.adopt(snap)
         run.apply_tree(materialize(snap))
         run.load_logs(h["logs"])
-        if os.environ.get("GPUFLEX_TEST_CORRUPT_STATE"):   # test hook: prove the check works
+        if os.environ.get("GPUFLEX_TEST_CORRUPT_STATE") == str(run.wid):   # test hook: the check works
             with torch.no_grad():
                 next(run.model.parameters()).view(-1)[0] += 1.0
         return flat.nbytes()
 
-    def _verify(self, g: int, rank: int, world: int, received: bool) -> None:
+    def _verify(self, g: int, rank: int) -> None:
         """All members compare a checksum of their live state, step and data position."""
         _, tensors = flatten(self.run.capture()["objects"])
         crc = checksum_tensors(tensors)

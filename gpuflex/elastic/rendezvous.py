@@ -107,6 +107,8 @@ class Rendezvous:
                 raise Evicted("the coordinator rejected this worker")
             if self.has(keys.released(self.wid)):
                 raise Leaving("released before joining")
+            if self.has(keys.FINISHED):
+                raise Leaving("training finished before this worker joined")
             g = self.latest()
             if g > after:
                 info = self.generation(g)

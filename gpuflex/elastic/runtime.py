@@ -118,13 +118,16 @@ class ElasticRun:
     def __iter__(self) -> Iterator[Batch]:
         try:
             self._start()
-            while True:
-                if not self._boundary():
-                    return
+            # Every member meets the first batch of a generation straight from its
+            # formation (survivors return from the switch into the same spot), so the
+            # collectives line up; the boundary comes after each step.
+            while self._more():
                 batch = self.sampler.batch(self.step, self.rank, self.world_size)
                 self._step_ids = batch.indices if self.track_samples else None
                 self._step_started = time.time()
                 yield batch
+                if not self._boundary():
+                    return
         except StoreLost as e:
             print(f"gpuflex: {e}; exiting with {STORE_LOST_EXIT} so the job restarts from its "
                   "last checkpoint", file=sys.stderr, flush=True)

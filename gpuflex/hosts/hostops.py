@@ -123,6 +123,9 @@ def signal_groups(pgids: list[int], signum: int) -> list[bool]:
     """Send `signum` to each group; False where the group no longer exists."""
     sent = []
     for pgid in pgids:
+        if not group_alive(int(pgid)):   # a group of zombies only (no reaper) is gone
+            sent.append(False)
+            continue
         try:
             os.killpg(int(pgid), signum)
             sent.append(True)

@@ -79,10 +79,10 @@ class Transport(abc.ABC):
     def close(self) -> None:
         """Release connections (no-op where there are none)."""
 
-    def hostop(self, op: str, request: dict[str, Any]) -> Any:
+    def hostop(self, op: str, request: dict[str, Any], extra_timeout_s: float = 0.0) -> Any:
         """Run a gpuflex.hosts.hostops operation on the host; returns its reply."""
         res = self.run([self.host.python, "-m", "gpuflex.hosts.hostops", op],
-                       input=json.dumps(request), timeout=self.host.command_timeout_s)
+                       input=json.dumps(request), timeout=self.host.command_timeout_s + extra_timeout_s)
         try:
             reply = json.loads(res.stdout.strip().splitlines()[-1])
         except (ValueError, IndexError):
@@ -106,7 +106,7 @@ class Transport(abc.ABC):
 
     def stop(self, pgids: list[int], grace_s: float) -> list[str]:
         """SIGTERM, wait `grace_s`, SIGKILL; per group "gone", "terminated" or "killed"."""
-        return self.hostop("stop", {"pgids": pgids, "grace_s": grace_s})
+        return self.hostop("stop", {"pgids": pgids, "grace_s": grace_s}, extra_timeout_s=grace_s + 5)
 
     def read(self, path: str, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
         return self.hostop("read", {"path": path, "offset": offset, "limit": limit})
@@ -127,7 +127,7 @@ class LocalTransport(Transport):
             raise TransportError(self.host.name, f"command timed out after {timeout} s: {argv[0]}") from None
         return CommandResult(p.returncode, p.stdout, p.stderr)
 
-    def hostop(self, op: str, request: dict[str, Any]) -> Any:
+    def hostop(self, op: str, request: dict[str, Any], extra_timeout_s: float = 0.0) -> Any:
         if op == "spawn":
             return super().hostop(op, request)
         if op == "status":

@@ -1,0 +1,70 @@
+"""Shared helpers of the benchmarks: a throw-away gpuflex setup and step-log statistics."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = ROOT / "examples" / "elastic_mlp.py"
+GPUFLEX = str(Path(sys.executable).parent / "gpuflex")
+
+
+def hidden_for(state_bytes: float) -> int:
+    """Width of the example's MLP whose parameters + SGD momentum take about `state_bytes`."""
+    return int((state_bytes / 8) ** 0.5)
+
+
+def state_bytes(hidden: int) -> int:
+    params = 16 * hidden + hidden + hidden * hidden + hidden + hidden * 4 + 4
+    return params * 4 * 2
+
+
+class Gpuflex:
+    def __init__(self, workdir: Path, slots: int) -> None:
+        self.dir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "gpuflex.toml"
+        self.config.write_text(
+            f'[database]\nurl = "sqlite:///{workdir}/g.db"\n\n[jobs]\ncheckpoint_interval_s = 600\n'
+            f'cancel_grace_s = 60\n\n[[hosts]]\nname = "local"\ngpus = "cpu:{slots}"\nworkdir = "{workdir}/work"\n')
+
+    def __call__(self, *args: str) -> str:
+        p = subprocess.run([GPUFLEX, *args], capture_output=True, text=True,
+                           env={**os.environ, "GPUFLEX_CONFIG": str(self.config)})
+        if p.returncode != 0:
+            raise RuntimeError(f"gpuflex {' '.join(args)}: {p.stderr.strip()}")
+        return p.stdout
+
+    def status(self, job: str) -> dict:
+        return json.loads(self("status", job, "--json"))
+
+    def wait_steps(self, job: str, more: int, timeout: float = 600) -> None:
+        start = self.status(job).get("step") or 0
+        end = time.monotonic() + timeout
+        while (self.status(job).get("step") or 0) < start + more:
+            if time.monotonic() > end:
+                raise RuntimeError(f"job {job} stalled")
+            time.sleep(0.5)
+
+
+def stalls(step_log: list[list[float]]) -> tuple[float, list[tuple[str, int, int, float]]]:
+    """(median step time, [(grow|shrink, from, to, stall)]) where stall is the gap between
+    the steps around a world-size change minus the median step time."""
+    gaps = [b[1] - a[1] for a, b in zip(step_log, step_log[1:])]
+    steady = [g for (a, b), g in zip(zip(step_log, step_log[1:]), gaps) if a[2] == b[2]]
+    med = statistics.median(steady) if steady else 0.0
+    out = []
+    for (a, b), g in zip(zip(step_log, step_log[1:]), gaps):
+        if a[2] != b[2]:
+            out.append(("grow" if b[2] > a[2] else "shrink", int(a[2]), int(b[2]), g - med))
+    return med, out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")

@@ -1,0 +1,144 @@
+"""Scale pause: the stall surviving workers see on a grow and on a shrink, gpuflex in place
+against torchrun's elastic restart of the same model, side by side, at two state sizes.
+
+Stall = the gap between the two steps around the event minus the median step time,
+read from each run's own step log. torchrun: `--nnodes=2:3`, c10d rendezvous, one agent
+per "node" on loopback, workers reload the last checkpoint when they restart.
+Run: .venv/bin/python benchmarks/scale_pause.py [--sizes 4e6,100e6] [--events 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import EXAMPLE, ROOT, Gpuflex, hidden_for, median, state_bytes, stalls  # noqa: E402
+
+
+def gpuflex_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[float, list, list]:
+    gf = Gpuflex(tmp / "gpuflex", slots=3)
+    report = tmp / "gpuflex" / "report.json"
+    job = json.loads(gf("submit", "--workers", "2:3", "--json", "--", sys.executable, str(EXAMPLE),
+                        "--hidden", str(hidden), "--epochs", "10000", "--step-sleep", str(sleep),
+                        "--report", str(report)))["id"]
+    job = str(job)
+    gf("scale", job, "2", "--wait")
+    gf.wait_steps(job, 8)
+    for _ in range(events):
+        gf("scale", job, "3", "--wait")
+        gf.wait_steps(job, 8)
+        gf("scale", job, "2", "--wait")
+        gf.wait_steps(job, 8)
+    ev = json.loads(gf("events", job, "--json"))
+    gf("cancel", job)
+    r = json.loads(report.read_text())
+    med, st = stalls(r["step_log"])
+    copies = [e["data"]["timings"] for e in ev if e["kind"] == "scale" and e["data"].get("timings")]
+    return med, st, copies
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[float, list, str]:
+    d = tmp / "torchrun"
+    d.mkdir()
+    log, ckpt = d / "steps.log", d / "ckpt.pt"
+    port = free_port()
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2:3", "--nproc-per-node=1",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench",
+           "--max-restarts=20", "--monitor-interval=0.5",
+           str(ROOT / "benchmarks" / "torchrun_worker.py"), "--hidden", str(hidden),
+           "--step-sleep", str(sleep), "--ckpt", str(ckpt), "--ckpt-every", "5", "--log", str(log)]
+    agents = []
+
+    def start(i):
+        out = open(d / f"agent{i}.log", "w")
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def lines():
+        return [list(map(float, ln.split())) for ln in log.read_text().splitlines()] if log.exists() else []
+
+    def wait(pred, timeout=240):
+        end = time.monotonic() + timeout
+        while not pred(lines()):
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.5)
+        return True
+
+    error = ""
+    try:
+        agents += [start(0), start(1)]
+        if not wait(lambda ls: len(ls) >= 8):
+            return float("nan"), [], "torchrun did not start training"
+        for k in range(events):
+            n = len(lines())
+            agents.append(start(2 + k))
+            if not wait(lambda ls: len(ls) >= n + 8 and ls[-1][2] == 3):
+                error = f"torchrun could not complete a scale-up: see {d}/agent*.log"
+                break
+            n = len(lines())
+            os.killpg(agents[-1].pid, signal.SIGTERM)       # the third node leaves
+            agents[-1].wait(timeout=60)
+            if not wait(lambda ls: len(ls) >= n + 8 and ls[-1][2] == 2):
+                error = "torchrun did not resume after a node left"
+                break
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    med, st = stalls(lines())
+    return med, st, error
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="4e6,100e6", help="state sizes in bytes")
+    ap.add_argument("--events", type=int, default=2, help="grow+shrink pairs per run")
+    args = ap.parse_args()
+    rows = []
+    for size in [float(s) for s in args.sizes.split(",")]:
+        hidden = hidden_for(size)
+        sleep = 0.05 if size < 20e6 else 0.0
+        with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
+            tmp = Path(t)
+            g_med, g_st, copies = gpuflex_run(tmp, hidden, args.events, sleep)
+            t_med, t_st, err = torchrun_run(tmp, hidden, args.events, sleep)
+        mb = state_bytes(hidden) / 1e6
+        print(f"\nstate {mb:.1f} MB (hidden {hidden}): median step gpuflex {g_med * 1000:.0f} ms, "
+              f"torchrun {t_med * 1000:.0f} ms")
+        for kind, a, b, s in g_st:
+            print(f"  gpuflex  {kind:6s} {a}->{b}: stall {s:.3f} s")
+        for c in copies:
+            print(f"  gpuflex  phases: agree {c['agree']:.3f} rebuild {c['rebuild']:.3f} copy {c['copy']:.3f} "
+                  f"verify {c['verify']:.3f} first_step {c['first_step']:.3f} s, {c['bytes'] / 1e6:.1f} MB copied")
+        for kind, a, b, s in t_st:
+            print(f"  torchrun {kind:6s} {a}->{b}: stall {s:.3f} s")
+        if err:
+            print(f"  torchrun: {err}")
+        for kind in ("grow", "shrink"):
+            g = median([s for k, _, _, s in g_st if k == kind])
+            tr = median([s for k, _, _, s in t_st if k == kind])
+            rows.append((mb, kind, g, tr))
+    print("\nstate MB  event   gpuflex stall s  torchrun stall s  torchrun/gpuflex")
+    for mb, kind, g, tr in rows:
+        ratio = tr / g if g > 0 else float("inf")
+        print(f"{mb:8.1f}  {kind:6s}  {g:15.3f}  {tr:16.3f}  {ratio:16.1f}x")
+
+
+if __name__ == "__main__":
+    main()

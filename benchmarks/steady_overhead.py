@@ -1,0 +1,79 @@
+"""Steady-state overhead: steps per second of the elastic runtime under gpuflex against
+plain DDP under torchrun (benchmarks/torchrun_worker.py: the same model, data order, noise
+and loss), same fixed world size, runs interleaved.
+
+Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import EXAMPLE, ROOT, Gpuflex, state_bytes  # noqa: E402
+
+WORLD = 2
+SKIP = 10   # warm-up steps left out of the rate
+
+
+def rate(step_log: list) -> float:
+    part = step_log[SKIP:]
+    return (len(part) - 1) / (part[-1][1] - part[0][1])
+
+
+def ddp_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
+    log = tmp / f"ddp{n}.log"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                    f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / "torchrun_worker.py"),
+                    "--hidden", str(hidden), "--epochs", str(epochs), "--log", str(log)],
+                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return rate([list(map(float, ln.split())) for ln in log.read_text().splitlines()])
+
+
+def gpuflex_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
+    gf = Gpuflex(tmp / f"gf{n}", slots=WORLD)
+    report = tmp / f"gf{n}" / "report.json"
+    job = str(json.loads(gf("submit", "--workers", str(WORLD), "--json", "--env", "OMP_NUM_THREADS=1",
+                            "--", sys.executable, str(EXAMPLE), "--hidden", str(hidden),
+                            "--epochs", str(epochs)))["id"])
+    # the report (--report) adds sample tracking; measure without it, from the checkpoint's log
+    end = time.monotonic() + 900
+    while gf.status(job)["state"] not in ("succeeded", "failed", "cancelled"):
+        if time.monotonic() > end:
+            raise RuntimeError("gpuflex run did not finish")
+        time.sleep(0.5)
+    import torch
+
+    ck = next((tmp / f"gf{n}" / "work").rglob("checkpoint.pt"))
+    return rate(torch.load(ck, weights_only=False)["logs"]["step_log"])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hidden", default="64,700")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--epochs", type=int, default=4)
+    args = ap.parse_args()
+    print(f"world size {WORLD}, gloo on CPU, {args.rounds} interleaved rounds, first {SKIP} steps skipped")
+    print("hidden  state MB   DDP steps/s   gpuflex steps/s   gpuflex/DDP")
+    for hidden in [int(h) for h in args.hidden.split(",")]:
+        ddp, ours = [], []
+        with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
+            for i in range(args.rounds):
+                ddp.append(ddp_rate(Path(t), hidden, args.epochs, i))
+                ours.append(gpuflex_rate(Path(t), hidden, args.epochs, i))
+        d, o = statistics.median(ddp), statistics.median(ours)
+        print(f"{hidden:6d}  {state_bytes(hidden) / 1e6:8.1f}  {d:12.1f}  {o:16.1f}  {o / d:11.3f}"
+              f"   (slower by {100 * (1 - o / d):.1f}%)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""The runtime's pure parts: the elastic sampler, state commits, checksums, checkpoints,
+and the control socket's handling of bad clients."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import threading
+import time
+
+import pytest
+import torch
+
+from gpuflex.elastic.control import MAX_LINE, ControlServer
+from gpuflex.elastic.sampler import ElasticSampler, split
+from gpuflex.elastic.state import (Snapshots, checksum_tensors, flatten, load_checkpoint,
+                                   materialize, save_checkpoint, unflatten)
+
+
+@pytest.mark.parametrize("total,world", [(64, 1), (64, 3), (7, 4), (3, 5), (0, 2)])
+def test_split_covers_the_batch_once_with_shares_within_one(total, world):
+    parts = [split(total, world, r) for r in range(world)]
+    covered = [i for off, n in parts for i in range(off, off + n)]
+    assert covered == list(range(total))
+    assert max(n for _, n in parts) - min(n for _, n in parts) <= 1
+
+
+def test_every_sample_once_per_epoch_across_any_sequence_of_world_sizes():
+    s = ElasticSampler(1000, 64, epochs=3, seed=7)
+    worlds = [1, 3, 2, 4, 5, 1, 2]   # a resize every few steps
+    seen: dict[int, list[int]] = {}
+    for step in range(s.total_steps):
+        world = worlds[(step // 5) % len(worlds)]
+        ids = []
+        for r in range(world):
+            b = s.batch(step, r, world)
+            assert b.global_size == len(s.global_batch(step)[2])
+            ids += b.indices.tolist()
+        assert ids == s.global_batch(step)[2].tolist()   # the split never changes the batch
+        seen.setdefault(s.batch(step, 0, 1).epoch, []).extend(ids)
+    assert sorted(seen) == [0, 1, 2]
+    for epoch, ids in seen.items():
+        assert sorted(ids) == list(range(1000)), epoch
+    assert seen[0] != seen[1]   # a fresh shuffle per epoch
+
+
+def test_weights_make_the_summed_gradient_the_full_batch_mean():
+    torch.manual_seed(0)
+    w = torch.randn(3, requires_grad=True)
+    x = torch.randn(10, 3)
+    (x @ w).pow(2).mean().backward()
+    full = w.grad.clone()
+    total = torch.zeros(3)
+    for r in range(3):
+        off, n = split(10, 3, r)
+        w.grad = None
+        ((x[off:off + n] @ w).pow(2).sum() / 10).backward()
+        total += w.grad
+    assert torch.allclose(total, full, rtol=1e-6)
+
+
+def test_flatten_round_trip_keeps_structure_and_values():
+    tree = {"a": torch.arange(3.0), "b": [1, (torch.ones(2, 2), "x")], "c": {"d": None}}
+    skel, tensors = flatten(tree)
+    assert len(tensors) == 2
+    back = unflatten(skel, tensors)
+    assert back["b"][0] == 1 and back["b"][1][1] == "x" and back["c"] == {"d": None}
+    assert torch.equal(back["a"], tree["a"]) and torch.equal(back["b"][1][0], torch.ones(2, 2))
+
+
+def test_snapshots_keep_two_commits_and_never_alias_live_tensors():
+    snaps = Snapshots()
+    p = torch.zeros(4)
+    for step in range(3):
+        p += 1
+        snaps.commit(step, {"p": p, "n": step}, {"step_log": step})
+    assert snaps.steps() == (2, 1)
+    assert snaps.at(0) is None
+    restored = materialize(snaps.rewind(1))
+    assert restored["n"] == 1 and torch.equal(restored["p"], torch.full((4,), 2.0))
+    restored["p"] += 100          # the commit itself is untouched
+    assert torch.equal(materialize(snaps.latest())["p"], torch.full((4,), 2.0))
+    assert snaps.steps() == (1, -1)
+
+
+def test_checksum_sees_a_one_bit_change():
+    a = [torch.randn(100), torch.arange(5)]
+    b = [a[0].clone(), a[1].clone()]
+    assert checksum_tensors(a) == checksum_tensors(b)
+    b[0].view(torch.int32)[17] ^= 1
+    assert checksum_tensors(a) != checksum_tensors(b)
+
+
+def test_checkpoint_write_is_atomic_and_loads_back(tmp_path):
+    path = str(tmp_path / "ck" / "checkpoint.pt")
+    save_checkpoint(path, {"state": {"w": torch.ones(3)}, "step": 5})
+    assert load_checkpoint(path)["step"] == 5
+    assert os.listdir(tmp_path / "ck") == ["checkpoint.pt"]   # no temp file left behind
+    assert load_checkpoint(str(tmp_path / "missing.pt")) is None
+
+
+@pytest.fixture
+def server(tmp_path):
+    calls = []
+
+    def status(msg):
+        calls.append(msg)
+        return {"step": 3}
+
+    def boom(msg):
+        raise RuntimeError("handler bug")
+
+    path = f"/tmp/gpuflex-test-{os.getpid()}-{id(calls)}/c.sock"
+    srv = ControlServer(path, {"status": status, "boom": boom})
+    yield path, calls
+    srv.close()
+    os.rmdir(os.path.dirname(path))
+
+
+def talk(path: str, payload: bytes, timeout: float = 5) -> dict:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(payload)
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    return json.loads(buf)
+
+
+def test_control_socket_is_0600_in_a_0700_directory(server):
+    path, _ = server
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+
+
+@pytest.mark.parametrize("payload,error", [
+    (b"not json at all\n", "malformed JSON"),
+    (b"[1, 2]\n", 'string "op"'),
+    (b'{"op": "explode"}\n', "unknown op"),
+    (b'{"op": "boom"}\n', "handler bug"),
+    (b"\xff\xfe\n", "malformed JSON"),
+])
+def test_control_socket_answers_garbage_with_an_error_and_keeps_serving(server, payload, error):
+    path, calls = server
+    reply = talk(path, payload)
+    assert reply["ok"] is False and error in reply["error"]
+    assert talk(path, b'{"op": "status"}\n') == {"ok": True, "step": 3}
+    assert calls == [{"op": "status"}]
+
+
+def test_control_socket_refuses_an_oversized_message(server):
+    path, _ = server
+    reply = talk(path, b'{"op": "status", "pad": "' + b"x" * (MAX_LINE + 10))
+    assert reply["ok"] is False and "too large" in reply["error"]
+    assert talk(path, b'{"op": "status"}\n')["ok"] is True
+
+
+def test_a_slow_client_gets_a_timeout_and_does_not_block_others(server):
+    path, _ = server
+    slow = socket.socket(socket.AF_UNIX)
+    slow.connect(path)
+    slow.sendall(b'{"op": "sta')          # never finishes its line
+    try:
+        assert talk(path, b'{"op": "status"}\n')["ok"] is True   # served meanwhile
+        slow.settimeout(10)
+        reply = json.loads(slow.recv(65536))
+        assert reply["ok"] is False and "timeout" in reply["error"]
+    finally:
+        slow.close()
