@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from gpuflex.control import launch as L
 from gpuflex.db.models import Job, Worker
-from gpuflex.errors import JobError, TransportError, UsageError
+from gpuflex.errors import JobError, TransportError
 from gpuflex.policy.placement import Assignment, place
 from gpuflex.states import JobState, WorkerState
 
@@ -269,52 +269,3 @@ def stop_coordinator(svc: "JobService", job: Job) -> None:
 def stop_job(svc: "JobService", session: Session, job: Job, target: JobState, why: str) -> None:
     stop_processes(svc, session, job)
     _set_state(session, job, target, why)
-
-
-# ---- scaling ---------------------------------------------------------------------------
-def scale(svc: "JobService", session: Session, job: Job, n: int) -> Job:
-    """Ask a running job for `n` workers: start newcomers or retire the newest workers,
-    and hand the coordinator the new membership; the workers switch at a step boundary."""
-    if not JobState(job.state).active:
-        raise UsageError(f"job {job.id} is {job.state}; only running jobs can be scaled.")
-    if not job.min_workers <= n <= job.max_workers:
-        raise UsageError(f"job {job.id} takes {job.min_workers}..{job.max_workers} workers; {n} is outside.",
-                         hint=f"Submit with --workers MIN:MAX to allow {n}.")
-    current = members(job)
-    if n == len(current):
-        return job
-    if n > len(current):
-        free = svc.pool.free(session)
-        p = place(free, n - len(current), n - len(current), job.gpus_per_worker)
-        if not p.ok:
-            raise JobError(f"job {job.id}: cannot grow to {n}: {p.reason}.")
-        next_wid = max(w.wid for w in job.workers) + 1
-        for i, a in enumerate(p.assignments):
-            spawn_worker(svc, session, job, next_wid + i, a, len(current) + i, n)
-        desired = sorted(w.wid for w in members(job))
-    else:
-        keep = sorted(current, key=lambda w: w.wid)[:n]
-        for w in current:
-            if w not in keep:
-                WorkerState(w.state).check_transition(WorkerState.LEAVING)
-                w.state = WorkerState.LEAVING.value
-        desired = sorted(w.wid for w in keep)
-    session.flush()
-    coordinator_request(svc, job, {"op": "resize", "members": desired}, wait_s=30)
-    poke_workers(svc, job)
-    job.target_workers = n
-    if job.state != JobState.SCALING.value:
-        _set_state(session, job, JobState.SCALING, f"resize to {n} worker(s) requested", target_workers=n)
-    else:
-        _record(session, job, "scale-request", f"resize to {n} worker(s) requested", target_workers=n)
-    return job
-
-
-def poke_workers(svc: "JobService", job: Job) -> None:
-    """Tell running workers to look at the store now instead of at their next poll."""
-    for w in members(job):
-        if w.state == WorkerState.RUNNING.value and w.control_path:
-            try:
-                svc.pool.transport(w.host).control_request(w.control_path, {"op": "resize"}, timeout=2)
-            except (TransportError, ValueError):
-                pass  # a worker that cannot be poked still polls the store

@@ -21,7 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config
-from gpuflex.control import lifecycle
+from gpuflex.control import lifecycle, scaling
 from gpuflex.control.launch import local_user
 from gpuflex.control.pool import Pool
 from gpuflex.db.engine import open_database, sqlite_path
@@ -185,7 +185,7 @@ class JobService:
         with self.locked() as session:
             self.record_probes(session, results)
             job = self.get(session, ref)
-            return lifecycle.scale(self, session, job, n)
+            return scaling.scale(self, session, job, n)
 
 
 def record(session: Session, job: Job, kind: str, message: str, **data) -> Event:
