@@ -126,27 +126,52 @@ def coordinator_request(svc: "JobService", job: Job, message: dict[str, Any],
 
 def reconcile(svc: "JobService", session: Session, job: Job) -> None:
     """Bring one running job's record in line with its processes and coordinator."""
+    from gpuflex.hosts.fanout import fan_out
+
     by_host: dict[str, list[Worker]] = collections.defaultdict(list)
     for w in live_workers(job):
         by_host[w.host].append(w)
-    for host, workers in by_host.items():
-        try:
-            states = svc.pool.transport(host).status([(w.pgid, w.exit_path) for w in workers])
-        except TransportError as e:
-            _record(session, job, "host-unreachable", str(e), host=host)
+    hosts = [svc.config.host(h) for h in by_host]
+    transports = {h.name: svc.pool.transport(h) for h in hosts}  # made here: the pool is not thread-safe
+    limit = max((h.connect_timeout_s + h.command_timeout_s for h in hosts), default=0) + 5
+    results = fan_out(hosts, lambda h: transports[h.name].status(
+        [(w.pgid, w.exit_path) for w in by_host[h.name]]), limit)
+    unreachable = []
+    for host, res in results.items():
+        if not res.ok:
+            unreachable.append(host)
+            note_once(session, job, "host-unreachable", str(res.error), host=host)
             continue
-        for w, st in zip(workers, states):
+        for w, st in zip(by_host[host], res.value):
             if st.exit is not None and not st.alive:
                 rc = st.returncode
                 end_worker(session, job, w, WorkerState.EXITED if rc == 0 else WorkerState.FAILED, rc)
             elif not st.alive:
                 end_worker(session, job, w, WorkerState.LOST, None)
     coord = read_coordinator(svc, session, job)
+    if coord is not None and coord.get("generation"):
+        # a worker on a host we cannot reach that the job has gone on without is lost
+        for w in live_workers(job):
+            if w.host in unreachable and w.wid not in coord["members"] and w.generation < coord["generation"] \
+                    and w.state != WorkerState.STARTING.value:
+                end_worker(session, job, w, WorkerState.LOST, None)
     if live_workers(job):
         if coord is None and not coordinator_alive(svc, job):
-            _record(session, job, "store-lost", "the job's coordinator (store) is gone")
+            note_once(session, job, "store-lost", "the job's coordinator (store) is gone")
+        elif coord is not None and coord.get("settled") and job.world_size < job.min_workers:
+            from gpuflex.control.scaling import requeue
+
+            requeue(svc, session, job, f"fell to {job.world_size} worker(s), below its minimum of "
+                    f"{job.min_workers}; restarting from its checkpoint when it fits")
         return
     finish(svc, session, job, coord)
+
+
+def note_once(session: Session, job: Job, kind: str, message: str, **data) -> None:
+    """Record an event unless the job's last event already says the same."""
+    last = job.events[-1] if job.events else None
+    if last is None or last.kind != kind or last.message != message:
+        _record(session, job, kind, message, **data)
 
 
 def coordinator_alive(svc: "JobService", job: Job) -> bool:
