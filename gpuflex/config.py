@@ -8,6 +8,7 @@ slots). Every error names the file, the key and the bad value.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -22,6 +23,7 @@ else:  # pragma: no cover
 from gpuflex.errors import ConfigError
 
 BUILTIN = "<built-in default>"
+MAX_CPU_SLOTS = 4096  # each slot is a DB row: a typo like cpu:40000000 must not hang every command
 DEFAULT_DB_URL = "sqlite:///~/.local/state/gpuflex/gpuflex.db"
 
 
@@ -102,11 +104,13 @@ def load_config(explicit: str | None = None) -> Config:
     if path is None:
         return parse_config({}, BUILTIN)
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(str(path), "file not found.") from None
     except OSError as e:
         raise ConfigError(str(path), f"cannot read: {e.strerror}.") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(str(path), f"not UTF-8 text (byte {e.start}); TOML files are UTF-8.") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -143,6 +147,8 @@ class _Section:
 
     def number(self, key: str, default: float, *, minimum: float = 0, integer: bool = False) -> Any:
         value = self.get(key, int if integer else (int, float), default)
+        if not math.isfinite(value):  # TOML allows inf and nan
+            raise ConfigError(self.path, f"must be a finite number, got {value!r}.", key=self._key(key))
         if value < minimum:
             raise ConfigError(self.path, f"must be >= {minimum}, got {value!r}.", key=self._key(key))
         return value
@@ -215,6 +221,9 @@ def _parse_host(path: str, index: int, raw: Any) -> HostConfig:
     if isinstance(gpus, str):
         if gpus != "all" and not re.fullmatch(r"cpu:[1-9][0-9]*", gpus):
             raise ConfigError(path, f'expected "all", "cpu:N" or a list of GPU indices, got {gpus!r}.',
+                              key=f"hosts[{index}].gpus")
+        if gpus != "all" and (len(gpus) > 12 or int(gpus[4:]) > MAX_CPU_SLOTS):
+            raise ConfigError(path, f"at most cpu:{MAX_CPU_SLOTS} slots, got {gpus!r}.",
                               key=f"hosts[{index}].gpus")
     elif not gpus or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus) \
             or len(set(gpus)) != len(gpus):

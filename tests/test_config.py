@@ -202,3 +202,30 @@ def test_missing_env_file_is_an_error_not_the_default(home, monkeypatch):
 def test_a_directory_as_config_is_a_clean_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("text,key,value", [
+    ("[jobs]\ncancel_grace_s = nan\n", "jobs.cancel_grace_s", "nan"),
+    ("[harvest]\ninterval_s = inf\n", "harvest.interval_s", "inf"),
+    ("[[hosts]]\nname = 'a'\ngpus = 'cpu:4097'\n", "hosts[0].gpus", "'cpu:4097'"),
+    ("[[hosts]]\nname = 'a'\ngpus = 'cpu:" + "9" * 5000 + "'\n", "hosts[0].gpus", "cpu:999"),
+], ids=["nan", "inf", "too-many-slots", "absurd-slots"])
+def test_values_that_would_hang_or_misbehave_are_refused(tmp_path, text, key, value):
+    f = tmp_path / "bad.toml"
+    f.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(str(f))
+    assert info.value.key == key and value in str(info.value)
+
+
+def test_the_largest_slot_count_is_accepted():
+    cfg = parse_config({"hosts": [{"name": "a", "gpus": "cpu:4096"}]}, "f.toml")
+    assert cfg.hosts[0].cpu_slots == 4096
+
+
+def test_a_config_that_is_not_utf8_is_a_clean_error(tmp_path):
+    f = tmp_path / "bin.toml"
+    f.write_bytes(b"\xff\xfe[jobs]\n")
+    with pytest.raises(ConfigError, match="not UTF-8") as info:
+        load_config(str(f))
+    assert info.value.path == str(f)
