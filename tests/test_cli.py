@@ -188,3 +188,19 @@ def test_a_host_python_that_cannot_run_is_reported_not_a_traceback(home):
     r = make_cli("clirunner", home, cfg)("submit", "--", "true")
     assert r.code in (0, 1)  # recorded (and waiting or failed), or the operation failed
     assert f"cannot run {bad_python}: Permission denied" in r.stdout + r.stderr
+
+
+def test_status_watch_json_streams_one_document_per_refresh(home, config_path):
+    import signal
+
+    g = GpuflexCLI(home, config_path)
+    g.ok("submit", "--name", "w", "--workers", "9", "--", "true")
+    p = subprocess.Popen([g.script, "status", "w", "--json", "--watch", "--interval", "0.2"],
+                         env=g.env(), cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        docs = [json.loads(p.stdout.readline()) for _ in range(2)]
+    finally:
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=60)
+    assert [(d["id"], d["name"], d["state"]) for d in docs] == [(1, "w", "queued")] * 2
+    assert p.returncode == 0 and "Traceback" not in err

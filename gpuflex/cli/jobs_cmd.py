@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 from typing import Optional
 
@@ -71,7 +73,8 @@ def status(
     ctx: typer.Context,
     job: Optional[str] = typer.Argument(None, help="A job id or name; all jobs when left out."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or an array of all jobs)."),
-    watch: bool = typer.Option(False, "--watch", help="Refresh every --interval seconds until Ctrl-C."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh every --interval seconds until Ctrl-C "
+                               "(with --json: one JSON document per line per refresh)."),
     interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes with --watch."),
 ) -> None:
     """Show jobs, or one job with its workers and last scale events.
@@ -114,6 +117,11 @@ def status(
         print_json(out) if as_json else console.print(out)
         return
     try:
+        if as_json:  # a live table cannot show JSON: one document per line, per refresh
+            while True:
+                sys.stdout.write(json.dumps(snapshot(), default=str) + "\n")
+                sys.stdout.flush()
+                time.sleep(interval)
         with Live(snapshot(), console=console, auto_refresh=False) as live:
             while True:
                 time.sleep(interval)
