@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from gpuflex.cli import common, db_cmd, hosts_cmd, jobs_cmd
+from gpuflex.cli import common, db_cmd, harvest_cmd, hosts_cmd, jobs_cmd
 
 app = typer.Typer(
     name="gpuflex",
@@ -27,6 +27,7 @@ def _root(
 
 jobs_cmd.register(app)
 hosts_cmd.register(app)
+harvest_cmd.register(app)
 app.add_typer(db_cmd.app, name="db")
 
 

@@ -53,13 +53,21 @@ def pool_view(svc) -> list[dict]:
                     "job": job_worker[0].id if job_worker else None,
                     "rank": job_worker[1].rank if job_worker else None,
                     "foreign": foreign,
-                    "holder": _holder(job_worker, foreign),
+                    "zombie": g.verdict == "zombie",
+                    "holder": _holder(job_worker, foreign) or _zombie(g),
                 })
             out.append({
                 "name": h.name, "address": h.address, "owner": h.owner, "reachable": h.reachable,
                 "error": h.last_error, "last_probe_at": h.last_probe_at, "devices": devices,
             })
         return out
+
+
+def _zombie(g) -> str | None:
+    """Memory in use with no process listed: say so, it is why the GPU is not idle."""
+    if g.verdict != "zombie":
+        return None
+    return f"zombie memory ({g.memory_used_mib:.0f} MiB used, no process listed)"
 
 
 def _holder(job_worker, foreign: list[dict]) -> str | None:

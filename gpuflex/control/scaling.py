@@ -54,15 +54,18 @@ def grow(svc: "JobService", session: Session, job: Job, assignments: list[Assign
     return new
 
 
-def retire(svc: "JobService", session: Session, job: Job, wids: list[int], why: str = "") -> None:
-    """Ask these workers to leave at the next step boundary (they exit 0)."""
+def retire(svc: "JobService", session: Session, job: Job, wids: list[int], why: str = "",
+           wait_s: float = 30) -> None:
+    """Ask these workers to leave at the next step boundary (they exit 0). `wait_s` bounds
+    the wait for a coordinator that is still starting (a reclaim has a deadline)."""
     gone = [w for w in members(job) if w.wid in wids]
     if len(members(job)) - len(gone) < 1:
         raise JobError(f"job {job.id}: cannot retire every worker; cancel or requeue it instead.")
     for w in gone:
         WorkerState(w.state).check_transition(WorkerState.LEAVING)
         w.state = WorkerState.LEAVING.value
-    _request(svc, session, job, f"shrink to {len(members(job))} worker(s)" + (f": {why}" if why else ""))
+    _request(svc, session, job, f"shrink to {len(members(job))} worker(s)" + (f": {why}" if why else ""),
+             wait_s=wait_s)
 
 
 def requeue(svc: "JobService", session: Session, job: Job, why: str) -> None:
@@ -73,10 +76,10 @@ def requeue(svc: "JobService", session: Session, job: Job, why: str) -> None:
     _set_state(session, job, JobState.QUEUED, why, restarts=job.restarts)
 
 
-def _request(svc: "JobService", session: Session, job: Job, message: str) -> None:
+def _request(svc: "JobService", session: Session, job: Job, message: str, wait_s: float = 30) -> None:
     desired = sorted(w.wid for w in members(job))
     session.flush()
-    coordinator_request(svc, job, {"op": "resize", "members": desired}, wait_s=30)
+    coordinator_request(svc, job, {"op": "resize", "members": desired}, wait_s=wait_s)
     poke_workers(svc, job)
     job.target_workers = len(desired)
     if job.state != JobState.SCALING.value:

@@ -12,6 +12,8 @@ Verdicts written to `Gpu.verdict` (what `Pool.free` reads):
   gpuflex already holds and nobody else has touched since.
 - "owner": an owner's GPU that is in use, or not quiet for long enough yet.
 - "busy": a foreign (not gpuflex) compute process is on it.
+- "zombie": memory in use above idle_memory_mib with no compute process listed (a crashed
+  process's leftovers, or one in a PID namespace nvidia-smi cannot see): never idle.
 - "unknown": the last probe of the host failed.
 Only "free" and "idle" GPUs are placed on.
 """
@@ -187,10 +189,12 @@ def _check(host: HostConfig, rc: int, out: str, err: str) -> None:
 
 # ---- verdicts (pure) --------------------------------------------------------------------
 def verdict(*, owner: str | None, foreign: bool, ours: bool, quiet: bool, streak: int,
-            previous: str | None, harvest: HarvestSettings) -> tuple[str, int]:
+            previous: str | None, harvest: HarvestSettings, zombie: bool = False) -> tuple[str, int]:
     """(verdict, new idle streak) for one GPU after one probe; see the module docstring."""
     if foreign:
         return "busy", 0
+    if zombie and not ours:
+        return "zombie", 0
     if owner is None:
         return "free", streak + 1 if quiet else 0
     if ours and not quiet:
@@ -204,6 +208,11 @@ def is_quiet(g: GpuSample, harvest: HarvestSettings) -> bool:
     """Low utilization and memory; an unknown ([N/A]) value is not proof of quiet."""
     return (g.utilization_pct is not None and g.utilization_pct <= harvest.idle_util_pct
             and g.memory_used_mib is not None and g.memory_used_mib <= harvest.idle_memory_mib)
+
+
+def is_zombie(g: GpuSample, apps: list[ComputeApp], harvest: HarvestSettings) -> bool:
+    """Memory in use (above idle_memory_mib) while nvidia-smi lists no compute process."""
+    return not apps and g.memory_used_mib is not None and g.memory_used_mib > harvest.idle_memory_mib
 
 
 # ---- recording ----------------------------------------------------------------------------
@@ -249,7 +258,8 @@ def record_probe(session: Session, host: Host, cfg: HostConfig, probe: HostProbe
                                 "memory_mib": a.used_memory_mib})
         row.verdict, row.idle_streak = verdict(
             owner=cfg.owner, foreign=bool(foreign), ours=mine, quiet=is_quiet(s, harvest),
-            streak=row.idle_streak or 0, previous=row.verdict, harvest=harvest)
+            streak=row.idle_streak or 0, previous=row.verdict, harvest=harvest,
+            zombie=is_zombie(s, apps, harvest))
         row.uuid, row.model = s.uuid, s.name
         row.utilization_pct, row.memory_used_mib, row.memory_total_mib = \
             s.utilization_pct, s.memory_used_mib, s.memory_total_mib

@@ -1,0 +1,408 @@
+"""One harvest tick (`gpuflex harvest`, `gpuflex watch`): probe, reconcile, yield to owners,
+place, grow. The decisions come from gpuflex.policy.harvest (pure); this module carries
+them out through the pool's transports and records what happened.
+
+A tick, in order:
+1. probe every GPU host in parallel (outside any lock; bounded by the hosts' timeouts) and
+   record verdicts and idle streaks;
+2. `JobService.refresh()`: reconcile jobs with reality and start queued jobs that fit;
+3. plan; requeue the jobs that cannot yield above MIN (under the lock: SIGTERM = checkpoint
+   and stop, the owner's GPUs killed if that takes too long), ask the others to retire the
+   workers on reclaimed GPUs (in-place shrink);
+4. outside the lock, wait for the leavers to exit; a leaver still alive at
+   SHRINK_SHARE x reclaim_deadline_s after the owner was first seen is SIGKILLed (the
+   survivors recover without it, as from any crashed worker). SIGTERM is not used for a
+   single leaver: the worker runtime reads SIGTERM as "stop the whole job";
+5. record each reclaim (event "reclaim": host, gpu, latency_s, deadline_s, method), start
+   queued jobs that now fit, plan again and grow --harvest jobs onto idle GPUs.
+
+Ticks never overlap: a second one finds the tick lock (beside the DB) held and skips.
+A tick's run time is bounded: probes by the hosts' timeouts, reclaims by the deadline;
+growth is left to the next tick once a tick has used `budget_s`.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpuflex.config import Config
+from gpuflex.control import lifecycle, scaling
+from gpuflex.db.engine import sqlite_path
+from gpuflex.db.models import Host, Job
+from gpuflex.db.models import GpuSample as SampleRow
+from gpuflex.errors import GpuflexError
+from gpuflex.hosts.fanout import fan_out
+from gpuflex.hosts.probe import HISTORY_PER_GPU, latest_samples
+from gpuflex.policy.harvest import GpuView, Grow, JobView, Plan, Requeue, WorkerView, Yield, plan
+from gpuflex.policy.placement import Assignment
+from gpuflex.states import JobState, WorkerState
+
+if TYPE_CHECKING:
+    from gpuflex.control.service import JobService
+
+SHRINK_SHARE = 0.6     # of the deadline: the in-place shrink's window before SIGKILL
+KILL_MARGIN_S = 10     # after the deadline: how long a kill is still watched (to record it)
+POLL_S = 0.2
+
+
+@dataclasses.dataclass
+class TickResult:
+    started_at: float
+    dry_run: bool = False
+    skipped: str | None = None                               # why the tick did nothing
+    hosts: dict[str, str | None] = dataclasses.field(default_factory=dict)  # host -> error
+    plan: Plan = Plan()
+    actions: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    duration_s: float = 0.0
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        return [a for a in self.actions if a.get("ok") is False]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"time": self.started_at, "dry_run": self.dry_run, "skipped": self.skipped,
+                "hosts": [{"host": h, "ok": e is None, "error": e} for h, e in self.hosts.items()],
+                "plan": self.plan.to_json(), "actions": self.actions,
+                "duration_s": round(self.duration_s, 3)}
+
+
+def budget_s(config: Config) -> float:
+    h = config.harvest
+    return max(h.interval_s, h.reclaim_deadline_s + 10)
+
+
+# ---- the tick lock ---------------------------------------------------------------------
+def lock_path(config: Config) -> Path:
+    db = sqlite_path(config.database_url)
+    if db is not None:
+        return Path(str(db) + ".harvest.lock")
+    digest = hashlib.sha256(config.database_url.encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"gpuflex-harvest-{digest}.lock"
+
+
+@contextlib.contextmanager
+def tick_lock(config: Config) -> Iterator[str | None]:
+    """Try the tick lock without waiting: yields None when held by us, else who holds it."""
+    path = lock_path(config)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+            return
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}".encode(), 0)
+        yield None
+    finally:
+        os.close(fd)
+
+
+# ---- the tick --------------------------------------------------------------------------
+def run_tick(svc: "JobService", *, dry_run: bool = False) -> TickResult:
+    """One tick; see the module docstring. A dry run probes and plans, records nothing and
+    acts on nothing (it needs no tick lock)."""
+    if dry_run:
+        return _tick(svc, dry_run=True)
+    with tick_lock(svc.config) as holder:
+        if holder is not None:
+            return TickResult(time.time(), skipped=f"another harvest tick is running ({holder})")
+        return _tick(svc, dry_run=False)
+
+
+def _tick(svc: "JobService", dry_run: bool) -> TickResult:
+    t = TickResult(time.time(), dry_run=dry_run)
+    results = svc.collect_probes()
+    t.hosts = {name: None if r.ok else str(r.error) for name, r in results.items()}
+    errors = {h: e for h, e in t.hosts.items() if e}
+    if dry_run:
+        with svc.sessions() as session:
+            svc.pool.sync_hosts(session)
+            svc.record_probes(session, results)
+            t.plan = current_plan(svc, session, errors)
+            session.rollback()
+        return _done(t)
+    with svc.locked() as session:
+        svc.pool.sync_hosts(session)
+        svc.record_probes(session, results)
+    svc.refresh()
+    pending: list[_Reclaim] = []
+    with svc.locked() as session:
+        t.plan = current_plan(svc, session, errors)
+        for a in t.plan.of(Requeue):
+            t.actions += _requeue(svc, session, a)
+        for a in t.plan.of(Yield):
+            pending.append(_start_yield(svc, session, a, t))
+    outcomes = _watch_exits(svc, [x for p in pending for x in p.leavers])
+    with svc.locked() as session:
+        for p in pending:
+            t.actions += _record(svc, session, p, outcomes)
+        t.actions += _place(svc, session)
+        if time.time() - t.started_at > budget_s(svc.config):
+            t.actions.append({"action": "grow", "ok": None, "skipped": "the tick ran out of time; "
+                              "growth is left to the next tick"})
+        else:
+            t.actions += _grow(svc, session, current_plan(svc, session, errors).of(Grow))
+    return _done(t)
+
+
+def _done(t: TickResult) -> TickResult:
+    t.duration_s = time.time() - t.started_at
+    return t
+
+
+def current_plan(svc: "JobService", session: Session, errors: dict[str, str]) -> Plan:
+    jobs, gpus = snapshot(session, svc.config)
+    return plan(jobs, gpus, svc.config.harvest, time.time(), host_errors=errors,
+                max_probe_age_s=svc.pool.probe_max_age_s)
+
+
+def snapshot(session: Session, config: Config) -> tuple[list[JobView], list[GpuView]]:
+    """The plan's inputs from the DB: jobs that are not final with their live workers, and
+    every device of the configured hosts with its last verdict."""
+    jobs = []
+    live = [JobState.QUEUED.value, JobState.RUNNING.value, JobState.SCALING.value]
+    for j in session.scalars(select(Job).where(Job.state.in_(live)).order_by(Job.id)):
+        workers = tuple(WorkerView(w.wid, w.host, tuple(w.gpus), w.state) for w in lifecycle.live_workers(j))
+        jobs.append(JobView(id=j.id, state=j.state, min_workers=j.min_workers, max_workers=j.max_workers,
+                            gpus_per_worker=j.gpus_per_worker, priority=j.priority, harvest=j.harvest,
+                            workers=workers, target_workers=j.target_workers, name=j.name))
+    since = foreign_since(session)
+    names = {h.name for h in config.hosts}
+    gpus = [GpuView(host=h.name, index=g.index, verdict=g.verdict, owner=h.owner, kind=g.kind,
+                    idle_streak=g.idle_streak or 0, probed_at=g.updated_at,
+                    foreign_since=since.get((h.name, g.index)))
+            for h in session.scalars(select(Host).order_by(Host.name)) if h.name in names
+            for g in h.gpus]
+    return jobs, gpus
+
+
+def foreign_since(session: Session) -> dict[tuple[str, int], float]:
+    """For each GPU whose newest sample shows a foreign process: the time of the first of
+    the consecutive samples that do (when its owner came back)."""
+    out = {}
+    for key, newest in latest_samples(session).items():
+        if not newest.foreign_pids:
+            continue
+        since = newest.time
+        rows = session.execute(select(SampleRow.time, SampleRow.foreign_pids)
+                               .where(SampleRow.host == key[0], SampleRow.gpu_index == key[1])
+                               .order_by(SampleRow.time.desc(), SampleRow.id.desc()).limit(HISTORY_PER_GPU))
+        for when, pids in rows:
+            if not pids:
+                break
+            since = when
+        out[key] = since
+    return out
+
+
+# ---- yielding --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Leaver:
+    job: int
+    wid: int
+    host: str
+    gpus: tuple[int, ...]
+    pgid: int | None
+    exit_path: str
+    kill_at: float
+    give_up_at: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exit:
+    gone_at: float | None         # None: still alive when we gave up
+    returncode: int | None
+    killed: bool
+
+
+@dataclasses.dataclass
+class _Reclaim:
+    action: Yield | Requeue
+    leavers: list[_Leaver]
+    method: str                   # shrink | requeue
+
+
+def _leavers(svc: "JobService", job: Job, a: Yield | Requeue, kill_at: float | None = None) -> list[_Leaver]:
+    d = svc.config.harvest.reclaim_deadline_s
+    kill_at = a.since + SHRINK_SHARE * d if kill_at is None else kill_at
+    return [_Leaver(job.id, w.wid, w.host, tuple(w.gpus), w.pgid, w.exit_path, kill_at,
+                    a.since + d + KILL_MARGIN_S)
+            for w in lifecycle.live_workers(job) if w.wid in a.wids]
+
+
+def _start_yield(svc: "JobService", session: Session, a: Yield, t: TickResult) -> _Reclaim:
+    """Ask the job to retire the workers on the owner's GPUs (in place)."""
+    job = session.get(Job, a.job)
+    leavers = _leavers(svc, job, a)
+    retire = [w.wid for w in lifecycle.live_workers(job)
+              if w.wid in a.wids and w.state != WorkerState.LEAVING.value]
+    if retire:
+        try:
+            wait = max(0.5, leavers[0].kill_at - time.time()) if leavers else 0.5
+            scaling.retire(svc, session, job, retire, why=a.reason, wait_s=wait)
+        except GpuflexError as e:
+            # the coordinator cannot take the shrink: the deadline still holds, kill now
+            _event(session, job, "reclaim-escalated", f"in-place shrink refused ({e}); killing the "
+                   f"worker(s) on the owner's GPUs", wids=list(a.wids))
+            leavers = _leavers(svc, job, a, kill_at=time.time())
+            t.actions.append({"action": "retire", "job": job.id, "wids": list(a.wids), "ok": False,
+                              "error": str(e)})
+    return _Reclaim(a, leavers, "shrink")
+
+
+def _requeue(svc: "JobService", session: Session, a: Requeue) -> list[dict[str, Any]]:
+    """Stop the job gracefully (SIGTERM: the workers checkpoint at their step boundary),
+    kill its workers on the owner's GPUs if that takes past the shrink window, and queue
+    it. Runs under the lock, so no other command sees the job half stopped."""
+    job = session.get(Job, a.job)
+    by_host: dict[str, list[int]] = collections.defaultdict(list)
+    for w in lifecycle.live_workers(job):
+        if w.pgid:
+            by_host[w.host].append(w.pgid)
+    for host, pgids in by_host.items():
+        try:
+            svc.pool.transport(host).signal(pgids, signal.SIGTERM)
+        except GpuflexError:
+            pass  # the watch below kills, or records the failure
+    p = _Reclaim(a, _leavers(svc, job, a), "requeue")
+    done = _record(svc, session, p, _watch_exits(svc, p.leavers))
+    try:
+        scaling.requeue(svc, session, job, a.reason)   # stops the others (grace, then SIGKILL)
+    except GpuflexError as e:
+        _event(session, job, "requeue-failed", str(e))
+    return done + [{"action": "requeue", "job": job.id, "ok": job.state == JobState.QUEUED.value,
+                    "reason": a.reason}]
+
+
+def _watch_exits(svc: "JobService", leavers: list[_Leaver]) -> dict[tuple[int, int], _Exit]:
+    """Wait (all hosts at once) until each leaver's process group is gone; SIGKILL the ones
+    still alive at their `kill_at`; give up at their `give_up_at`."""
+    by_host: dict[str, list[_Leaver]] = collections.defaultdict(list)
+    for x in leavers:
+        by_host[x.host].append(x)
+    if not by_host:
+        return {}
+    cfgs = [svc.config.host(h) for h in by_host]
+    transports = {c.name: svc.pool.transport(c) for c in cfgs}  # made here: the pool is not thread-safe
+
+    def watch(cfg) -> dict[tuple[int, int], _Exit]:
+        t, pending, out, killed = transports[cfg.name], list(by_host[cfg.name]), {}, set()
+        while pending:
+            try:
+                states = t.status([(x.pgid, x.exit_path) for x in pending])
+            except GpuflexError:
+                states = None
+            now = time.time()
+            for x, st in zip(pending, states or []):
+                if not st.alive:
+                    out[(x.job, x.wid)] = _Exit(now, st.returncode, (x.job, x.wid) in killed)
+            pending = [x for x in pending if (x.job, x.wid) not in out]
+            due = [x for x in pending if now >= x.kill_at and (x.job, x.wid) not in killed]
+            if due:
+                try:
+                    t.signal([x.pgid for x in due], signal.SIGKILL)
+                except GpuflexError:
+                    pass
+                killed.update((x.job, x.wid) for x in due)
+                continue
+            if not pending or now >= max(x.give_up_at for x in pending):
+                break
+            time.sleep(POLL_S)
+        for x in pending:
+            out[(x.job, x.wid)] = _Exit(None, None, (x.job, x.wid) in killed)
+        return out
+
+    limit = max(x.give_up_at for x in leavers) - time.time() + 10
+    outcomes: dict[tuple[int, int], _Exit] = {}
+    for name, r in fan_out(cfgs, watch, max(limit, 1)).items():
+        if r.ok:
+            outcomes.update(r.value)
+        else:
+            outcomes.update({(x.job, x.wid): _Exit(None, None, False) for x in by_host[name]})
+    return outcomes
+
+
+def _record(svc: "JobService", session: Session, p: _Reclaim,
+            outcomes: dict[tuple[int, int], _Exit]) -> list[dict[str, Any]]:
+    """End the leavers in the DB (at the moment they were seen gone) and write one
+    "reclaim" event per reclaimed GPU."""
+    job = session.get(Job, p.action.job)
+    workers = {w.wid: w for w in job.workers}
+    for x in p.leavers:
+        o, w = outcomes.get((x.job, x.wid)), workers[x.wid]
+        if o is None or o.gone_at is None or WorkerState(w.state).final:
+            continue
+        if o.killed and o.returncode is None:
+            state = WorkerState.STOPPED
+        else:
+            state = {0: WorkerState.EXITED, None: WorkerState.LOST}.get(o.returncode, WorkerState.FAILED)
+        lifecycle.end_worker(session, job, w, state, o.returncode)
+        w.ended_at = o.gone_at
+    deadline = svc.config.harvest.reclaim_deadline_s
+    out = []
+    for host, gpu in p.action.gpus:
+        mine = [outcomes.get((x.job, x.wid), _Exit(None, None, False)) for x in p.leavers
+                if x.host == host and gpu in x.gpus]
+        ok = all(o.gone_at is not None for o in mine)
+        latency = round(max((o.gone_at for o in mine), default=time.time()) - p.action.since, 3) if ok else None
+        method = "sigkill" if any(o.killed for o in mine) else p.method
+        if not ok:
+            method = "failed"
+        data = {"host": host, "gpu": gpu, "latency_s": latency, "deadline_s": deadline, "method": method,
+                "wids": [x.wid for x in p.leavers if x.host == host and gpu in x.gpus],
+                "within_deadline": ok and latency <= deadline}
+        took = f"in {latency:.2f} s" if ok else "FAILED: a worker is still alive"
+        _event(session, job, "reclaim", f"{host}:{gpu} given back to its owner {took} ({method}; "
+                                        f"deadline {deadline:g} s)", **data)
+        out.append({"action": "reclaim", "job": job.id, "ok": ok, **data})
+    return out
+
+
+# ---- placing and growing ---------------------------------------------------------------
+def _place(svc: "JobService", session: Session) -> list[dict[str, Any]]:
+    queued = list(session.scalars(select(Job).where(Job.state == JobState.QUEUED.value)))
+    lifecycle.place_queued(svc, session)
+    return [{"action": "place", "job": j.id, "ok": True,
+             "gpus": [[w.host, d] for w in lifecycle.live_workers(j) for d in w.gpus]}
+            for j in queued if j.state != JobState.QUEUED.value]
+
+
+def _grow(svc: "JobService", session: Session, grows: list[Grow]) -> list[dict[str, Any]]:
+    by_job: dict[int, list[Grow]] = collections.defaultdict(list)
+    for g in grows:
+        by_job[g.job].append(g)
+    out = []
+    for job_id, gs in by_job.items():
+        job = session.get(Job, job_id)
+        where = [[g.host, d] for g in gs for d in g.devices]
+        text = ", ".join(f"{h}:{d}" for h, d in where)
+        try:
+            new = scaling.grow(svc, session, job, [Assignment(g.host, g.devices) for g in gs],
+                               why=f"harvesting idle {text}")
+            out.append({"action": "grow", "job": job_id, "ok": True, "gpus": where,
+                        "wids": [w.wid for w in new]})
+        except GpuflexError as e:
+            _event(session, job, "harvest-failed", f"could not grow onto {text}: {e}")
+            out.append({"action": "grow", "job": job_id, "ok": False, "gpus": where, "error": str(e)})
+    return out
+
+
+def _event(session: Session, job: Job, kind: str, message: str, **data) -> None:
+    from gpuflex.control.service import record
+
+    record(session, job, kind, message, **data)

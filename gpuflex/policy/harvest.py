@@ -1,0 +1,284 @@
+"""The harvest plan: pure (jobs, GPUs, settings, now) -> actions. No I/O.
+
+One tick of `gpuflex harvest` asks `plan()` what to do and an executor
+(gpuflex.control.harvest) carries it out. The plan, in order:
+
+1. HostDown: a host whose probe failed this tick. Its GPUs are "unknown": nothing is
+   grown onto them and nothing is yielded there (we cannot see what happens on them).
+2. Yield / Requeue: a foreign (not gpuflex) process is on a GPU that one of our workers
+   holds. The workers on such GPUs leave their job (an in-place shrink). A job that would
+   fall below MIN that way, or keep no worker that holds its state, is checkpointed and
+   requeued instead. Yielding happens on every host, owned or not.
+3. Place: queued jobs that fit on free or idle devices, by priority then age (what
+   `lifecycle.place_queued` will do; listed so a dry run shows it).
+4. Grow: `--harvest` jobs grow onto idle GPUs of owned hosts, one worker at a time, up to
+   their MAX: higher priority first, then the job with the fewest harvested GPUs (fair
+   share), then the older job. A worker's devices are on one host, preferably a host the
+   job already uses.
+
+Hysteresis: a GPU is grown onto only with verdict "idle" and at least `idle_samples`
+quiet probes in a row (see gpuflex.hosts.probe), from a probe no older than
+`max_probe_age_s`; one busy probe resets the streak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Sequence, Union
+
+from gpuflex.config import HarvestSettings
+from gpuflex.policy.placement import Assignment, HostFree, place
+
+GpuRef = tuple[str, int]          # (host, device index)
+ACTIVE = ("running", "scaling")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerView:
+    wid: int
+    host: str
+    gpus: tuple[int, ...]
+    state: str = "running"        # starting | running | leaving (live workers only)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobView:
+    id: int
+    state: str                    # queued | running | scaling
+    min_workers: int
+    max_workers: int
+    gpus_per_worker: int = 1
+    priority: int = 0
+    harvest: bool = False
+    workers: tuple[WorkerView, ...] = ()
+    target_workers: int | None = None
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.min_workers < 1 or self.max_workers < self.min_workers or self.gpus_per_worker < 0:
+            raise ValueError(f"job {self.id}: bad shape {self.min_workers}:{self.max_workers}"
+                             f" x {self.gpus_per_worker}")
+
+    @property
+    def members(self) -> tuple[WorkerView, ...]:
+        """Workers meant to stay: alive and not retiring."""
+        return tuple(w for w in self.workers if w.state != "leaving")
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuView:
+    """One device as the last probe saw it (kind "slot": a CPU slot, never probed)."""
+
+    host: str
+    index: int
+    verdict: str | None           # free | idle | owner | busy | zombie | unknown | slot
+    owner: str | None = None
+    kind: str = "gpu"
+    idle_streak: int = 0
+    probed_at: float | None = None      # time of the last successful probe of this GPU
+    foreign_since: float | None = None  # first of the consecutive probes that saw a foreign process
+
+    @property
+    def ref(self) -> GpuRef:
+        return (self.host, self.index)
+
+
+# ---- actions --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HostDown:
+    host: str
+    error: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Yield:
+    """Retire `wids` of `job` (in place): a foreign process is on `gpus` since `since`."""
+
+    job: int
+    wids: tuple[int, ...]
+    gpus: tuple[GpuRef, ...]
+    since: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Requeue:
+    """Checkpoint and requeue `job`: yielding `gpus` would take it below MIN."""
+
+    job: int
+    wids: tuple[int, ...]         # the workers on the reclaimed GPUs
+    gpus: tuple[GpuRef, ...]
+    since: float
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Start a queued job (as lifecycle.place_queued will)."""
+
+    job: int
+    assignments: tuple[Assignment, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Grow:
+    """One more worker for a --harvest job on idle `devices` of `host`."""
+
+    job: int
+    host: str
+    devices: tuple[int, ...]
+
+
+Action = Union[HostDown, Yield, Requeue, Place, Grow]
+_NAMES = {HostDown: "host-down", Yield: "yield", Requeue: "requeue", Place: "place", Grow: "grow"}
+
+
+def action_json(a: Action) -> dict[str, Any]:
+    out: dict[str, Any] = {"action": _NAMES[type(a)]}
+    for f in dataclasses.fields(a):
+        v = getattr(a, f.name)
+        if f.name == "assignments":
+            v = [{"host": x.host, "devices": list(x.devices)} for x in v]
+        elif isinstance(v, tuple):
+            v = [list(x) if isinstance(x, tuple) else x for x in v]
+        out[f.name] = v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    actions: tuple[Action, ...] = ()
+
+    def of(self, kind: type) -> list:
+        return [a for a in self.actions if isinstance(a, kind)]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [action_json(a) for a in self.actions]
+
+
+# ---- the plan -------------------------------------------------------------------------
+def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSettings, now: float, *,
+         host_errors: Mapping[str, str] | None = None, max_probe_age_s: float | None = None) -> Plan:
+    """What one tick should do; see the module docstring for the rules and their order."""
+    host_errors = dict(host_errors or {})
+    max_age = max_probe_age_s if max_probe_age_s is not None else max(3 * settings.interval_s, 300.0)
+    actions: list[Action] = [HostDown(h, e) for h, e in sorted(host_errors.items())]
+
+    def seen(g: GpuView) -> bool:
+        """A GPU whose last probe succeeded recently, on a host that answered this tick."""
+        return (g.kind == "gpu" and g.host not in host_errors and g.probed_at is not None
+                and now - g.probed_at <= max_age)
+
+    holder: dict[GpuRef, tuple[JobView, WorkerView]] = {}
+    for j in jobs:
+        for w in j.workers:
+            for d in w.gpus:
+                holder[(w.host, d)] = (j, w)
+
+    # -- yield to owners --
+    reclaimed: dict[int, dict[int, set[GpuRef]]] = {}   # job -> wid -> GPUs
+    since: dict[int, float] = {}
+    for g in gpus:
+        if g.foreign_since is None or not seen(g) or g.ref not in holder:
+            continue
+        j, w = holder[g.ref]
+        if j.state not in ACTIVE:
+            continue
+        reclaimed.setdefault(j.id, {}).setdefault(w.wid, set()).add(g.ref)
+        since[j.id] = min(since.get(j.id, g.foreign_since), g.foreign_since)
+    requeued: set[int] = set()
+    leaving_now: dict[int, set[int]] = {}
+    for j in sorted(jobs, key=lambda j: j.id):
+        if j.id not in reclaimed:
+            continue
+        wids = tuple(sorted(reclaimed[j.id]))
+        refs = tuple(sorted(set().union(*reclaimed[j.id].values())))
+        stay = [w for w in j.members if w.wid not in wids]
+        where = ", ".join(f"{h}:{i}" for h, i in refs)
+        if len(stay) < j.min_workers or not any(w.state == "running" for w in stay):
+            requeued.add(j.id)
+            keeps = f"{len(stay)} worker(s) would stay, below MIN {j.min_workers}" \
+                if len(stay) < j.min_workers else "no remaining worker holds the training state"
+            actions.append(Requeue(j.id, wids, refs, since[j.id], f"owner back on {where}; {keeps}"))
+        else:
+            leaving_now[j.id] = set(wids)
+            actions.append(Yield(j.id, wids, refs, since[j.id], f"owner back on {where}"))
+
+    # -- devices nobody holds, by host --
+    taken = set(holder)
+    free: dict[str, list[int]] = {}
+    idle: dict[str, list[int]] = {}
+    for g in sorted(gpus, key=lambda g: (g.host, g.index)):
+        if g.ref in taken:
+            continue
+        if g.kind == "slot":
+            free.setdefault(g.host, []).append(g.index)
+        elif seen(g) and g.verdict in ("free", "idle"):
+            free.setdefault(g.host, []).append(g.index)
+            if (g.verdict == "idle" and g.owner is not None
+                    and g.idle_streak >= settings.idle_samples):
+                idle.setdefault(g.host, []).append(g.index)
+    slot_hosts = {g.host for g in gpus if g.kind == "slot"}
+
+    # -- queued jobs, as place_queued will start them --
+    for j in sorted((j for j in jobs if j.state == "queued"), key=lambda j: (-j.priority, j.id)):
+        offer = [HostFree(h, tuple(d), slots=h in slot_hosts) for h, d in sorted(free.items())]
+        p = place(offer, j.min_workers, max(j.target_workers or j.max_workers, j.min_workers),
+                  j.gpus_per_worker)
+        if not p.ok:
+            continue
+        actions.append(Place(j.id, p.assignments))
+        for a in p.assignments:
+            _take(free, idle, a.host, a.devices)
+
+    # -- grow --harvest jobs onto idle GPUs --
+    owned_hosts = {g.host for g in gpus if g.owner is not None}
+    size: dict[int, int] = {}
+    harvested: dict[int, int] = {}
+    hosts_of: dict[int, set[str]] = {}
+    growers = []
+    for j in jobs:
+        if not j.harvest or j.state not in ACTIVE or j.id in requeued or j.gpus_per_worker < 1:
+            continue
+        stay = [w for w in j.members if w.wid not in leaving_now.get(j.id, set())]
+        size[j.id] = len(stay)
+        harvested[j.id] = sum(len(w.gpus) for w in stay if w.host in owned_hosts)
+        hosts_of[j.id] = {w.host for w in stay}
+        growers.append(j)
+    while True:
+        best = None
+        for j in growers:
+            if size[j.id] >= j.max_workers:
+                continue
+            host = _pick_host(idle, j.gpus_per_worker, hosts_of[j.id])
+            if host is None:
+                continue
+            key = (-j.priority, harvested[j.id], j.id)
+            if best is None or key < best[0]:
+                best = (key, j, host)
+        if best is None:
+            break
+        _, j, host = best
+        devices = tuple(idle[host][:j.gpus_per_worker])
+        _take(free, idle, host, devices)
+        actions.append(Grow(j.id, host, devices))
+        size[j.id] += 1
+        harvested[j.id] += len(devices)
+        hosts_of[j.id].add(host)
+    return Plan(tuple(actions))
+
+
+def _pick_host(idle: Mapping[str, list[int]], need: int, used: Iterable[str]) -> str | None:
+    """A host with `need` idle GPUs: one the job already uses first, then the most idle, then by name."""
+    used = set(used)
+    fits = [h for h, d in idle.items() if len(d) >= need]
+    if not fits:
+        return None
+    return min(fits, key=lambda h: (h not in used, -len(idle[h]), h))
+
+
+def _take(free: dict[str, list[int]], idle: dict[str, list[int]], host: str, devices: Iterable[int]) -> None:
+    gone = set(devices)
+    for pool in (free, idle):
+        if host in pool:
+            pool[host] = [d for d in pool[host] if d not in gone]

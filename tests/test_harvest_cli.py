@@ -1,0 +1,205 @@
+"""`gpuflex harvest`, `watch` and `report` without sshd: a "local" GPU host whose nvidia-smi
+is the fake. Overlapping ticks, dry runs, bad input, the SIGKILL escalation of a reclaim,
+and the report's arithmetic."""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuflex.cli import app
+from gpuflex.config import load_config
+from gpuflex.control.harvest import run_tick, tick_lock
+from gpuflex.control.service import JobService
+from gpuflex.db.models import Event, Host, Job, Worker
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, db_rows
+from tests.sshbed import FAKE_SMI, default_gpus
+
+
+def fake_host(home: Path, name: str = "box", owner: str | None = "alice") -> tuple[Path, str]:
+    """A local host with two fake GPUs: (its nvidia-smi state file, its [[hosts]] table)."""
+    state = home / f"{name}.smi.json"
+    state.write_text(json.dumps({"gpus": default_gpus(name), "processes": []}))
+    smi = home / f"{name}-nvidia-smi"
+    smi.write_text(f"#!/bin/sh\nexec '{sys.executable}' -I -S '{FAKE_SMI}' --state '{state}' \"$@\"\n")
+    smi.chmod(0o755)
+    table = (f'[[hosts]]\nname = "{name}"\naddress = "local"\nnvidia_smi = "{smi}"\n'
+             f'workdir = "{home / "work"}"\n' + (f'owner = "{owner}"\n' if owner else ""))
+    return state, table
+
+
+def set_smi(state: Path, name: str = "box", processes=(), **gpu0) -> None:
+    gpus = default_gpus(name)
+    gpus[0].update({{"util": "utilization", "mem": "memory_used"}[k]: v for k, v in gpu0.items()})
+    state.write_text(json.dumps({"gpus": gpus, "processes": list(processes)}))
+
+
+@pytest.fixture
+def box(home):
+    state, table = fake_host(home)
+    cfg = home / "g.toml"
+    cfg.write_text(f'[database]\nurl = "sqlite:///{home / "g.db"}"\n\n'
+                   "[harvest]\nidle_samples = 2\nreclaim_deadline_s = 4\n\n"
+                   "[jobs]\ncancel_grace_s = 2\n\n" + table)
+    yield cfg, state
+    cleanup_jobs(GpuflexCLI(home, cfg), home / "g.db")
+
+
+def invoke(cfg: Path, *args: str):
+    r = CliRunner().invoke(app, ["--config", str(cfg), *args], env={"COLUMNS": "200"})
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return r
+
+
+def tick(cfg: Path, *args: str) -> dict:
+    r = invoke(cfg, "harvest", "--json", *args)
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def streaks(home: Path) -> list[tuple]:
+    return db_rows(home / "g.db", 'SELECT "index", verdict, idle_streak FROM gpus ORDER BY 1')
+
+
+# ---- one tick at a time -------------------------------------------------------------------
+def test_a_second_tick_while_one_runs_skips_and_says_so(box, home):
+    cfg, _ = box
+    tick(cfg)
+    before = db_dump(home / "g.db")
+    with tick_lock(load_config(str(cfg))) as holder:
+        assert holder is None
+        p = GpuflexCLI(home, cfg)("harvest")
+        assert p.returncode == 0, p.stderr
+        assert "harvest tick skipped: another harvest tick is running (pid " in p.stdout
+        assert str(os.getpid()) in p.stdout
+        skipped = tick(cfg)
+        assert skipped["skipped"].startswith("another harvest tick is running") and skipped["actions"] == []
+    assert db_dump(home / "g.db") == before          # the skipped ticks probed and recorded nothing
+    assert tick(cfg)["skipped"] is None              # released
+
+
+def test_idle_after_idle_samples_ticks_and_a_dry_run_records_nothing(box, home):
+    cfg, state = box
+    set_smi(state, util=40)
+    tick(cfg)
+    assert streaks(home) == [(0, "owner", 0), (1, "owner", 1)]
+    set_smi(state)
+    tick(cfg)
+    assert streaks(home) == [(0, "owner", 1), (1, "idle", 2)]
+    before = db_dump(home / "g.db")
+    dry = tick(cfg, "--dry-run")
+    assert dry["dry_run"] is True and dry["actions"] == []
+    assert db_dump(home / "g.db") == before
+    set_smi(state, util=0, mem=20000)                # memory in use, no process listed
+    tick(cfg)
+    assert streaks(home) == [(0, "zombie", 0), (1, "idle", 3)]
+    r = invoke(cfg, "hosts")
+    assert "zombie memory (20000 MiB used, no process listed)" in r.stdout
+
+
+def test_watch_runs_ticks_until_told_and_reports_each(box):
+    cfg, _ = box
+    r = invoke(cfg, "watch", "--interval", "0.1", "--ticks", "2", "--json")
+    assert r.exit_code == 0, r.output
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert len(lines) == 2 and all(x["skipped"] is None for x in lines)
+    assert lines[0]["hosts"] == [{"host": "box", "ok": True, "error": None}]
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (("watch", "--interval", "0"), "--interval '0': expected a duration above 0"),
+    (("watch", "--interval", "soon"), "--interval 'soon'"),
+    (("watch", "--ticks", "0"), "--ticks 0: must be 1 or more"),
+    (("report", "--since", "garbage"), "--since 'garbage': expected a duration (24h, 7d) or an ISO"),
+    (("report", "--since", "2999-01-01"), "is in the future"),
+    (("report", "--json", "--csv"), "--json and --csv: choose one"),
+])
+def test_bad_input_exits_2_with_one_line_and_changes_nothing(box, home, args, fragment):
+    cfg, _ = box
+    tick(cfg)
+    before = db_dump(home / "g.db")
+    r = invoke(cfg, *args)
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], r.stderr
+    assert db_dump(home / "g.db") == before
+
+
+# ---- a leaver that does not leave is killed within the deadline ------------------------------
+def test_a_reclaim_escalates_to_sigkill_within_the_deadline(box, home):
+    cfg, state = box
+    tick(cfg)
+    tick(cfg)                                        # both GPUs idle
+    job = json.loads(invoke(cfg, "submit", "--workers", "1:2", "--json", "--", "sleep", "300").stdout)
+    assert sorted(w["gpus"][0] for w in job["workers"]) == [0, 1]
+    # as if both had joined a generation (`sleep` never does): the survivor holds the state
+    with sqlite3.connect(home / "g.db") as con:
+        con.execute("UPDATE workers SET state = 'running'")
+    assert db_rows(home / "g.db", "SELECT DISTINCT state FROM workers") == [("running",)]
+    owner = subprocess.Popen(["sleep", "300"])
+    try:
+        uuid = default_gpus("box")[0]["uuid"]
+        set_smi(state, util=90, mem=8000, processes=[{"gpu_uuid": uuid, "pid": owner.pid, "used_memory": 8000}])
+        out = tick(cfg)                              # `sleep` ignores the shrink
+        (rc,) = [a for a in out["actions"] if a["action"] == "reclaim"]
+        assert (rc["host"], rc["gpu"], rc["method"], rc["ok"]) == ("box", 0, "sigkill", True), out
+        assert rc["latency_s"] <= rc["deadline_s"] == 4
+        status = json.loads(invoke(cfg, "status", str(job["id"]), "--json").stdout)
+        gone = [w for w in status["workers"] if w["gpus"] == [0]]
+        assert [w["state"] for w in gone] == ["stopped"]
+        assert [w["gpus"] for w in status["workers"] if w["state"] in ("starting", "running")] == [[1]]
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+# ---- the report's arithmetic ------------------------------------------------------------------
+def test_report_sums_gpu_hours_per_host_owner_and_job_inside_the_window(box, home):
+    cfg, _ = box
+    svc = JobService(load_config(str(cfg)))
+    now = time.time()
+    try:
+        svc.refresh()
+        with svc.sessions.begin() as s:
+            s.add(Host(name="free", address="10.0.0.9"))                 # no owner: not harvest
+            for i, (name, workers) in enumerate([
+                    ("a", [("box", [0], now - 7200, now - 3600), ("box", [1], now - 1800, None),
+                           ("free", [0], now - 7200, None)]),
+                    ("b", [("box", [0, 1], now - 3 * 86400, now - 2 * 86400)])]):
+                j = Job(token=f"t{i}", name=name, state="succeeded", argv=["x"], workdir="/", env={},
+                        min_workers=1, max_workers=4, gpus_per_worker=1, user="u")
+                for wid, (host, gpus, start, end) in enumerate(workers):
+                    j.workers.append(Worker(wid=wid, host=host, gpus=gpus, state="running" if end is None else "exited",
+                                            log_path="l", exit_path="e", started_at=start, ended_at=end))
+                s.add(j)
+                if name == "a":
+                    for t, lat in ((now - 3000, 1.5), (now - 2000, 2.5), (now - 1000, 9.0), (now - 90000, 99.0)):
+                        j.events.append(Event(kind="reclaim", message="m", time=t, data={
+                            "host": "box", "gpu": 0, "latency_s": lat, "deadline_s": 30, "method": "shrink",
+                            "within_deadline": True}))
+    finally:
+        svc.close()
+    r = invoke(cfg, "report", "--since", "4h", "--json")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["by_host"] == [{"host": "box", "owner": "alice", "gpu_hours": pytest.approx(1.5, abs=0.01)}]
+    assert data["by_owner"] == [{"owner": "alice", "gpu_hours": pytest.approx(1.5, abs=0.01)}]
+    assert [j["job_name"] for j in data["by_job"]] == ["a"]
+    rc = data["reclaims"]
+    assert (rc["count"], rc["median_s"], rc["max_s"], rc["within_deadline"]) == (3, 2.5, 9.0, 3)
+    week = json.loads(invoke(cfg, "report", "--since", "7d", "--json").stdout)
+    assert week["gpu_hours"] == pytest.approx(1.5 + 2 * 24, abs=0.01)
+    csv = invoke(cfg, "report", "--since", "4h", "--csv").stdout.splitlines()
+    assert csv[0] == "host,owner,job,job_name,gpu_hours,reclaims,reclaim_median_s,reclaim_max_s"
+    assert csv[1].startswith("box,alice,1,a,1.5") and csv[1].endswith(",3,2.5,9.0")
+    text = invoke(cfg, "report", "--since", "4h").stdout
+    assert "1.50 GPU-hours" in text and "median 2.5 s, max 9.0 s" in text
