@@ -15,8 +15,8 @@ import torch
 
 from gpuflex.elastic.control import MAX_LINE, ControlServer
 from gpuflex.elastic.sampler import ElasticSampler, split
-from gpuflex.elastic.state import (Snapshots, checksum_tensors, flatten, load_checkpoint,
-                                   materialize, save_checkpoint, unflatten)
+from gpuflex.elastic.state import (Registry, checksum_tensors, flatten, load_checkpoint,
+                                   save_checkpoint, unflatten)
 
 
 @pytest.mark.parametrize("total,world", [(64, 1), (64, 3), (7, 4), (3, 5), (0, 2)])
@@ -70,19 +70,25 @@ def test_flatten_round_trip_keeps_structure_and_values():
     assert torch.equal(back["a"], tree["a"]) and torch.equal(back["b"][1][0], torch.ones(2, 2))
 
 
-def test_snapshots_keep_two_commits_and_never_alias_live_tensors():
-    snaps = Snapshots()
-    p = torch.zeros(4)
-    for step in range(3):
-        p += 1
-        snaps.commit(step, {"p": p, "n": step}, {"step_log": step})
-    assert snaps.steps() == (2, 1)
-    assert snaps.at(0) is None
-    restored = materialize(snaps.rewind(1))
-    assert restored["n"] == 1 and torch.equal(restored["p"], torch.full((4,), 2.0))
-    restored["p"] += 100          # the commit itself is untouched
-    assert torch.equal(materialize(snaps.latest())["p"], torch.full((4,), 2.0))
-    assert snaps.steps() == (1, -1)
+def test_light_state_is_captured_by_value_and_heavy_state_is_left_out():
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    counters = {"tokens": 5}
+    reg = Registry()
+    for name, obj in (("model", model), ("optimizer", opt), ("scheduler", sched), ("extra.c", counters)):
+        reg.add(name, obj)
+    light = reg.capture_light()
+    assert set(light) == {"scheduler", "extra.c", "optimizer.param_groups"}
+    opt.step()
+    sched.step()
+    counters["tokens"] += 1
+    assert opt.param_groups[0]["lr"] == 0.05
+    reg.load(light, light_only=True)   # undo what a failed step did to the light state
+    assert counters == {"tokens": 5} and sched.state_dict()["last_epoch"] == 0
+    assert opt.param_groups[0]["lr"] == 0.1
+    with pytest.raises(TypeError):
+        reg.add("bad", object())
 
 
 def test_checksum_sees_a_one_bit_change():

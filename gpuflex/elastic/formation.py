@@ -2,8 +2,10 @@
 
 Used by `ElasticRun` at three moments: the first join, an agreed switch at a step
 boundary (resize), and recovery after a failed collective (fault). In every case the
-members end with the same commit: the newest step that every member with state still
-holds (a survivor may be one step ahead of its peers after a fault, so each keeps two).
+members end with the same state: the newest one any of them holds. After a fault a
+member is either at step k (its gradient all-reduce failed, so the step was skipped and
+undone) or at k+1 (the all-reduce completed — every rank's share was in it — and only
+the agreement after it failed); a member that is ahead sends its state to the others.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch.distributed as dist
 
 from gpuflex.elastic import keys
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Superseded
-from gpuflex.elastic.state import FlatState, Snapshot, checksum_tensors, flatten, materialize
+from gpuflex.elastic.state import FlatState, checksum_tensors, flatten, layout_of, unflatten
 
 if TYPE_CHECKING:
     from gpuflex.elastic.runtime import ElasticRun
@@ -43,7 +45,7 @@ class Formation:
         failed_at = time.time()
         self.rdzv.report_fail(g, why)
         self._destroy()
-        self.enter(after=g, was_member=True, failed_at=failed_at, clean=False)
+        self.enter(after=g, was_member=True, failed_at=failed_at)
 
     def switch(self, g: int, agreed_at: float) -> None:
         info = self.rdzv.generation(g)
@@ -51,16 +53,14 @@ class Formation:
             self._leave(g)
             return
         try:
-            self._form(info, clean=True, detect_from=info["created"], agreed_at=agreed_at)
-        except Superseded:
-            self.enter(after=g, was_member=True, failed_at=None, clean=True)
-        except StateMismatch:
-            self.enter(after=g, was_member=True, failed_at=None, clean=False)
+            self._form(info, detect_from=info["created"], agreed_at=agreed_at)
+        except (Superseded, StateMismatch):
+            self.enter(after=g, was_member=True, failed_at=None)
         except (RuntimeError, TimeoutError, ValueError) as e:
             self._formation_failed(g, e)
-            self.enter(after=g, was_member=True, failed_at=time.time(), clean=False)
+            self.enter(after=g, was_member=True, failed_at=time.time())
 
-    def enter(self, after: int, was_member: bool, failed_at: float | None, clean: bool) -> None:
+    def enter(self, after: int, was_member: bool, failed_at: float | None) -> None:
         """Wait for the next generation that includes this worker and form it."""
         while True:
             info = self.rdzv.wait_for_generation(after, was_member, self.run._stop_requested.is_set)
@@ -69,18 +69,18 @@ class Formation:
                 return
             g = info["generation"]
             try:
-                self._form(info, clean=clean, detect_from=failed_at, agreed_at=None)
+                self._form(info, detect_from=failed_at, agreed_at=None)
                 return
             except Superseded:
                 after = g
-            except StateMismatch:
-                if self.run.snapshots.latest() is None:
+            except StateMismatch as e:
+                if e.args[1]:   # this worker's copy is the one that did not verify
                     raise Evicted(f"state copied in generation {g} did not verify") from None
-                after, clean = g, False
+                after = g
             except (RuntimeError, TimeoutError, ValueError) as e:
                 self._formation_failed(g, e)
-                after, clean, failed_at = g, False, time.time()
-            was_member = was_member or self.run.snapshots.latest() is not None
+                after, failed_at = g, time.time()
+            was_member = was_member or self.run.has_state
 
     # ---- pieces -------------------------------------------------------------------------------
     def _destroy(self) -> None:
@@ -102,10 +102,9 @@ class Formation:
             self.rdzv.set(keys.left(self.run.wid), "1")
             raise Leaving(g)
         self.log(f"generation {g} was rolled back; rejoining")
-        self.enter(after=g, was_member=True, failed_at=None, clean=True)
+        self.enter(after=g, was_member=True, failed_at=None)
 
-    def _form(self, info: dict[str, Any], *, clean: bool, detect_from: float | None,
-              agreed_at: float | None) -> None:
+    def _form(self, info: dict[str, Any], *, detect_from: float | None, agreed_at: float | None) -> None:
         run = self.run
         g, members = info["generation"], info["members"]
         rank, world = members.index(run.wid), len(members)
@@ -113,9 +112,10 @@ class Formation:
         self.rdzv.barrier(g, members, timeout_s=2 * run.pg_timeout_s)
         run.init_process_group(g, rank, world)
         t1 = time.time()
-        copied = self._sync_state(rank, world, clean)
+        had_state = run.has_state
+        copied = self._sync_state(rank, world)
         t2 = time.time()
-        self._verify(g, rank)
+        self._verify(g, rank, received=copied > 0 and not had_state)
         t3 = time.time()
         run.rank, run.world_size, run.generation = rank, world, g
         run._grad_flat = None
@@ -132,49 +132,45 @@ class Formation:
         self.log(f"generation {g}: rank {rank} of {world} at step {run.step} "
                  f"(rebuild {t1 - t0:.3f}s, copy {t2 - t1:.3f}s, {copied} bytes)")
 
-    def _sync_state(self, rank: int, world: int, clean: bool) -> int:
-        """Bring every member to the same commit; returns the bytes broadcast (0: no copy)."""
+    def _sync_state(self, rank: int, world: int) -> int:
+        """Bring every member to the newest state any holds; returns the bytes broadcast."""
         run = self.run
-        latest, prev = run.snapshots.steps()
-        vec = torch.zeros(2 * world, dtype=torch.int64)
-        vec[2 * rank], vec[2 * rank + 1] = latest, prev
-        vec = self._all_reduce(vec)
-        haves = [(int(vec[2 * r]), int(vec[2 * r + 1])) for r in range(world)]
-        if all(lt < 0 for lt, _ in haves):            # nobody has state: a fresh (re)start
+        vec = torch.zeros(world, dtype=torch.int64)
+        vec[rank] = run.step + 1 if run.has_state else 0
+        steps = [int(x) - 1 for x in self._all_reduce(vec)]
+        if all(s < 0 for s in steps):             # nobody has state: a fresh (re)start
             if rank == 0:
                 run.load_disk_checkpoint()
-                run._commit_now()
-            has_target = [r == 0 for r in range(world)]
+                run.has_state = True
+            have = [r == 0 for r in range(world)]
         else:
-            target = min(lt for lt, _ in haves if lt >= 0)
-            has_target = [target in h for h in haves]
-            if has_target[rank]:
-                run.restore(target, live_is_current=clean and latest == target)
-        if all(has_target):
+            have = [s == max(steps) for s in steps]
+        if all(have):
             return 0
-        src = has_target.index(True)
-        mine = run.snapshots.latest() if has_target[rank] else None
-        header = [None]
+        src = have.index(True)
+        header: list[Any] = [None]
         if rank == src:
-            header = [{"step": mine.step, "skeleton": mine.skeleton, "layout": mine.flat.layout,
-                       "lens": mine.lens, "logs": run.logs_payload()}]
+            skeleton, tensors = flatten(run.capture())
+            flat = FlatState(layout_of(tensors))
+            flat.copy_from(tensors)
+            header = [{"skeleton": skeleton, "layout": flat.layout, "logs": run.logs_payload()}]
         dist.broadcast_object_list(header, src=src, device=run.device if run.backend == "nccl" else None)
         h = header[0]
-        flat = mine.flat if mine is not None else FlatState(h["layout"])
+        if rank != src:
+            flat = FlatState(h["layout"])   # members that already hold this state discard it
         for buf in flat.buffers.values():
             self._broadcast(buf, src)
-        if mine is not None:
-            return flat.nbytes()   # sent (or received again, unchanged)
-        snap = Snapshot(h["step"], h["skeleton"], flat, h["lens"])
-        run.snapshots.adopt(snap)
-        run.apply_tree(materialize(snap))
-        run.load_logs(h["logs"])
-        if os.environ.get("GPUFLEX_TEST_CORRUPT_STATE") == str(run.wid):   # test hook: the check works
-            with torch.no_grad():
-                next(run.model.parameters()).view(-1)[0] += 1.0
+        if not have[rank]:
+            run.apply_tree(unflatten(h["skeleton"], flat.views))
+            run.load_logs(h["logs"])
+            run.has_state = True
+            run._commit()
+            if os.environ.get("GPUFLEX_TEST_CORRUPT_STATE") == str(run.wid):   # test hook: the check works
+                with torch.no_grad():
+                    next(run.model.parameters()).view(-1)[0] += 1.0
         return flat.nbytes()
 
-    def _verify(self, g: int, rank: int) -> None:
+    def _verify(self, g: int, rank: int, received: bool) -> None:
         """All members compare a checksum of their live state, step and data position."""
         _, tensors = flatten(self.run.capture()["objects"])
         crc = checksum_tensors(tensors)
@@ -186,7 +182,7 @@ class Formation:
                 self.rdzv.set(keys.verdict(g), '{"ok": false, "reason": "state checksum mismatch"}')
             self.log(f"generation {g}: state checksums differ across members; rolling back")
             self._destroy()
-            raise StateMismatch(g)
+            raise StateMismatch(g, received)
 
     def _all_reduce(self, vec: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if self.run.backend == "nccl":

@@ -15,11 +15,13 @@ At each step boundary the members agree, with one small all-reduce, on the ids o
 samples processed in the step just done, on stopping, on a checkpoint and on a switch to
 a newer generation; then the state is committed in memory. A collective that fails (a
 dead peer) is noted and handled at the next boundary: the survivors report it, the
-coordinator publishes the next generation, and every member restores the same commit.
+coordinator publishes the next generation, and the members continue from the newest
+state any of them holds (see formation.py).
 """
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import os
 import signal
@@ -36,7 +38,7 @@ from gpuflex.elastic.formation import Formation
 from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
                                         Rendezvous, StoreLost)
 from gpuflex.elastic.sampler import Batch, ElasticSampler
-from gpuflex.elastic.state import (Registry, Snapshots, load_checkpoint, materialize, rng_state,
+from gpuflex.elastic.state import (LightCommit, Registry, load_checkpoint, rng_state,
                                    save_checkpoint, set_rng_state)
 
 POLL_INTERVAL_S = 0.2      # how often rank 0 looks for a newer generation without a poke
@@ -74,7 +76,8 @@ class ElasticRun:
         self.rank, self.world_size, self.generation = 0, 1, 0
         self.device = self._pick_device()
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.snapshots = Snapshots()
+        self.has_state = not self.distributed   # a newcomer gets it at its first formation
+        self._light: LightCommit | None = None
         self.rdzv: Rendezvous | None = None
         self.formation: Formation | None = None
         self._broken: str | None = None       # a collective failed during this step
@@ -148,7 +151,9 @@ class ElasticRun:
         when each rank's loss is its per-sample sum over the global batch size)."""
         loss.backward()
         self._last_loss = loss.detach()
-        if self.world_size > 1 and self._broken is None:
+        if self.world_size > 1 and self._broken is not None:
+            self._drop_grads()
+        elif self.world_size > 1:
             params = [p for p in self.model.parameters() if p.requires_grad]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             n = sum(g.numel() for g in grads)
@@ -160,12 +165,20 @@ class ElasticRun:
                 off += g.numel()
             torch._foreach_copy_(views, grads)
             if not self._collective(dist.all_reduce, self._grad_flat):
+                self._drop_grads()
                 return
             for p, v in zip(params, views):
                 if p.grad is None:
                     p.grad = v.clone()
                 else:
                     p.grad.copy_(v)
+
+    def _drop_grads(self) -> None:
+        """After a failed all-reduce: with no gradient, optimizer.step() leaves every
+        parameter (and its optimizer state) as it was; the light state is undone at the
+        boundary, so the failed step leaves no trace."""
+        for p in self.model.parameters():
+            p.grad = None
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> bool:
         """A user collective that a dead peer cannot crash; False if it failed."""
@@ -195,16 +208,25 @@ class ElasticRun:
         self.rdzv = Rendezvous(self.store_address, self.wid, timeout_s=max(60.0, self.pg_timeout_s))
         self.formation = Formation(self)
         self.rdzv.set(keys.ready(self.wid), str(time.time()))
-        self.formation.enter(after=0, was_member=False, failed_at=None, clean=False)
+        self.formation.enter(after=0, was_member=False, failed_at=None)
 
     def _boundary(self) -> bool:
         """Confirm the step just done, then agree on what happens next. False: stop."""
         now = time.time()
         done_step = self._step_started is not None
         self._step_started = None
-        flags = None if self._broken is not None else self._agree(done_step)
-        if flags is None:   # a collective of this step (or the agreement) failed
+        if self._broken is not None:   # this step's gradient all-reduce failed: undo it
             why, self._broken = self._broken, None
+            self._undo_step()
+            self.formation.recover(why)
+            return self._more()
+        flags = self._agree(done_step)
+        if flags is None:   # the agreement failed, after this rank completed its step
+            why, self._broken = self._broken, None
+            if done_step:
+                ids = self.sampler.global_batch(self.step)[2].tolist() if self.track_samples else None
+                self._confirm_step(ids, now)
+            self._commit()
             self.formation.recover(why)
             return self._more()
         switch_to, stop, ckpt, ids = flags
@@ -293,22 +315,24 @@ class ElasticRun:
                 **{f"samples.{e}": len(v) for e, v in self.samples.items()}}
 
     def _commit(self) -> None:
+        """The light commit of every step boundary (parameters and optimizer state need none)."""
         if self.distributed:
-            self._commit_now()
+            self._light = LightCommit(self.step, rng_state(), self.registry.capture_light(),
+                                      [b.detach().clone() for b in self.model.buffers()], self._lens())
 
-    def _commit_now(self) -> None:
-        self.snapshots.commit(self.step, self.capture(), self._lens())
-
-    def restore(self, step: int, *, live_is_current: bool) -> None:
-        """Make the live state the commit of `step` (a no-op when it already is)."""
-        snap = self.snapshots.rewind(step)
-        if not live_is_current:
-            self.apply_tree(materialize(snap))
-        self.step = snap.step
-        del self.step_log[snap.lens["step_log"]:]
+    def _undo_step(self) -> None:
+        c = self._light
+        if c is None:
+            return
+        self.registry.load(copy.deepcopy(c.objects), light_only=True)
+        set_rng_state(c.rng)
+        with torch.no_grad():
+            for b, saved in zip(self.model.buffers(), c.buffers):
+                b.copy_(saved)
+        self.step = c.step
+        del self.step_log[c.lens["step_log"]:]
         for e in list(self.samples):
-            n = snap.lens.get(f"samples.{e}", 0)
-            del self.samples[e][n:]
+            del self.samples[e][c.lens.get(f"samples.{e}", 0):]
             if not self.samples[e]:
                 del self.samples[e]
 

@@ -1,10 +1,9 @@
-"""Training state: capture, commit (cheap, every step), restore, checksum and checkpoint.
+"""Training state: capture, per-step light commits, checksums, checkpoints.
 
 The registered objects (model, optimizer, scheduler, scaler, user counters) plus the
 runtime's own counters and RNG states form one tree. `flatten` splits it into a skeleton
-(everything but tensors) and a tensor list; a `FlatState` keeps the tensors in one
-preallocated buffer per (dtype, device), so a commit is a handful of in-place copies and
-a state copy to newcomers is one broadcast per buffer.
+(everything but tensors) and a tensor list; a `FlatState` packs the tensors into one
+buffer per (dtype, device), so a state copy to newcomers is one broadcast per buffer.
 """
 
 from __future__ import annotations
@@ -71,6 +70,10 @@ def set_rng_state(state: dict[str, Any]) -> None:
         _np.random.set_state(state["numpy"])
 
 
+HEAVY = ("model", "optimizer")   # changed only by optimizer.step(); everything else is light
+GROUPS = "optimizer.param_groups"
+
+
 class Registry:
     """The objects whose state the runtime owns, by name."""
 
@@ -89,8 +92,24 @@ class Registry:
         return {name: (dict(obj) if isinstance(obj, dict) else obj.state_dict())
                 for name, obj in self.objects.items()}
 
-    def load(self, tree: dict[str, Any]) -> None:
+    def capture_light(self) -> dict[str, Any]:
+        """Deep copies of the light objects' state, plus the optimizer's hyperparameters
+        (a scheduler writes the learning rate into the optimizer's param groups)."""
+        out = {name: copy.deepcopy(dict(obj) if isinstance(obj, dict) else obj.state_dict())
+               for name, obj in self.objects.items() if name not in HEAVY}
+        opt = self.objects.get("optimizer")
+        if opt is not None:
+            out[GROUPS] = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
+                                         for g in opt.param_groups])
+        return out
+
+    def load(self, tree: dict[str, Any], *, light_only: bool = False) -> None:
+        if light_only and GROUPS in tree:
+            for group, saved in zip(self.objects["optimizer"].param_groups, tree[GROUPS]):
+                group.update(saved)
         for name, obj in self.objects.items():
+            if light_only and name in HEAVY:
+                continue
             if name not in tree:
                 raise KeyError(f"state has no {name!r}")
             if isinstance(obj, dict):
@@ -146,60 +165,20 @@ def checksum_tensors(tensors: list[torch.Tensor]) -> int:
 
 
 @dataclasses.dataclass
-class Snapshot:
+class LightCommit:
+    """What a step changes besides parameters and optimizer state: RNG, scheduler, scaler,
+    user counters, model buffers, the step, and the lengths of the append-only logs.
+
+    Parameters and optimizer state need no per-step copy: a step whose gradient
+    all-reduce failed leaves every gradient unset, so `optimizer.step()` skips every
+    parameter, and a member that did finish the step is simply ahead (see formation).
+    """
+
     step: int
-    skeleton: Any
-    flat: FlatState
+    rng: dict[str, Any]
+    objects: dict[str, Any]
+    buffers: list[torch.Tensor]
     lens: dict[str, int]
-
-
-class Snapshots:
-    """The last two commits (a survivor may be one step ahead of its peers at a fault)."""
-
-    def __init__(self) -> None:
-        self.slots: list[Snapshot] = []   # oldest first, at most two
-
-    def commit(self, step: int, tree: Any, lens: dict[str, int]) -> Snapshot:
-        skeleton, tensors = flatten(tree)
-        layout = layout_of(tensors)
-        reuse = self.slots[0] if len(self.slots) == 2 else None
-        if reuse is not None and reuse.flat.layout == layout:
-            flat = reuse.flat
-        else:
-            flat = FlatState(layout)
-        flat.copy_from(tensors)
-        snap = Snapshot(step, copy.deepcopy(skeleton), flat, dict(lens))
-        self.slots = (self.slots + [snap])[-2:]
-        return snap
-
-    def adopt(self, snap: Snapshot) -> None:
-        self.slots = [snap]
-
-    def latest(self) -> Snapshot | None:
-        return self.slots[-1] if self.slots else None
-
-    def at(self, step: int) -> Snapshot | None:
-        for s in self.slots:
-            if s.step == step:
-                return s
-        return None
-
-    def rewind(self, step: int) -> Snapshot:
-        snap = self.at(step)
-        if snap is None:
-            raise LookupError(f"no commit of step {step}")
-        self.slots = [snap]
-        return snap
-
-    def steps(self) -> tuple[int, int]:
-        """(latest step, the one before) or -1 where there is none."""
-        s = [x.step for x in self.slots]
-        return (s[-1] if s else -1, s[-2] if len(s) > 1 else -1)
-
-
-def materialize(snap: Snapshot) -> Any:
-    """The snapshot's tree with tensors cloned (loading must never alias a commit slot)."""
-    return unflatten(copy.deepcopy(snap.skeleton), [v.clone() for v in snap.flat.views])
 
 
 def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
