@@ -10,7 +10,8 @@ from gpuflex.errors import IllegalTransition
 class JobState(str, enum.Enum):
     """The life of a job.
 
-    - QUEUED: recorded, waiting for MIN free slots/GPUs. -> RUNNING (placed), CANCELLED.
+    - QUEUED: recorded, waiting for MIN free slots/GPUs. -> RUNNING (placed), CANCELLED,
+      FAILED (its command cannot be started at all).
     - RUNNING: workers are up. -> SCALING (a resize is under way), SUCCEEDED (all workers
       exited 0), FAILED (a worker failed and none can go on), CANCELLED, QUEUED (requeued:
       its store was lost or it fell below MIN; it restarts from its last checkpoint).
@@ -55,7 +56,8 @@ _JOB_MOVES: dict[JobState, set[JobState]] = {
 class WorkerState(str, enum.Enum):
     """The life of one worker process.
 
-    - STARTING: spawned, not yet seen in a generation. -> RUNNING, EXITED, FAILED, LOST, STOPPED.
+    - STARTING: spawned, not yet seen in a generation. -> RUNNING, LEAVING (no longer
+      wanted before it joined), EXITED, FAILED, LOST, STOPPED.
     - RUNNING: a member of the job's current generation.
       -> LEAVING (retired by a shrink), EXITED, FAILED, LOST, STOPPED.
     - LEAVING: asked to leave at the next step boundary. -> EXITED, FAILED, LOST, STOPPED.

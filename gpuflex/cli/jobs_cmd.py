@@ -56,10 +56,14 @@ def submit(
         job = svc.get(session, job_id)
         if as_json:
             print_json(render.job_json(job))
+        elif job.state == JobState.FAILED.value:
+            console.print(f"job {job.id} ({job.name}) failed: {job.exit_reason}")
         else:
             console.print(f"job {job.id} ({job.name}) {job.state}"
                           + (f": {job.queue_reason}" if job.queue_reason else
                              f" with {job.world_size} worker(s)"))
+        if job.state == JobState.FAILED.value:
+            raise typer.Exit(1)
 
 
 def _known(svc, job: str) -> None:

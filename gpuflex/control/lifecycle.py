@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from gpuflex.control.service import JobService
 
 STORE_LOST_EXIT = 75  # the runtime's exit code when the job store is gone (EX_TEMPFAIL)
+LAUNCH_RETRY_S = 30   # wait this long before launching a job again after a host failed it
 
 
 def _record(session, job, kind, message, **data):
@@ -49,6 +50,9 @@ def place_queued(svc: "JobService", session: Session) -> None:
     queued = session.scalars(select(Job).where(Job.state == JobState.QUEUED.value)
                              .order_by(Job.priority.desc(), Job.id))
     for job in queued:
+        failed = [e.time for e in job.events if e.kind == "launch-failed"]
+        if failed and time.time() - failed[-1] < LAUNCH_RETRY_S:
+            continue   # a host failed us a moment ago: do not hammer it on every command
         want_max = job.target_workers or job.max_workers
         p = place(svc.pool.free(session), job.min_workers, max(want_max, job.min_workers),
                   job.gpus_per_worker)
@@ -60,9 +64,13 @@ def place_queued(svc: "JobService", session: Session) -> None:
         try:
             start_job(svc, session, job, list(p.assignments))
         except TransportError as e:
-            job.queue_reason = f"launch failed: {e}"
-            _record(session, job, "launch-failed", str(e))
             stop_processes(svc, session, job)
+            if "cannot start" in str(e):   # the job's own command cannot run: retrying won't help
+                job.exit_reason = str(e)
+                _set_state(session, job, JobState.FAILED, f"launch failed: {e}")
+            else:
+                job.queue_reason = f"launch failed (retrying in {LAUNCH_RETRY_S:.0f} s): {e}"
+                _record(session, job, "launch-failed", str(e))
         session.flush()
 
 
