@@ -106,6 +106,9 @@ CASES = {
     "only a newcomer without state would stay: requeue":
         ([job(1, [w(0, A0), w(1, A1, "starting")])], [g(A0, "busy", streak=0, foreign=FOREIGN), g(A1)], {},
          [("requeue", 1, (0,), [A0])]),
+    "a job that has not formed yet (nobody holds state): shrinks in place":
+        ([job(1, [w(0, A0, "starting"), w(1, A1, "starting")], state="running")],
+         [g(A0, "busy", streak=0, foreign=FOREIGN), g(A1)], {}, [("yield", 1, (0,), [A0])]),
     "a multi-GPU worker leaves whole; both of its GPUs are noted only where foreign":
         ([job(1, [w(0, "c:0"), w(1, "a:0,1")], per=2)],
          [g(A0), g(A1, "busy", streak=0, foreign=FOREIGN)], {}, [("yield", 1, (1,), [A1])]),

@@ -7,8 +7,9 @@ One tick of `gpuflex harvest` asks `plan()` what to do and an executor
    grown onto them and nothing is yielded there (we cannot see what happens on them).
 2. Yield / Requeue: a foreign (not gpuflex) process is on a GPU that one of our workers
    holds. The workers on such GPUs leave their job (an in-place shrink). A job that would
-   fall below MIN that way, or keep no worker that holds its state, is checkpointed and
-   requeued instead. Yielding happens on every host, owned or not.
+   fall below MIN that way, or whose training state would leave with them (only newcomers
+   that never joined a generation would stay), is checkpointed and requeued instead.
+   Yielding happens on every host, owned or not.
 3. Place: queued jobs that fit on free or idle devices, by priority then age (what
    `lifecycle.place_queued` will do; listed so a dry run shows it).
 4. Grow: `--harvest` jobs grow onto idle GPUs of owned hosts, one worker at a time, up to
@@ -195,7 +196,8 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
         refs = tuple(sorted(set().union(*reclaimed[j.id].values())))
         stay = [w for w in j.members if w.wid not in wids]
         where = ", ".join(f"{h}:{i}" for h, i in refs)
-        if len(stay) < j.min_workers or not any(w.state == "running" for w in stay):
+        stateful = any(w.state == "running" for w in j.members if w.wid in wids)
+        if len(stay) < j.min_workers or (stateful and not any(w.state == "running" for w in stay)):
             requeued.add(j.id)
             keeps = f"{len(stay)} worker(s) would stay, below MIN {j.min_workers}" \
                 if len(stay) < j.min_workers else "no remaining worker holds the training state"
