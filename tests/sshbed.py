@@ -234,6 +234,19 @@ def _start_sshd(sshd: str, h: SshdHost, authorized: Path, extra: list[str], trie
                        + (h.dir / "sshd.log").read_text()[-2000:])
 
 
+def restart_sshd(bed: SshBed, h: SshdHost) -> None:
+    """Start a stopped host's sshd again on the same address, port and keys (the config
+    and known_hosts stay valid)."""
+    _stop(h.proc)
+    log = open(h.dir / "sshd.log", "ab")
+    h.proc = subprocess.Popen([find_sshd(), "-D", "-e", "-f", str(h.dir / "sshd_config")],
+                              stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    log.close()
+    if not _listening(h, time.monotonic() + START_TIMEOUT_S):
+        raise RuntimeError(f"sshd for {h.name} did not restart; see {h.dir / 'sshd.log'}")
+    _wait_banner(h, time.monotonic() + START_TIMEOUT_S)
+
+
 def _listening(h: SshdHost, deadline: float) -> bool:
     while time.monotonic() < deadline:
         if h.proc.poll() is not None:

@@ -17,7 +17,7 @@ import pytest
 
 from gpuflex.hosts.hostops import group_alive
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows
-from tests.sshbed import _optional_options, _start_sshd, _stop, find_sshd, host_toml, ssh_hosts  # noqa: F401
+from tests.sshbed import _stop, host_toml, restart_sshd, ssh_hosts  # noqa: F401
 from tests.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, example_argv, live_members,
                                      reference, scale, step_of, wait_for)
 
@@ -36,19 +36,6 @@ def sj(ssh_hosts, home):
         if h.proc is None or h.proc.poll() is not None:
             restart_sshd(bed, h)
     cleanup_jobs(cli, home / "g.db")
-
-
-def restart_sshd(bed, h) -> None:
-    _start_sshd(find_sshd(), h, bed.root / "authorized_keys", _optional_options(find_sshd(), bed.root))
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            import socket
-
-            socket.create_connection((h.address, h.port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.1)
 
 
 def hosts_of(job: dict) -> set[str]:
