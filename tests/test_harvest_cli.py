@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -203,3 +204,20 @@ def test_report_sums_gpu_hours_per_host_owner_and_job_inside_the_window(box, hom
     assert csv[1].startswith("box,alice,1,a,1.5") and csv[1].endswith(",3,2.5,9.0")
     text = invoke(cfg, "report", "--since", "4h").stdout
     assert "1.50 GPU-hours" in text and "median 2.5 s, max 9.0 s" in text
+
+
+def test_watch_stops_cleanly_on_ctrl_c_after_the_running_tick(box, home):
+    cfg, _ = box
+    p = subprocess.Popen([GpuflexCLI(home, cfg).script, "--config", str(cfg), "watch", "--interval", "0.2",
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(p.stdout.readline())       # a tick ran
+        assert first["skipped"] is None
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0 and "Traceback" not in err, err
+    assert "stopping after this tick" in err and "stopped after" in err
+    assert all(json.loads(line)["skipped"] is None for line in out.splitlines())
