@@ -40,7 +40,6 @@ def ddp_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
 
 def gpuflex_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
     gf = Gpuflex(tmp / f"gf{n}", slots=WORLD)
-    report = tmp / f"gf{n}" / "report.json"
     job = str(json.loads(gf("submit", "--workers", str(WORLD), "--json", "--env", "OMP_NUM_THREADS=1",
                             "--", sys.executable, str(EXAMPLE), "--hidden", str(hidden),
                             "--epochs", str(epochs)))["id"])

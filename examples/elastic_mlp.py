@@ -7,7 +7,6 @@
 import argparse
 import hashlib
 import json
-import os
 import time
 
 import torch

@@ -112,7 +112,7 @@ class GpuflexCLI:
                 return job
             if time.monotonic() > end:
                 pytest.fail(f"job {job_id} still {job['state']} after {deadline_s} s: {job}")
-            time.sleep(0.3)
+            time.sleep(1.0)   # each poll is a CLI process (~0.7 s of CPU)
 
 
 @pytest.fixture

@@ -78,7 +78,7 @@ def wait_for(cli: GpuflexCLI, job_id: int, pred, what: str, deadline_s: float = 
         if job["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > end:
             pytest.fail(f"job {job_id}: gave up waiting for {what}: {json.dumps(job)[:2000]}\n"
                         + cli("logs", str(job_id)).stdout[-4000:])
-        time.sleep(0.3)
+        time.sleep(1.0)
 
 
 def step_of(job: dict) -> int:

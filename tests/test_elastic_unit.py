@@ -7,8 +7,6 @@ import json
 import os
 import socket
 import stat
-import threading
-import time
 
 import pytest
 import torch

@@ -153,7 +153,8 @@ def reconcile(svc: "JobService", session: Session, job: Job) -> None:
         for w, st in zip(by_host[host], res.value):
             if st.exit is not None and not st.alive:
                 rc = st.returncode
-                end_worker(session, job, w, WorkerState.EXITED if rc == 0 else WorkerState.FAILED, rc)
+                end_worker(session, job, w, WorkerState.EXITED if rc == 0 else WorkerState.FAILED, rc,
+                           ended_at=st.exit.get("ended_at"))
             elif not st.alive:
                 end_worker(session, job, w, WorkerState.LOST, None)
     coord = read_coordinator(svc, session, job)
@@ -227,9 +228,10 @@ def read_coordinator(svc: "JobService", session: Session, job: Job) -> dict[str,
     return st
 
 
-def end_worker(session: Session, job: Job, w: Worker, state: WorkerState, rc: int | None) -> None:
+def end_worker(session: Session, job: Job, w: Worker, state: WorkerState, rc: int | None,
+               ended_at: float | None = None) -> None:
     WorkerState(w.state).check_transition(state)
-    w.state, w.exit_code, w.ended_at = state.value, rc, time.time()
+    w.state, w.exit_code, w.ended_at = state.value, rc, ended_at or time.time()
     how = {WorkerState.EXITED: "exited 0", WorkerState.FAILED: f"failed with exit code {rc}",
            WorkerState.LOST: "was lost (killed, or its host is gone)",
            WorkerState.STOPPED: "was stopped"}[state]

@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic import keys
+from gpuflex.elastic.agreement import agree
 from gpuflex.elastic.formation import Formation
 from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
                                         Rendezvous, StoreLost)
 from gpuflex.elastic.sampler import Batch, ElasticSampler
+from gpuflex.elastic.worker_control import report_progress, start_control
 from gpuflex.elastic.state import (LightCommit, Registry, load_checkpoint, rng_state,
                                    save_checkpoint, set_rng_state)
 
-POLL_INTERVAL_S = 0.2      # how often rank 0 looks for a newer generation without a poke
-PROGRESS_INTERVAL_S = 1.0
 
 
 class ElasticRun:
@@ -202,8 +202,6 @@ class ElasticRun:
                 self._load_payload(ck)
             self._commit()
             return
-        from gpuflex.elastic.worker_control import start_control
-
         self._control = start_control(self)
         self.rdzv = Rendezvous(self.store_address, self.wid, timeout_s=max(60.0, self.pg_timeout_s))
         self.formation = Formation(self)
@@ -220,7 +218,7 @@ class ElasticRun:
             self._undo_step()
             self.formation.recover(why)
             return self._more()
-        flags = self._agree(done_step)
+        flags = agree(self, done_step)
         if flags is None:   # the agreement failed, after this rank completed its step
             why, self._broken = self._broken, None
             if done_step:
@@ -249,7 +247,7 @@ class ElasticRun:
             return False
         if self.rank == 0 and (ckpt or time.monotonic() - self._last_ckpt >= self.checkpoint_interval_s):
             self._checkpoint()
-        self._report_progress()
+        report_progress(self)
         if switch_to > self.generation:
             self.formation.switch(switch_to, agreed_at=now)
             return self._more()
@@ -257,48 +255,6 @@ class ElasticRun:
 
     def _more(self) -> bool:
         return self.step < self.sampler.total_steps and not self.stopped
-
-    def _agree(self, done_step: bool):
-        """One all-reduce: [switch generation (rank 0), stop, checkpoint, sample ids...]."""
-        t0 = time.perf_counter()
-        stop = self._stop_requested.is_set()
-        ckpt = self._checkpoint_requested.is_set()
-        self._checkpoint_requested.clear()
-        switch = 0
-        if self.rank == 0 and self.rdzv is not None:
-            now = time.monotonic()
-            if self._poke.is_set() or now - self._last_poll >= POLL_INTERVAL_S:
-                self._poke.clear()
-                self._last_poll = now
-                latest = self.rdzv.latest()
-                switch = latest if latest > self.generation else 0
-        b = self.sampler.global_batch_size if self.track_samples else 0
-        vec = torch.zeros(3 + 2 * b, dtype=torch.int64)
-        vec[0], vec[1], vec[2] = switch, int(stop), int(ckpt)
-        batch_ids = self._step_ids
-        if b and done_step and batch_ids is not None:
-            off = self._last_offset()
-            vec[3 + off:3 + off + len(batch_ids)] = batch_ids + 1
-            vec[3 + b + off:3 + b + off + len(batch_ids)] = 1
-        if self.world_size > 1:
-            dev = vec.to(self.device) if self.backend == "nccl" else vec
-            if not self._collective(dist.all_reduce, dev):
-                return None
-            vec = dev.cpu()
-        ids = None
-        if b:
-            counts = vec[3 + b:]
-            if int(counts.max()) > 1:
-                raise RuntimeError("a sample was processed twice in one step (runtime bug)")
-            ids = (vec[3:3 + b][counts == 1] - 1).tolist()
-        self._last_agree_s = time.perf_counter() - t0
-        return int(vec[0]), bool(vec[1]), bool(vec[2]), ids
-
-    def _last_offset(self) -> int:
-        _, _, ids = self.sampler.global_batch(self.step)
-        from gpuflex.elastic.sampler import split
-
-        return split(len(ids), self.world_size, self.rank)[0]
 
     def _confirm_step(self, ids: list[int] | None, now: float) -> None:
         if ids is not None:
@@ -371,19 +327,6 @@ class ElasticRun:
             return False
         self._load_payload(ck)
         return True
-
-    def _report_progress(self) -> None:
-        if self.rank != 0 or self.rdzv is None:
-            return
-        now = time.monotonic()
-        if now - self._last_progress < PROGRESS_INTERVAL_S:
-            return
-        n = min(len(self.step_log), 20)
-        if n >= 2:
-            dt_ = self.step_log[-1][1] - self.step_log[-n][1]
-            self._rate = (n - 1) * self.sampler.global_batch_size / dt_ if dt_ > 0 else 0.0
-        self._last_progress = now
-        self.rdzv.set(keys.PROGRESS, _json(self.status()))
 
     def status(self) -> dict[str, Any]:
         loss = self._last_loss

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
+from gpuflex.elastic import keys
 from gpuflex.elastic.control import ControlServer
 
 if TYPE_CHECKING:
@@ -40,3 +42,21 @@ def start_control(run: "ElasticRun") -> ControlServer | None:
         return {"stopping": True}
 
     return ControlServer(path, {"status": status, "resize": resize, "checkpoint": checkpoint, "stop": stop})
+
+
+PROGRESS_INTERVAL_S = 1.0
+
+
+def report_progress(run: "ElasticRun") -> None:
+    """Rank 0 puts its status into the store about once a second (for `gpuflex status`)."""
+    if run.rank != 0 or run.rdzv is None:
+        return
+    now = time.monotonic()
+    if now - run._last_progress < PROGRESS_INTERVAL_S:
+        return
+    n = min(len(run.step_log), 20)
+    if n >= 2:
+        dt_ = run.step_log[-1][1] - run.step_log[-n][1]
+        run._rate = (n - 1) * run.sampler.global_batch_size / dt_ if dt_ > 0 else 0.0
+    run._last_progress = now
+    run.rdzv.set(keys.PROGRESS, json.dumps(run.status()))

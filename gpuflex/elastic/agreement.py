@@ -1,0 +1,65 @@
+"""The step-boundary agreement: one small all-reduce per step.
+
+The vector is [switch-to generation (from rank 0), stop, checkpoint, ids+1 of the
+samples each rank processed in the step just done (at their offsets in the global batch),
+a count per offset]. Summed over the members it confirms the step, carries the decisions
+and proves no sample of the step was processed twice.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from gpuflex.elastic.sampler import split
+
+if TYPE_CHECKING:
+    from gpuflex.elastic.runtime import ElasticRun
+
+POLL_INTERVAL_S = 0.2      # how often rank 0 looks for a newer generation without a poke
+
+
+def agree(run: "ElasticRun", done_step: bool):
+    """One all-reduce: [switch generation (rank 0), stop, checkpoint, sample ids...]."""
+    t0 = time.perf_counter()
+    stop = run._stop_requested.is_set()
+    ckpt = run._checkpoint_requested.is_set()
+    run._checkpoint_requested.clear()
+    switch = 0
+    if run.rank == 0 and run.rdzv is not None:
+        now = time.monotonic()
+        if run._poke.is_set() or now - run._last_poll >= POLL_INTERVAL_S:
+            run._poke.clear()
+            run._last_poll = now
+            latest = run.rdzv.latest()
+            switch = latest if latest > run.generation else 0
+    b = run.sampler.global_batch_size if run.track_samples else 0
+    vec = torch.zeros(3 + 2 * b, dtype=torch.int64)
+    vec[0], vec[1], vec[2] = switch, int(stop), int(ckpt)
+    batch_ids = run._step_ids
+    if b and done_step and batch_ids is not None:
+        off = last_offset(run)
+        vec[3 + off:3 + off + len(batch_ids)] = batch_ids + 1
+        vec[3 + b + off:3 + b + off + len(batch_ids)] = 1
+    if run.world_size > 1:
+        dev = vec.to(run.device) if run.backend == "nccl" else vec
+        if not run._collective(dist.all_reduce, dev):
+            return None
+        vec = dev.cpu()
+    ids = None
+    if b:
+        counts = vec[3 + b:]
+        if int(counts.max()) > 1:
+            raise RuntimeError("a sample was processed twice in one step (runtime bug)")
+        ids = (vec[3:3 + b][counts == 1] - 1).tolist()
+    run._last_agree_s = time.perf_counter() - t0
+    return int(vec[0]), bool(vec[1]), bool(vec[2]), ids
+
+
+def last_offset(run: "ElasticRun") -> int:
+    """Where this rank's share of the step just done starts in its global batch."""
+    _, _, ids = run.sampler.global_batch(run.step)
+    return split(len(ids), run.world_size, run.rank)[0]
