@@ -1,4 +1,4 @@
-"""A plain DDP training script (torchrun-style): the "before" of examples/elastic_mlp.py.
+"""A plain DDP training script: the "before" of examples/elastic_mlp.py (diff the two).
 
     torchrun --nproc-per-node 2 examples/ddp_mlp.py --epochs 2
 """
@@ -6,7 +6,6 @@
 import argparse
 import hashlib
 import json
-import os
 import time
 
 import torch
@@ -31,7 +30,7 @@ def make_model(hidden):
                                torch.nn.Linear(hidden, D_OUT))
 
 
-def write_report(path, model, steps, args, samples, step_log):
+def write_report(path, model, args, steps, step_log, samples):
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     report = {"steps": steps, "epochs": args.epochs, "global_batch_size": args.global_batch_size,
               "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
@@ -51,15 +50,13 @@ def main():
     ap.add_argument("--report")
     args = ap.parse_args()
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(args.seed)
     x, y = make_data()
     model = DDP(make_model(args.hidden))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)
-    sampler = DistributedSampler(TensorDataset(x, y), num_replicas=world, rank=rank, seed=args.seed)
-    loader = DataLoader(TensorDataset(x, y), batch_size=args.global_batch_size // world, sampler=sampler)
-    step, step_log, samples = 0, [], {}
+    sampler = DistributedSampler(TensorDataset(x, y), seed=args.seed)
+    loader = DataLoader(TensorDataset(x, y), args.global_batch_size // dist.get_world_size(), sampler=sampler)
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)
         for xb, yb in loader:
@@ -69,11 +66,9 @@ def main():
             loss.backward()
             opt.step()
             sched.step()
-            step += 1
-            step_log.append([step, time.time(), world])
             time.sleep(args.step_sleep)
-    if rank == 0 and args.report:
-        write_report(args.report, model.module, step, args, samples, step_log)
+    if dist.get_rank() == 0 and args.report:
+        write_report(args.report, model.module, args, len(loader) * args.epochs, [], {})
     dist.destroy_process_group()
 
 

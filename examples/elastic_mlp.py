@@ -1,6 +1,6 @@
-"""The DDP script of examples/ddp_mlp.py converted to gpuflex.elastic (diff the two).
+"""examples/ddp_mlp.py converted to gpuflex.elastic: diff the two (11 lines changed).
 
-    python examples/elastic_mlp.py --epochs 2 --report /tmp/ref.json       # standalone
+    python examples/elastic_mlp.py --epochs 2 --report /tmp/ref.json      # standalone
     gpuflex submit --workers 1:4 -- python examples/elastic_mlp.py --step-sleep 0.05
 """
 
@@ -11,6 +11,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.data import TensorDataset
 
 from gpuflex.elastic import ElasticRun
 
@@ -30,7 +31,7 @@ def make_model(hidden):
                                torch.nn.Linear(hidden, D_OUT))
 
 
-def write_report(path, model, steps, args, samples, step_log):
+def write_report(path, model, args, steps, step_log, samples):
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     report = {"steps": steps, "epochs": args.epochs, "global_batch_size": args.global_batch_size,
               "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
@@ -54,20 +55,20 @@ def main():
     model = make_model(args.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)
-    run = ElasticRun(model=model, optimizer=opt, scheduler=sched, num_samples=N, seed=args.seed,
-                     global_batch_size=args.global_batch_size, epochs=args.epochs,
-                     track_samples=args.report is not None)
-    for batch in run:
-        xb, yb = x[batch.indices], y[batch.indices]
-        noise = 0.01 * torch.randn(batch.global_size, D_IN)[batch.slice]
-        loss = F.mse_loss(model(xb + noise), yb, reduction="sum") / (batch.global_size * D_OUT)
-        opt.zero_grad()
-        run.backward(loss)
-        opt.step()
-        sched.step()
-        time.sleep(args.step_sleep)
+    run = ElasticRun(model=model, optimizer=opt, scheduler=sched, num_samples=N, seed=args.seed, epochs=args.epochs,
+                     global_batch_size=args.global_batch_size, track_samples=args.report is not None)
+    loader = run.loader(TensorDataset(x, y))
+    for epoch in run.epochs():
+        for xb, yb in loader:
+            noise = 0.01 * torch.randn(run.batch.global_size, D_IN)[run.batch.slice]  # one draw per global batch
+            loss = F.mse_loss(model(xb + noise), yb)
+            opt.zero_grad()
+            run.backward(loss)
+            opt.step()
+            sched.step()
+            time.sleep(args.step_sleep)
     if run.is_primary and args.report:
-        write_report(args.report, model, run.step, args, run.samples, run.step_log)
+        write_report(args.report, model, args, run.step, run.step_log, run.samples)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """`ElasticRun`: the training loop driver a torch user adopts in a few lines.
 
     run = ElasticRun(model=model, optimizer=opt, scheduler=sched,
-                     num_samples=len(data), global_batch_size=256, epochs=10, seed=0)
-    for batch in run:                      # a step boundary before every batch
-        loss = loss_fn(model(x[batch.indices]), y[batch.indices]) * batch.weight
-        optimizer.zero_grad()
-        run.backward(loss)                 # backward + exact all-reduce of gradients
-        optimizer.step(); scheduler.step()
+                     num_samples=len(dataset), global_batch_size=256, epochs=10, seed=0)
+    loader = run.loader(dataset)           # replaces DistributedSampler + DataLoader
+    for epoch in run.epochs():             # a resumed or joining worker starts mid-epoch
+        for x, y in loader:                # this rank's share of one global batch
+            loss = loss_fn(model(x), y)    # this rank's mean, as under DDP
+            optimizer.zero_grad()
+            run.backward(loss)             # weighted backward + exact gradient all-reduce
+            optimizer.step(); scheduler.step()
 
+`for batch in run:` is the same loop over `Batch` objects (sample ids) across epochs.
 Under gpuflex (GPUFLEX_STORE set) the run joins the job's current generation and
 follows resizes and faults in place; without it the same script runs alone.
 
@@ -21,6 +24,7 @@ state any of them holds (see formation.py).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime as dt
 import os
@@ -28,7 +32,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,9 +43,12 @@ from gpuflex.elastic.formation import Formation
 from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
                                         Rendezvous, StoreLost)
 from gpuflex.elastic.sampler import Batch, ElasticSampler
-from gpuflex.elastic.worker_control import report_progress, start_control
 from gpuflex.elastic.state import (LightCommit, Registry, load_checkpoint, rng_state,
                                    save_checkpoint, set_rng_state)
+from gpuflex.elastic.worker_control import report_progress, start_control
+
+if TYPE_CHECKING:
+    from gpuflex.elastic.loader import ElasticLoader
 
 
 
@@ -90,6 +97,8 @@ class ElasticRun:
         self._last_loss: torch.Tensor | None = None
         self._step_ids: torch.Tensor | None = None
         self._step_started: float | None = None
+        self._started = False
+        self.batch: Batch | None = None       # the step being trained now
         self._last_agree_s = 0.0
         self._grad_flat: torch.Tensor | None = None
         self._rate = 0.0
@@ -119,18 +128,54 @@ class ElasticRun:
 
     # ---- the loop -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
+        """Every remaining step of the run, across epochs."""
         try:
-            self._start()
+            yield from self._steps(epoch=None)
+        finally:
+            self._close()
+
+    def epochs(self) -> Iterator[int]:
+        """The epochs still to run (a resumed or newly joined worker starts inside one);
+        iterate `run.loader(dataset)` in each, as with a DistributedSampler."""
+        try:
+            with self._guard():
+                self._ensure_started()
+            while self._more():
+                yield self.epoch
+        finally:
+            self._close()
+
+    def loader(self, dataset: Any, collate_fn: Any = None) -> "ElasticLoader":
+        """Batches of `dataset` for this rank's share of each step of the current epoch."""
+        from gpuflex.elastic.loader import ElasticLoader
+
+        return ElasticLoader(self, dataset, collate_fn)
+
+    def _steps(self, epoch: int | None) -> Iterator[Batch]:
+        with self._guard():
+            self._ensure_started()
             # Every member meets the first batch of a generation straight from its
             # formation (survivors return from the switch into the same spot), so the
             # collectives line up; the boundary comes after each step.
-            while self._more():
+            while self._more() and (epoch is None or self.epoch == epoch):
                 batch = self.sampler.batch(self.step, self.rank, self.world_size)
+                self.batch = batch
                 self._step_ids = batch.indices if self.track_samples else None
                 self._step_started = time.time()
                 yield batch
                 if not self._boundary():
                     return
+
+    def _ensure_started(self) -> None:
+        if not self._started:
+            self._started = True
+            self._start()
+
+    @contextlib.contextmanager
+    def _guard(self) -> Iterator[None]:
+        """The runtime's own ways out become exit codes, with the store and sockets closed."""
+        try:
+            yield
         except StoreLost as e:
             print(f"gpuflex: {e}; exiting with {STORE_LOST_EXIT} so the job restarts from its "
                   "last checkpoint", file=sys.stderr, flush=True)
@@ -143,13 +188,18 @@ class ElasticRun:
         except Leaving:
             self._close()
             sys.exit(0)
-        finally:
-            self._close()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), then sum the gradients over the members (exact full-batch mean
-        when each rank's loss is its per-sample sum over the global batch size)."""
-        loss.backward()
+        """Backward of this rank's *mean* loss over its share, weighted by the share's part
+        of the global batch, then the gradients summed over the members: exactly the
+        full-batch mean gradient, at any world size (as DDP's average is at a fixed one)."""
+        batch = self.batch
+        if batch is not None and len(batch.indices) == 0:   # more ranks than samples this step
+            for p in self.model.parameters():
+                p.grad = torch.zeros_like(p)
+        else:
+            weight = batch.weight if batch is not None else 1.0
+            (loss * weight if weight != 1.0 else loss).backward()
         self._last_loss = loss.detach()
         if self.world_size > 1 and self._broken is not None:
             self._drop_grads()
@@ -197,10 +247,7 @@ class ElasticRun:
     # ---- start, boundary, switch ---------------------------------------------------------------
     def _start(self) -> None:
         if not self.distributed:
-            ck = load_checkpoint(self._ckpt_path()) if self.checkpoint_dir else None
-            if ck is not None:
-                self._load_payload(ck)
-            self._commit()
+            self.load_disk_checkpoint()
             return
         self._control = start_control(self)
         self.rdzv = Rendezvous(self.store_address, self.wid, timeout_s=max(60.0, self.pg_timeout_s))
@@ -305,28 +352,21 @@ class ElasticRun:
         self.step_log = [list(x) for x in logs["step_log"]]
         self.samples = {int(e): list(v) for e, v in logs["samples"].items()}
 
-    def _ckpt_path(self) -> str:
-        return os.path.join(self.checkpoint_dir, "checkpoint.pt")
-
     def _checkpoint(self) -> None:
-        if not self.checkpoint_dir or self.rank != 0:
-            return
-        tree = self.capture()
-        save_checkpoint(self._ckpt_path(), {"state": tree, "logs": self.logs_payload(),
-                                            "time": time.time(), "world_size": self.world_size})
-        self._last_ckpt = time.monotonic()
-
-    def _load_payload(self, payload: dict[str, Any]) -> None:
-        self.apply_tree(payload["state"])
-        self.load_logs(payload["logs"])
-        print(f"gpuflex: resumed from checkpoint at step {self.step}", file=sys.stderr, flush=True)
+        """Rank 0 writes the live (just committed) state to disk, atomically."""
+        if self.checkpoint_dir and self.rank == 0:
+            save_checkpoint(os.path.join(self.checkpoint_dir, "checkpoint.pt"),
+                            {"state": self.capture(), "logs": self.logs_payload(),
+                             "time": time.time(), "world_size": self.world_size})
+            self._last_ckpt = time.monotonic()
 
     def load_disk_checkpoint(self) -> bool:
-        ck = load_checkpoint(self._ckpt_path()) if self.checkpoint_dir else None
-        if ck is None:
-            return False
-        self._load_payload(ck)
-        return True
+        ck = load_checkpoint(os.path.join(self.checkpoint_dir, "checkpoint.pt")) if self.checkpoint_dir else None
+        if ck is not None:
+            self.apply_tree(ck["state"])
+            self.load_logs(ck["logs"])
+            print(f"gpuflex: resumed from checkpoint at step {self.step}", file=sys.stderr, flush=True)
+        return ck is not None
 
     def status(self) -> dict[str, Any]:
         loss = self._last_loss
@@ -364,3 +404,4 @@ def _json(data: Any) -> str:
     import json
 
     return json.dumps(data)
+

@@ -1,0 +1,43 @@
+"""The examples: the DDP script converts to gpuflex.elastic in a few lines, and both run."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def code(path: Path) -> list[str]:
+    """The script from its first import on (the docstring describes each file)."""
+    lines = path.read_text().splitlines()
+    return lines[next(i for i, ln in enumerate(lines) if ln.startswith("import ")):]
+
+
+def test_the_ddp_script_converts_with_at_most_15_changed_lines():
+    diff = list(difflib.unified_diff(code(EXAMPLES / "ddp_mlp.py"), code(EXAMPLES / "elastic_mlp.py"), n=0))
+    added = [ln for ln in diff if ln.startswith("+") and not ln.startswith("+++")]
+    removed = [ln for ln in diff if ln.startswith("-") and not ln.startswith("---")]
+    assert 0 < len(added) <= 15, "\n".join(added)
+    assert len(removed) <= 15, "\n".join(removed)
+    assert any("run.backward(loss)" in ln for ln in added)
+
+
+def test_the_elastic_example_runs_standalone_and_the_ddp_one_under_torchrun(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
+    report = tmp_path / "alone.json"
+    subprocess.run([sys.executable, str(EXAMPLES / "elastic_mlp.py"), "--epochs", "1", "--hidden", "16",
+                    "--report", str(report)], check=True, env=env, timeout=300)
+    r = json.loads(report.read_text())
+    assert r["steps"] == 32 and sorted(r["samples"]["0"]) == list(range(2048))
+    assert [s for s, _, ws in r["step_log"]] == list(range(32)) and {ws for *_, ws in r["step_log"]} == {1}
+    ddp = tmp_path / "ddp.json"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    str(EXAMPLES / "ddp_mlp.py"), "--epochs", "1", "--hidden", "16", "--report", str(ddp)],
+                   check=True, env=env, timeout=300, capture_output=True)
+    d = json.loads(ddp.read_text())
+    assert d["steps"] == 32 and len(d["params"]) == len(r["params"])
