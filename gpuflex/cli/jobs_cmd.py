@@ -154,6 +154,7 @@ def scale(
     if not wait:
         return
     deadline = time.monotonic() + timeout
+    switched = None
     while time.monotonic() < deadline:
         time.sleep(0.5)
         svc.refresh()
@@ -162,10 +163,14 @@ def scale(
             if JobState(cur.state).final:
                 raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
             if cur.state == JobState.RUNNING.value and cur.world_size == n:
-                ev = [e for e in cur.events if e.kind == "scale"]
-                console.print(f"job {cur.id}: world size {n} at generation {cur.generation}"
-                              + (f" ({render.phases(ev[-1].data)})" if ev else ""))
-                return
+                switched = switched or time.monotonic()
+                ev = [e for e in cur.events if e.kind in ("scale", "fault")
+                      and e.data.get("generation") == cur.generation]
+                # the phase timings come with the first step after the switch
+                if ev or time.monotonic() - switched > 10:
+                    console.print(f"job {cur.id}: world size {n} at generation {cur.generation}"
+                                  + (f" ({render.phases(ev[-1].data)})" if ev else ""))
+                    return
     raise JobError(f"job {j.id}: the resize to {n} did not finish within {timeout:.0f} s.")
 
 
