@@ -27,7 +27,8 @@ from common import EXAMPLE, ROOT, Gpuflex, hidden_for, median, state_bytes, stal
 def gpuflex_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[float, list, list]:
     gf = Gpuflex(tmp / "gpuflex", slots=3)
     report = tmp / "gpuflex" / "report.json"
-    job = json.loads(gf("submit", "--workers", "2:3", "--json", "--", sys.executable, str(EXAMPLE),
+    job = json.loads(gf("submit", "--workers", "2:3", "--json", "--env", "OMP_NUM_THREADS=1",
+                        "--", sys.executable, str(EXAMPLE),
                         "--hidden", str(hidden), "--epochs", "10000", "--step-sleep", str(sleep),
                         "--report", str(report)))["id"]
     job = str(job)
@@ -62,7 +63,7 @@ def torchrun_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[flo
            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=bench",
            "--max-restarts=20", "--monitor-interval=0.5",
            str(ROOT / "benchmarks" / "torchrun_worker.py"), "--hidden", str(hidden),
-           "--step-sleep", str(sleep), "--ckpt", str(ckpt), "--ckpt-every", "5", "--log", str(log)]
+           "--step-sleep", str(sleep), "--ckpt", str(ckpt), "--ckpt-every", "5", "--steps-file", str(log)]
     agents = []
 
     def start(i):

@@ -33,7 +33,7 @@ def ddp_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
     log = tmp / f"ddp{n}.log"
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / "torchrun_worker.py"),
-                    "--hidden", str(hidden), "--epochs", str(epochs), "--log", str(log)],
+                    "--hidden", str(hidden), "--epochs", str(epochs), "--steps-file", str(log)],
                    check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return rate([list(map(float, ln.split())) for ln in log.read_text().splitlines()])
 

@@ -4,7 +4,7 @@ Same model, data, sample order (the elastic sampler's pure index arithmetic), no
 loss as examples/elastic_mlp.py; only the distribution layer differs (DDP, fixed world).
 On a membership change torchrun restarts every worker; this script then reloads its last
 checkpoint (rank 0 writes one every --ckpt-every steps), as an elastic torchrun job must.
-Rank 0 appends `step time world` to --log after each step.
+Rank 0 appends `step time world` to --steps-file after each step.
 """
 
 import argparse
@@ -31,7 +31,7 @@ def main():
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--ckpt")
     ap.add_argument("--ckpt-every", type=int, default=10)
-    ap.add_argument("--log", required=True)
+    ap.add_argument("--steps-file", required=True)
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -47,7 +47,7 @@ def main():
         opt.load_state_dict(ck["opt"])
         step = ck["step"]
     model = DDP(model)
-    log = open(args.log, "a") if rank == 0 else None
+    log = open(args.steps_file, "a") if rank == 0 else None
     while step < sampler.total_steps:
         batch = sampler.batch(step, rank, world)
         xb, yb = x[batch.indices], y[batch.indices]

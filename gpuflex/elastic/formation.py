@@ -133,7 +133,8 @@ class Formation:
                  f"(rebuild {t1 - t0:.3f}s, copy {t2 - t1:.3f}s, {copied} bytes)")
 
     def _sync_state(self, rank: int, world: int) -> int:
-        """Bring every member to the newest state any holds; returns the bytes broadcast."""
+        """Bring every member to the newest state any holds: the lowest rank holding it sends
+        it to the members without it. Returns the bytes this rank sent or received."""
         run = self.run
         vec = torch.zeros(world, dtype=torch.int64)
         vec[rank] = run.step + 1 if run.has_state else 0
@@ -156,10 +157,14 @@ class Formation:
             header = [{"skeleton": skeleton, "layout": flat.layout, "logs": run.logs_payload()}]
         dist.broadcast_object_list(header, src=src, device=run.device if run.backend == "nccl" else None)
         h = header[0]
-        if rank != src:
-            flat = FlatState(h["layout"])   # members that already hold this state discard it
-        for buf in flat.buffers.values():
-            self._broadcast(buf, src)
+        receivers = [r for r in range(world) if not have[r]]
+        if rank == src:   # point to point: members that already hold the state do nothing
+            self._send(list(flat.buffers.values()), receivers)
+        elif not have[rank]:
+            flat = FlatState(h["layout"])
+            self._recv(list(flat.buffers.values()), src)
+        else:
+            return 0
         if not have[rank]:
             run.apply_tree(unflatten(h["skeleton"], flat.views))
             run.load_logs(h["logs"])
@@ -192,10 +197,20 @@ class Formation:
         dist.all_reduce(vec, op=op)
         return vec
 
-    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+    def _send(self, bufs: list[torch.Tensor], peers: list[int]) -> None:
+        staged = [self._staged(b) for b in bufs]
+        for work in [dist.isend(b, dst=r) for b in staged for r in peers]:
+            work.wait()
+
+    def _recv(self, bufs: list[torch.Tensor], src: int) -> None:
+        for buf in bufs:
+            staged = self._staged(buf)
+            dist.recv(staged, src=src)
+            if staged is not buf:
+                buf.copy_(staged.cpu())
+
+    def _staged(self, buf: torch.Tensor) -> torch.Tensor:
+        """nccl moves only GPU tensors: CPU parts of the state (RNG) travel through the GPU."""
         if self.run.backend == "nccl" and buf.device.type == "cpu":
-            tmp = buf.to(self.run.device)
-            dist.broadcast(tmp, src=src)
-            buf.copy_(tmp.cpu())
-        else:
-            dist.broadcast(buf, src=src)
+            return buf.to(self.run.device)
+        return buf
