@@ -1,8 +1,8 @@
 """Scale pause: the stall surviving workers see on a grow and on a shrink, gpuflex in place
 against torchrun's elastic restart of the same model, side by side, at two state sizes.
 
-Stall = the gap between the two steps around the event minus the median step time,
-read from each run's own step log. torchrun: `--nnodes=2:3`, c10d rendezvous, one agent
+Stall = the gap between the two steps around the event minus the median step time at
+the new world size, read from each run's own step log. torchrun: `--nnodes=2:3`, c10d rendezvous, one agent
 per "node" on loopback, workers reload the last checkpoint when they restart.
 Run: .venv/bin/python benchmarks/scale_pause.py [--sizes 4e6,100e6] [--events 2]
 """

@@ -150,29 +150,27 @@ class Formation:
             return 0
         src = have.index(True)
         header: list[Any] = [None]
-        if rank == src:
+        if rank == src:   # the live tensors go out as they are: no packing copy
             skeleton, tensors = flatten(run.capture())
-            flat = FlatState(layout_of(tensors))
-            flat.copy_from(tensors)
-            header = [{"skeleton": skeleton, "layout": flat.layout, "logs": run.logs_payload()}]
+            tensors = [t.detach().contiguous() for t in tensors]
+            header = [{"skeleton": skeleton, "layout": layout_of(tensors), "logs": run.logs_payload()}]
         dist.broadcast_object_list(header, src=src, device=run.device if run.backend == "nccl" else None)
         h = header[0]
         receivers = [r for r in range(world) if not have[r]]
         if rank == src:   # point to point: members that already hold the state do nothing
-            self._send(list(flat.buffers.values()), receivers)
-        elif not have[rank]:
-            flat = FlatState(h["layout"])
-            self._recv(list(flat.buffers.values()), src)
-        else:
+            self._send([t for t in tensors if t.numel()], receivers)
+            return sum(t.numel() * t.element_size() for t in tensors)
+        if have[rank]:
             return 0
-        if not have[rank]:
-            run.apply_tree(unflatten(h["skeleton"], flat.views))
-            run.load_logs(h["logs"])
-            run.has_state = True
-            run._commit()
-            if os.environ.get("GPUFLEX_TEST_CORRUPT_STATE") == str(run.wid):   # test hook: the check works
-                with torch.no_grad():
-                    next(run.model.parameters()).view(-1)[0] += 1.0
+        flat = FlatState(h["layout"])   # one allocation per dtype, received tensor by tensor
+        self._recv([v for v in flat.views if v.numel()], src)
+        run.apply_tree(unflatten(h["skeleton"], flat.views))
+        run.load_logs(h["logs"])
+        run.has_state = True
+        run._commit()
+        if os.environ.get("GPUFLEX_TEST_CORRUPT_STATE") == str(run.wid):   # test hook: the check works
+            with torch.no_grad():
+                next(run.model.parameters()).view(-1)[0] += 1.0
         return flat.nbytes()
 
     def _verify(self, g: int, rank: int, received: bool) -> None:
