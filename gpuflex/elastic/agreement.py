@@ -1,4 +1,7 @@
-"""The step-boundary agreement: one small all-reduce per step.
+"""The step-boundary agreement: a small sum over the members, once per step.
+
+It rides at the end of the gradient all-reduce (runtime._reduce_gradients) when it can,
+else it is a collective of its own.
 
 The vector is [switch-to generation (from rank 0), stop, checkpoint, ids+1 of the
 samples each rank processed in the step just done (at their offsets in the global batch),
@@ -22,9 +25,8 @@ if TYPE_CHECKING:
 POLL_INTERVAL_S = 0.2      # how often rank 0 looks for a newer generation without a poke
 
 
-def agree(run: "ElasticRun", done_step: bool):
-    """One all-reduce: [switch generation (rank 0), stop, checkpoint, sample ids...]."""
-    t0 = time.perf_counter()
+def build(run: "ElasticRun", done_step: bool) -> torch.Tensor:
+    """This rank's contribution: [switch generation (rank 0), stop, checkpoint, ids+1..., counts...]."""
     stop = run._stop_requested.is_set()
     ckpt = run._checkpoint_requested.is_set()
     run._checkpoint_requested.clear()
@@ -44,19 +46,32 @@ def agree(run: "ElasticRun", done_step: bool):
         off = last_offset(run)
         vec[3 + off:3 + off + len(batch_ids)] = batch_ids + 1
         vec[3 + b + off:3 + b + off + len(batch_ids)] = 1
-    if run.world_size > 1:
-        dev = vec.to(run.device) if run.backend == "nccl" else vec
-        if not run._collective(dist.all_reduce, dev):
-            return None
-        vec = dev.cpu()
+    return vec
+
+
+def parse(run: "ElasticRun", vec: torch.Tensor) -> tuple[int, bool, bool, list[int] | None]:
+    """(switch-to generation, stop, checkpoint, ids of the samples of the step) from the sum."""
+    b = run.sampler.global_batch_size if run.track_samples else 0
     ids = None
     if b:
         counts = vec[3 + b:]
         if int(counts.max()) > 1:
             raise RuntimeError("a sample was processed twice in one step (runtime bug)")
         ids = (vec[3:3 + b][counts == 1] - 1).tolist()
-    run._last_agree_s = time.perf_counter() - t0
     return int(vec[0]), bool(vec[1]), bool(vec[2]), ids
+
+
+def agree(run: "ElasticRun", done_step: bool):
+    """The agreement as a collective of its own (a step without run.backward, world 1)."""
+    t0 = time.perf_counter()
+    vec = build(run, done_step)
+    if run.world_size > 1:
+        dev = vec.to(run.device) if run.backend == "nccl" else vec
+        if not run._collective(dist.all_reduce, dev):
+            return None
+        vec = dev.cpu()
+    run._last_agree_s = time.perf_counter() - t0
+    return parse(run, vec)
 
 
 def last_offset(run: "ElasticRun") -> int:

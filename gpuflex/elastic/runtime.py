@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic import keys
-from gpuflex.elastic.agreement import agree
+from gpuflex.elastic import agreement
+from gpuflex.elastic.gradients import reduce_gradients
 from gpuflex.elastic.formation import Formation
 from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
                                         Rendezvous, StoreLost)
@@ -100,6 +101,8 @@ class ElasticRun:
         self._started = False
         self.batch: Batch | None = None       # the step being trained now
         self._last_agree_s = 0.0
+        self._vote: tuple | None = None      # the agreement, when it rode on the gradients
+        self._store_lost: StoreLost | None = None
         self._grad_flat: torch.Tensor | None = None
         self._rate = 0.0
         self._pending_timings: dict[str, Any] | None = None
@@ -204,24 +207,11 @@ class ElasticRun:
         if self.world_size > 1 and self._broken is not None:
             self._drop_grads()
         elif self.world_size > 1:
-            params = [p for p in self.model.parameters() if p.requires_grad]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            n = sum(g.numel() for g in grads)
-            if self._grad_flat is None or self._grad_flat.numel() != n:
-                self._grad_flat = torch.empty(n, dtype=grads[0].dtype, device=grads[0].device)
-            views, off = [], 0
-            for g in grads:
-                views.append(self._grad_flat[off:off + g.numel()].view_as(g))
-                off += g.numel()
-            torch._foreach_copy_(views, grads)
-            if not self._collective(dist.all_reduce, self._grad_flat):
+            try:
+                reduce_gradients(self)
+            except StoreLost as e:   # raised at the boundary, where the runtime exits cleanly
                 self._drop_grads()
-                return
-            for p, v in zip(params, views):
-                if p.grad is None:
-                    p.grad = v.clone()
-                else:
-                    p.grad.copy_(v)
+                self._store_lost = e
 
     def _drop_grads(self) -> None:
         """After a failed all-reduce: with no gradient, optimizer.step() leaves every
@@ -259,13 +249,15 @@ class ElasticRun:
         """Confirm the step just done, then agree on what happens next. False: stop."""
         now = time.time()
         done_step = self._step_started is not None
+        if self._store_lost is not None:
+            raise self._store_lost
         self._step_started = None
         if self._broken is not None:   # this step's gradient all-reduce failed: undo it
             why, self._broken = self._broken, None
             self._undo_step()
             self.formation.recover(why)
             return self._more()
-        flags = agree(self, done_step)
+        flags, self._vote = self._vote or agreement.agree(self, done_step), None
         if flags is None:   # the agreement failed, after this rank completed its step
             why, self._broken = self._broken, None
             if done_step:
