@@ -30,9 +30,11 @@ test: venv sshd
 demo: venv
 	$(PY) examples/demo.py
 
-bench: venv
+bench: venv sshd
 	$(PY) benchmarks/scale_pause.py
 	$(PY) benchmarks/steady_overhead.py
+	$(PY) benchmarks/probe_hosts.py
+	$(PY) benchmarks/harvest_trace.py
 
 clean:
 	rm -rf .demo build *.egg-info
