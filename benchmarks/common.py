@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -44,12 +45,45 @@ class Gpuflex:
     def status(self, job: str) -> dict:
         return json.loads(self("status", job, "--json"))
 
+    def _db(self, sql: str, *args) -> list[tuple]:
+        con = sqlite3.connect(str(self.dir / "g.db"), timeout=30)
+        try:
+            return con.execute(sql, args).fetchall()
+        finally:
+            con.close()
+
+    def step(self, job: str) -> int:
+        """The job's step from its coordinator's control socket: in-process and cheap, so
+        watching a run does not steal the CPU its workers are measured on (a `gpuflex`
+        command costs ~0.7 s of CPU)."""
+        from gpuflex.hosts.transport import unix_request
+
+        (token,) = self._db("SELECT token FROM jobs WHERE id = ?", int(job))[0]
+        try:
+            reply = unix_request(f"/tmp/gpuflex-{token}/coord.sock", {"op": "status"}, 5)
+        except OSError:
+            return 0
+        return (reply.get("progress") or {}).get("step") or 0
+
     def wait_steps(self, job: str, more: int, timeout: float = 600) -> None:
-        start = self.status(job).get("step") or 0
+        start = self.step(job)
         end = time.monotonic() + timeout
-        while (self.status(job).get("step") or 0) < start + more:
+        while self.step(job) < start + more:
             if time.monotonic() > end:
                 raise RuntimeError(f"job {job} stalled")
+            time.sleep(0.5)
+
+    def wait_workers_gone(self, job: str, timeout: float = 900) -> None:
+        """Until every worker process of the job has exited (read from the DB and /proc)."""
+        from gpuflex.hosts.hostops import group_alive
+
+        end = time.monotonic() + timeout
+        while True:
+            pgids = [p for (p,) in self._db("SELECT pgid FROM workers WHERE job_id = ?", int(job)) if p]
+            if pgids and not any(group_alive(p) for p in pgids):
+                return
+            if time.monotonic() > end:
+                raise RuntimeError(f"job {job} did not finish")
             time.sleep(0.5)
 
 

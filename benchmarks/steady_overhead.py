@@ -14,7 +14,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,11 +43,8 @@ def gpuflex_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
                             "--", sys.executable, str(EXAMPLE), "--hidden", str(hidden),
                             "--epochs", str(epochs)))["id"])
     # the report (--report) adds sample tracking; measure without it, from the checkpoint's log
-    end = time.monotonic() + 900
-    while gf.status(job)["state"] not in ("succeeded", "failed", "cancelled"):
-        if time.monotonic() > end:
-            raise RuntimeError("gpuflex run did not finish")
-        time.sleep(0.5)
+    gf.wait_workers_gone(job)
+    gf.status(job)   # one refresh records the outcome
     import torch
 
     ck = next((tmp / f"gf{n}" / "work").rglob("checkpoint.pt"))
