@@ -53,7 +53,7 @@ def main() -> None:
         f'[[hosts]]\nname = "local"\naddress = "local"\ngpus = "cpu:4"\nworkdir = "{DEMO}/work"\n')
     report = DEMO / "report.json"
     out = gpuflex("submit", "--name", "mlp", "--workers", "1:4", "--json", "--",
-                  sys.executable, str(ROOT / "examples" / "elastic_mlp.py"), "--epochs", "6",
+                  sys.executable, str(ROOT / "examples" / "elastic_mlp.py"), "--epochs", "16",
                   "--step-sleep", "0.05", "--report", str(report), show=False)
     job = str(json.loads(out.stdout)["id"])
     print(f"submitted the elastic MLP example as job {job} (1:4 workers on 4 local CPU slots)")
