@@ -43,7 +43,6 @@ from gpuflex.control import lifecycle, scaling
 from gpuflex.db.engine import sqlite_path
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
-from gpuflex.hosts.fanout import fan_out
 from gpuflex.control.harvest_inputs import current_plan
 from gpuflex.policy.harvest import Grow, Plan, Requeue, Yield
 from gpuflex.policy.placement import Assignment
@@ -252,10 +251,9 @@ def _watch_exits(svc: "JobService", leavers: list[_Leaver]) -> dict[tuple[int, i
     if not by_host:
         return {}
     cfgs = [svc.config.host(h) for h in by_host]
-    transports = {c.name: svc.pool.transport(c) for c in cfgs}  # made here: the pool is not thread-safe
 
-    def watch(cfg) -> dict[tuple[int, int], _Exit]:
-        t, pending, out, killed = transports[cfg.name], list(by_host[cfg.name]), {}, set()
+    def watch(t) -> dict[tuple[int, int], _Exit]:
+        pending, out, killed = list(by_host[t.host.name]), {}, set()
         while pending:
             try:
                 states = t.status([(x.pgid, x.exit_path) for x in pending])
@@ -283,7 +281,7 @@ def _watch_exits(svc: "JobService", leavers: list[_Leaver]) -> dict[tuple[int, i
 
     limit = max(x.give_up_at for x in leavers) - time.time() + 10
     outcomes: dict[tuple[int, int], _Exit] = {}
-    for name, r in fan_out(cfgs, watch, max(limit, 1)).items():
+    for name, r in svc.pool.fan_out(cfgs, watch, max(limit, 1)).items():
         if r.ok:
             outcomes.update(r.value)
         else:

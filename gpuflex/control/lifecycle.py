@@ -134,16 +134,13 @@ def coordinator_request(svc: "JobService", job: Job, message: dict[str, Any],
 
 def reconcile(svc: "JobService", session: Session, job: Job) -> None:
     """Bring one running job's record in line with its processes and coordinator."""
-    from gpuflex.hosts.fanout import fan_out
-
     by_host: dict[str, list[Worker]] = collections.defaultdict(list)
     for w in live_workers(job):
         by_host[w.host].append(w)
     hosts = [svc.config.host(h) for h in by_host]
-    transports = {h.name: svc.pool.transport(h) for h in hosts}  # made here: the pool is not thread-safe
     limit = max((h.connect_timeout_s + h.command_timeout_s for h in hosts), default=0) + 5
-    results = fan_out(hosts, lambda h: transports[h.name].status(
-        [(w.pgid, w.exit_path) for w in by_host[h.name]]), limit)
+    results = svc.pool.fan_out(hosts, lambda t: t.status(
+        [(w.pgid, w.exit_path) for w in by_host[t.host.name]]), limit)
     unreachable = []
     for host, res in results.items():
         if not res.ok:
@@ -262,24 +259,20 @@ def finish(svc: "JobService", session: Session, job: Job, coord: dict[str, Any] 
 # ---- stopping ------------------------------------------------------------------------
 def stop_processes(svc: "JobService", session: Session, job: Job) -> None:
     """SIGTERM every live worker (grace, then SIGKILL), all hosts at once, then the coordinator."""
-    from gpuflex.hosts.fanout import fan_out
-
     by_host: dict[str, list[Worker]] = collections.defaultdict(list)
     for w in live_workers(job):
         if w.pgid:
             by_host[w.host].append(w)
     grace = svc.config.jobs.cancel_grace_s
     hosts = [svc.config.host(h) for h in by_host]
-    transports = {h.name: svc.pool.transport(h) for h in hosts}  # made here: the pool is not thread-safe
 
-    def stop_host(h):
-        workers = by_host[h.name]
-        t = transports[h.name]
+    def stop_host(t):
+        workers = by_host[t.host.name]
         t.stop([w.pgid for w in workers], grace)
         return t.status([(w.pgid, w.exit_path) for w in workers])
 
     limit = grace + max((h.connect_timeout_s + 2 * h.command_timeout_s for h in hosts), default=0) + 5
-    for name, result in fan_out(hosts, stop_host, limit).items():
+    for name, result in svc.pool.fan_out(hosts, stop_host, limit).items():
         if not result.ok:
             _record(session, job, "host-unreachable", str(result.error), host=name)
             continue

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
 import time
 
 from sqlalchemy import select
@@ -9,9 +11,13 @@ from sqlalchemy.orm import Session
 
 from gpuflex.config import Config, HostConfig
 from gpuflex.db.models import Gpu, Host, Job, Worker
+from gpuflex.hosts.fanout import Result, fan_out
 from gpuflex.hosts.transport import Transport, make_transport
 from gpuflex.policy.placement import HostFree
 from gpuflex.states import JobState, WorkerState
+
+
+T = TypeVar("T")
 
 
 class Pool:
@@ -26,6 +32,13 @@ class Pool:
         if cfg.name not in self._transports:
             self._transports[cfg.name] = make_transport(cfg)
         return self._transports[cfg.name]
+
+    def fan_out(self, hosts: list[HostConfig], fn: Callable[[Transport], T],
+                timeout: float) -> dict[str, Result[T]]:
+        """`fn(transport)` on every host at once; one Result per host (gpuflex.hosts.fanout).
+        The transports are made here, in the calling thread: the pool is not thread-safe."""
+        transports = {h.name: self.transport(h) for h in hosts}
+        return fan_out(hosts, lambda h: fn(transports[h.name]), timeout)
 
     def close(self) -> None:
         for t in self._transports.values():

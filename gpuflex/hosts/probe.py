@@ -32,7 +32,7 @@ from gpuflex.config import HarvestSettings, HostConfig
 from gpuflex.db.models import Gpu, Host, Job, Worker
 from gpuflex.db.models import GpuSample as SampleRow
 from gpuflex.errors import TransportError
-from gpuflex.hosts.fanout import Result, fan_out
+from gpuflex.hosts.fanout import Result
 from gpuflex.hosts.transport import Transport
 from gpuflex.states import JobState, WorkerState
 
@@ -306,10 +306,9 @@ def collect_probes(pool, timeout: float | None = None,
     cfgs = [h for h in pool.config.hosts if h.cpu_slots is None and (hosts is None or h.name in hosts)]
     if not cfgs:
         return {}
-    transports = {c.name: pool.transport(c) for c in cfgs}  # created here: the pool is not thread-safe
     if timeout is None:
         timeout = max(c.connect_timeout_s + 3 * c.command_timeout_s for c in cfgs)
-    return fan_out(cfgs, lambda c: probe_host(transports[c.name]), timeout)
+    return pool.fan_out(cfgs, probe_host, timeout)
 
 
 def record_probes(pool, session: Session, results: dict[str, Result[HostProbe]],
