@@ -13,6 +13,12 @@ heartbeats, failure reports, readiness and the desired membership, and decides:
 - resize: the desired membership differs and every newcomer is ready.
 
 Its control socket answers `status` and `resize` (the desired membership).
+
+Every tick reads one key, the events counter that workers bump after each write the
+coordinator acts on. The full read (a dozen keys per member) runs when that counter moved,
+while anything is pending (a formation, a resize, a failure), and every IDLE_TICK_S in a
+settled job, for heartbeats and progress; a settled job thus costs the coordinator almost
+no CPU beside the workers it shares a host with.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from gpuflex.elastic import keys
 from gpuflex.elastic.control import ControlServer
 
 TICK_S = 0.05
+IDLE_TICK_S = 0.5   # full reads of a settled job: heartbeat staleness and progress
 
 
 class Coordinator:
@@ -53,6 +60,9 @@ class Coordinator:
         self.started = time.time()
         self._hb_seen: dict[int, tuple[str, float]] = {}
         self.progress: dict[str, Any] | None = None
+        self._events = -1
+        self._busy = True          # something is pending: read everything every tick
+        self._last_full = 0.0
         store.set(keys.DESIRED, json.dumps(self.desired))
 
     # ---- store helpers -------------------------------------------------------------
@@ -92,6 +102,12 @@ class Coordinator:
 
     def tick(self) -> None:
         with self.lock:
+            events = self.store.add(keys.EVENTS, 0)
+            now = time.monotonic()
+            if events == self._events and not self._busy and now - self._last_full < IDLE_TICK_S:
+                return
+            self._events, self._last_full = events, now
+            self._busy = True
             self._tick()
 
     def _tick(self) -> None:
@@ -107,6 +123,7 @@ class Coordinator:
         if self.has(keys.FINISHED):
             self.finished = True
         if self.finished:
+            self._busy = False
             return
         for w in self.known - set(self.desired) - self.ever_members - self.released:
             self.released.add(w)   # wanted once, never joined, no longer wanted
@@ -150,6 +167,8 @@ class Coordinator:
             if keep:
                 self.publish(keep + sorted(ready_new), "resize",
                              f"resize {len(self.members)} -> {len(keep) + len(ready_new)}")
+        elif self.desired == sorted(self.members):
+            self._busy = False   # settled: full reads only every IDLE_TICK_S
 
     def _read_verdict(self, g: int, cur: dict[str, Any]) -> None:
         if cur["ok"] is None and self.has(keys.verdict(g)):
@@ -191,6 +210,7 @@ class Coordinator:
             self.desired = sorted(set(wanted))
             self.known |= set(self.desired)
             self.store.set(keys.DESIRED, json.dumps(self.desired))
+            self._busy = True
             return {"desired": self.desired}
 
 

@@ -15,6 +15,8 @@ released/{wid}   a newcomer no longer wanted (a shrink came before it joined): e
 desired          JSON list of wids the controller wants
 progress         JSON {step, epoch, samples_per_s, loss, time} from rank 0, about once a second
 finished         rank 0 reached the end of training
+events           a counter every worker bumps after writing a key the coordinator acts on,
+                 so an idle coordinator reads one key per tick instead of all of them
 """
 
 from __future__ import annotations
@@ -72,3 +74,4 @@ LATEST = "latest"
 DESIRED = "desired"
 PROGRESS = "progress"
 FINISHED = "finished"
+EVENTS = "events"

@@ -85,6 +85,8 @@ class Rendezvous:
 
     def set(self, key: str, value: str) -> None:
         self._call(self.store.set, key, value)
+        if key != keys.PROGRESS:   # the coordinator reads progress on its idle ticks anyway
+            self._call(self.store.add, keys.EVENTS, 1)
 
     def get_json(self, key: str) -> Any:
         return json.loads(self._call(self.store.get, key))
@@ -102,13 +104,16 @@ class Rendezvous:
         Returns None when `stop()` becomes true. Raises Evicted when this worker, once a
         member, is left out of a newer generation, or when the coordinator rejected it.
         """
+        polls = 0
         while not stop():
-            if self.has(keys.rejected(self.wid)):
-                raise Evicted("the coordinator rejected this worker")
-            if self.has(keys.released(self.wid)):
-                raise Leaving("released before joining")
-            if self.has(keys.FINISHED):
-                raise Leaving("training finished before this worker joined")
+            if polls % 10 == 0:   # the rarer outcomes are looked at every 10th poll
+                if self.has(keys.rejected(self.wid)):
+                    raise Evicted("the coordinator rejected this worker")
+                if self.has(keys.released(self.wid)):
+                    raise Leaving("released before joining")
+                if self.has(keys.FINISHED):
+                    raise Leaving("training finished before this worker joined")
+            polls += 1
             g = self.latest()
             if g > after:
                 info = self.generation(g)
