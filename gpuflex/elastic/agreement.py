@@ -1,6 +1,6 @@
 """The step-boundary agreement: a small sum over the members, once per step.
 
-It rides at the end of the gradient all-reduce (runtime._reduce_gradients) when it can,
+It rides at the end of the gradient all-reduce (gradients.reduce_gradients) when it can,
 else it is a collective of its own.
 
 The vector is [switch-to generation (from rank 0), stop, checkpoint, ids+1 of the
@@ -25,6 +25,10 @@ if TYPE_CHECKING:
 POLL_INTERVAL_S = 0.2      # how often rank 0 looks for a newer generation without a poke
 
 
+def size(run: "ElasticRun") -> int:
+    return 3 + 2 * (run.sampler.global_batch_size if run.track_samples else 0)
+
+
 def build(run: "ElasticRun", done_step: bool) -> torch.Tensor:
     """This rank's contribution: [switch generation (rank 0), stop, checkpoint, ids+1..., counts...]."""
     stop = run._stop_requested.is_set()
@@ -39,6 +43,8 @@ def build(run: "ElasticRun", done_step: bool) -> torch.Tensor:
             latest = run.rdzv.latest()
             switch = latest if latest > run.generation else 0
     b = run.sampler.global_batch_size if run.track_samples else 0
+    if not b:
+        return torch.tensor([switch, int(stop), int(ckpt)], dtype=torch.int64)
     vec = torch.zeros(3 + 2 * b, dtype=torch.int64)
     vec[0], vec[1], vec[2] = switch, int(stop), int(ckpt)
     batch_ids = run._step_ids
@@ -50,8 +56,13 @@ def build(run: "ElasticRun", done_step: bool) -> torch.Tensor:
 
 
 def parse(run: "ElasticRun", vec: torch.Tensor) -> tuple[int, bool, bool, list[int] | None]:
-    """(switch-to generation, stop, checkpoint, ids of the samples of the step) from the sum."""
+    """(switch-to generation, stop, checkpoint, ids of the samples of the step) from the sum
+    (integers, or floats holding integers when it rode on the gradients)."""
     b = run.sampler.global_batch_size if run.track_samples else 0
+    if not b:
+        switch, stop, ckpt = (round(x) for x in vec.tolist())
+        return switch, stop > 0, ckpt > 0, None
+    vec = vec.round().long().cpu()
     ids = None
     if b:
         counts = vec[3 + b:]

@@ -118,7 +118,7 @@ class Formation:
         self._verify(g, rank, received=copied > 0 and not had_state)
         t3 = time.time()
         run.rank, run.world_size, run.generation = rank, world, g
-        run._grad_flat = None
+        run._grad_plan = None
         if rank == 0:
             self.rdzv.set(keys.verdict(g), '{"ok": true}')
             start = agreed_at if agreed_at is not None else t0

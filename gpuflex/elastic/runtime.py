@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from gpuflex.elastic import keys
 from gpuflex.elastic import agreement
-from gpuflex.elastic.gradients import reduce_gradients
+from gpuflex.elastic.gradients import GradPlan, reduce_gradients
 from gpuflex.elastic.formation import Formation
 from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
                                         Rendezvous, StoreLost)
@@ -103,7 +103,7 @@ class ElasticRun:
         self._last_agree_s = 0.0
         self._vote: tuple | None = None      # the agreement, when it rode on the gradients
         self._store_lost: StoreLost | None = None
-        self._grad_flat: torch.Tensor | None = None
+        self._grad_plan: GradPlan | None = None   # gradients.reduce_gradients' buffer
         self._rate = 0.0
         self._pending_timings: dict[str, Any] | None = None
         self._control = None

@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import os
 import random
+import sys
 import zlib
 from typing import Any
 
@@ -56,7 +57,10 @@ def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    if _np is not None:
+    # numpy's global RNG exists only once numpy.random is imported (numpy 2 imports it
+    # lazily, torch does not import it); until then nothing can have drawn from it, and
+    # get_state() (~30 us) would be most of the per-step commit.
+    if _np is not None and "numpy.random" in sys.modules:
         state["numpy"] = _np.random.get_state()
     return state
 
@@ -68,6 +72,24 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
     if "numpy" in state and _np is not None:
         _np.random.set_state(state["numpy"])
+
+
+_ATOMS = (int, float, bool, str, bytes, type(None))
+
+
+def copy_value(v: Any) -> Any:
+    """A deep copy, fast for what state dicts hold (containers of numbers, strings and
+    tensors: a few microseconds where copy.deepcopy takes tens); anything else goes to
+    copy.deepcopy."""
+    if isinstance(v, _ATOMS):
+        return v
+    if type(v) is dict:
+        return {k: copy_value(x) for k, x in v.items()}
+    if type(v) in (list, tuple):
+        return type(v)(copy_value(x) for x in v)
+    if isinstance(v, torch.Tensor):
+        return v.detach().clone()
+    return copy.deepcopy(v)
 
 
 HEAVY = ("model", "optimizer")   # changed only by optimizer.step(); everything else is light
@@ -95,12 +117,12 @@ class Registry:
     def capture_light(self) -> dict[str, Any]:
         """Deep copies of the light objects' state, plus the optimizer's hyperparameters
         (a scheduler writes the learning rate into the optimizer's param groups)."""
-        out = {name: copy.deepcopy(dict(obj) if isinstance(obj, dict) else obj.state_dict())
+        out = {name: copy_value(dict(obj) if isinstance(obj, dict) else obj.state_dict())
                for name, obj in self.objects.items() if name not in HEAVY}
         opt = self.objects.get("optimizer")
         if opt is not None:
-            out[GROUPS] = copy.deepcopy([{k: v for k, v in g.items() if k != "params"}
-                                         for g in opt.param_groups])
+            out[GROUPS] = [{k: copy_value(v) for k, v in g.items() if k != "params"}
+                           for g in opt.param_groups]
         return out
 
     def load(self, tree: dict[str, Any], *, light_only: bool = False) -> None:
