@@ -44,6 +44,9 @@ def gpuflex_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[floa
     r = json.loads(report.read_text())
     med, st = stalls(r["step_log"])
     copies = [e["data"]["timings"] for e in ev if e["kind"] == "scale" and e["data"].get("timings")]
+    for log in sorted((tmp / "gpuflex" / "work").rglob("*.log")):   # formation lines, for --no-torchrun work
+        if os.environ.get("GPUFLEX_BENCH_LOGS"):
+            print(f"--- {log.name}\n" + "".join(ln for ln in open(log) if "generation" in ln))
     return med, st, copies
 
 
@@ -110,6 +113,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4e6,100e6", help="state sizes in bytes")
     ap.add_argument("--events", type=int, default=2, help="grow+shrink pairs per run")
+    ap.add_argument("--no-torchrun", action="store_true",
+                    help="gpuflex alone (while working on it; the comparison needs both)")
     args = ap.parse_args()
     rows = []
     for size in [float(s) for s in args.sizes.split(",")]:
@@ -118,7 +123,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
             tmp = Path(t)
             g_med, g_st, copies = gpuflex_run(tmp, hidden, args.events, sleep)
-            t_med, t_st, err = torchrun_run(tmp, hidden, args.events, sleep)
+            t_med, t_st, err = ((float("nan"), [], "not run (--no-torchrun)") if args.no_torchrun
+                                else torchrun_run(tmp, hidden, args.events, sleep))
         mb = state_bytes(hidden) / 1e6
         print(f"\nstate {mb:.1f} MB (hidden {hidden}): median step gpuflex {g_med * 1000:.0f} ms, "
               f"torchrun {t_med * 1000:.0f} ms")

@@ -97,6 +97,19 @@ def test_checksum_sees_a_one_bit_change():
     assert checksum_tensors(a) != checksum_tensors(b)
 
 
+def test_checksum_sees_order_odd_tails_and_unaligned_views():
+    a = [torch.randn(7).half(), torch.tensor([True, False, True]), torch.randn(101)[1:]]
+    same = [t.clone() for t in a]
+    assert checksum_tensors(a) == checksum_tensors(same)
+    assert checksum_tensors(a) != checksum_tensors([a[1], a[0], a[2]])   # state in the wrong slot
+    for i, flip in ((0, lambda t: t.view(torch.int16)[6].bitwise_xor_(4)),   # in the odd tail
+                    (1, lambda t: t.__setitem__(1, True)),
+                    (2, lambda t: t.view(torch.int32)[99].bitwise_xor_(1 << 30))):
+        b = [t.clone() for t in a]
+        flip(b[i])
+        assert checksum_tensors(a) != checksum_tensors(b)
+
+
 def test_checkpoint_write_is_atomic_and_loads_back(tmp_path):
     path = str(tmp_path / "ck" / "checkpoint.pt")
     save_checkpoint(path, {"state": {"w": torch.ones(3)}, "step": 5})

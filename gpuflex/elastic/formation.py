@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from gpuflex.elastic import keys
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Superseded
-from gpuflex.elastic.state import FlatState, checksum_tensors, flatten, layout_of, unflatten
+from gpuflex.elastic.state import FlatState, TensorRef, checksum_tensors, flatten, layout_of, unflatten
 
 if TYPE_CHECKING:
     from gpuflex.elastic.runtime import ElasticRun
@@ -110,15 +110,17 @@ class Formation:
         rank, world = members.index(run.wid), len(members)
         t0 = time.time()
         self.rdzv.barrier(g, members, timeout_s=2 * run.pg_timeout_s)
+        tb = time.time()
         run.init_process_group(g, rank, world)
         t1 = time.time()
+        self.marks: list[tuple[str, float]] = []
         had_state = run.has_state
         copied = self._sync_state(rank, world)
         t2 = time.time()
         self._verify(g, rank, received=copied > 0 and not had_state)
         t3 = time.time()
         run.rank, run.world_size, run.generation = rank, world, g
-        run._grad_plan = None
+        run._formed_at = t3
         if rank == 0:
             self.rdzv.set(keys.verdict(g), '{"ok": true}')
             start = agreed_at if agreed_at is not None else t0
@@ -127,10 +129,12 @@ class Formation:
                 "detect": max(0.0, (agreed_at or t0) - detect_from) if detect_from else 0.0,
                 "agree": run._last_agree_s if agreed_at is not None else 0.0,
                 "rebuild": t1 - t0, "copy": t2 - t1, "verify": t3 - t2,
-                "pause": t3 - start, "bytes": copied, "step": run.step, "_formed_at": t3,
+                "pause": t3 - start, "bytes": copied, "step": run.step,
             }
+        marks = " ".join(f"{k} {v - t1:.3f}" for k, v in self.marks)
         self.log(f"generation {g}: rank {rank} of {world} at step {run.step} "
-                 f"(rebuild {t1 - t0:.3f}s, copy {t2 - t1:.3f}s, {copied} bytes)")
+                 f"(barrier {tb - t0:.3f}s, process group {t1 - tb:.3f}s, copy {t2 - t1:.3f}s [{marks}], "
+                 f"verify {t3 - t2:.3f}s [checksum {self.checksum_s:.3f}s], {copied} bytes)")
 
     def _sync_state(self, rank: int, world: int) -> int:
         """Bring every member to the newest state any holds: the lowest rank holding it sends
@@ -154,7 +158,9 @@ class Formation:
             skeleton, tensors = flatten(run.capture())
             tensors = [t.detach().contiguous() for t in tensors]
             header = [{"skeleton": skeleton, "layout": layout_of(tensors), "logs": run.logs_payload()}]
+        self.marks.append(("have", time.time()))
         dist.broadcast_object_list(header, src=src, device=run.device if run.backend == "nccl" else None)
+        self.marks.append(("header", time.time()))
         h = header[0]
         receivers = [r for r in range(world) if not have[r]]
         if rank == src:   # point to point: members that already hold the state do nothing
@@ -162,21 +168,39 @@ class Formation:
             return sum(t.numel() * t.element_size() for t in tensors)
         if have[rank]:
             return 0
-        flat = FlatState(h["layout"])   # one allocation per dtype, received tensor by tensor
-        self._recv([v for v in flat.views if v.numel()], src)
-        run.apply_tree(unflatten(h["skeleton"], flat.views))
+        # A newcomer receives the model's tensors straight into its own parameters and
+        # buffers (already allocated, so no page faults and no copy after); the rest (the
+        # optimizer state, RNG) into one fresh buffer per dtype. A member that holds an
+        # older state keeps it intact until the transfer is complete.
+        layout = h["layout"]
+        in_place = {} if run.has_state else _model_targets(run, h["skeleton"], layout)
+        rest = [i for i in range(len(layout)) if i not in in_place]
+        flat = FlatState(tuple(layout[i] for i in rest))
+        views: list[torch.Tensor] = [torch.empty(0)] * len(layout)
+        for i, v in zip(rest, flat.views):
+            views[i] = v
+        for i, t in in_place.items():
+            views[i] = t
+        self.marks.append(("alloc", time.time()))
+        self._recv([v for v in views if v.numel()], src)
+        self.marks.append(("recv", time.time()))
+        model_done = bool(in_place) and len(in_place) == len(_model_refs(h["skeleton"]))
+        run.apply_tree(unflatten(h["skeleton"], views), skip=("model",) if model_done else ())
+        self.marks.append(("apply", time.time()))
         run.load_logs(h["logs"])
         run.has_state = True
         run._commit()
         if os.environ.get("GPUFLEX_TEST_CORRUPT_STATE") == str(run.wid):   # test hook: the check works
             with torch.no_grad():
                 next(run.model.parameters()).view(-1)[0] += 1.0
-        return flat.nbytes()
+        return sum(v.numel() * v.element_size() for v in views)
 
     def _verify(self, g: int, rank: int, received: bool) -> None:
         """All members compare a checksum of their live state, step and data position."""
         _, tensors = flatten(self.run.capture()["objects"])
+        tv = time.time()
         crc = checksum_tensors(tensors)
+        self.checksum_s = time.time() - tv
         pos = self.run.step * self.run.sampler.global_batch_size
         vec = torch.tensor([crc, self.run.step, pos, -crc, -self.run.step, -pos], dtype=torch.int64)
         vec = self._all_reduce(vec, dist.ReduceOp.MAX)
@@ -201,14 +225,33 @@ class Formation:
             work.wait()
 
     def _recv(self, bufs: list[torch.Tensor], src: int) -> None:
-        for buf in bufs:
-            staged = self._staged(buf)
-            dist.recv(staged, src=src)
-            if staged is not buf:
-                buf.copy_(staged.cpu())
+        staged = [self._staged(b) for b in bufs]
+        for work in [dist.irecv(b, src=src) for b in staged]:   # all posted at once, in send order
+            work.wait()
+        for buf, st in zip(bufs, staged):
+            if st is not buf:
+                buf.copy_(st.cpu())
 
     def _staged(self, buf: torch.Tensor) -> torch.Tensor:
         """nccl moves only GPU tensors: CPU parts of the state (RNG) travel through the GPU."""
         if self.run.backend == "nccl" and buf.device.type == "cpu":
             return buf.to(self.run.device)
         return buf
+
+
+def _model_refs(skeleton: Any) -> dict[str, Any]:
+    refs = skeleton.get("objects", {}).get("model", {})
+    return refs if isinstance(refs, dict) else {}
+
+
+def _model_targets(run: "ElasticRun", skeleton: Any, layout: tuple) -> dict[int, torch.Tensor]:
+    """{index in the sent tensor list: the newcomer's own tensor that entry can land in}:
+    the model's parameters and buffers, where name, dtype, device and shape agree."""
+    own = run.model.state_dict()
+    out = {}
+    for name, ref in _model_refs(skeleton).items():
+        t = own.get(name)
+        if (isinstance(ref, TensorRef) and t is not None and t.is_contiguous()
+                and (t.dtype, t.device, tuple(t.shape)) == tuple(layout[ref.i])):
+            out[ref.i] = t
+    return out

@@ -40,8 +40,9 @@ def plan_for(run: "ElasticRun") -> GradPlan:
 def reduce_gradients(run: "ElasticRun") -> None:
     """One flat all-reduce of every gradient; the step-boundary agreement rides along at
     its end when the gradients are float32/float64 (its integers stay exact there), so a
-    step costs one collective, as under DDP. The plan is dropped at every formation
-    (`run._grad_plan = None`), so a new world size or device gets a fresh buffer."""
+    step costs one collective, as under DDP. The plan (which parameters are trained, the
+    buffer) is made once and kept across generations: like DDP, which fixes its buckets
+    at construction, the set of parameters that require grad is fixed for the run."""
     plan = run._grad_plan
     if plan is None:
         plan = run._grad_plan = plan_for(run)

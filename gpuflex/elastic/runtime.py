@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from gpuflex.elastic import keys
 from gpuflex.elastic import agreement
-from gpuflex.elastic.gradients import GradPlan, reduce_gradients
+from gpuflex.elastic.gradients import GradPlan, plan_for, reduce_gradients
 from gpuflex.elastic.formation import Formation
 from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
                                         Rendezvous, StoreLost)
@@ -103,9 +103,10 @@ class ElasticRun:
         self._last_agree_s = 0.0
         self._vote: tuple | None = None      # the agreement, when it rode on the gradients
         self._store_lost: StoreLost | None = None
-        self._grad_plan: GradPlan | None = None   # gradients.reduce_gradients' buffer
+        self._grad_plan: GradPlan | None = None   # gradients.reduce_gradients' buffer and views
         self._rate = 0.0
         self._pending_timings: dict[str, Any] | None = None
+        self._formed_at: float | None = None   # the end of the last formation, until its first step
         self._control = None
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self._stop_requested.set())
@@ -242,8 +243,16 @@ class ElasticRun:
         self._control = start_control(self)
         self.rdzv = Rendezvous(self.store_address, self.wid, timeout_s=max(60.0, self.pg_timeout_s))
         self.formation = Formation(self)
+        self._warm_up()
         self.rdzv.set(keys.ready(self.wid), str(time.time()))
         self.formation.enter(after=0, was_member=False, failed_at=None)
+
+    def _warm_up(self) -> None:
+        """Before a newcomer says it is ready: its gradient buffer, allocated and touched, so
+        its first step in the job does not pay for it while the others wait."""
+        if any(p.requires_grad for p in self.model.parameters()):
+            self._grad_plan = plan_for(self)
+            self._grad_plan.flat.zero_()
 
     def _boundary(self) -> bool:
         """Confirm the step just done, then agree on what happens next. False: stop."""
@@ -270,11 +279,13 @@ class ElasticRun:
         if done_step:
             self._confirm_step(ids, now)
         self._commit()
-        if self._pending_timings is not None and done_step:
-            if self.rank == 0:
-                self._pending_timings["first_step"] = now - self._pending_timings.pop("_formed_at")
+        if self._formed_at is not None and done_step:
+            first, self._formed_at = now - self._formed_at, None
+            self.formation.log(f"first step of generation {self.generation}: {first:.3f}s")
+            if self._pending_timings is not None:   # rank 0
+                self._pending_timings["first_step"] = first
                 self.rdzv.set(keys.timings(self.generation), _json(self._pending_timings))
-            self._pending_timings = None
+                self._pending_timings = None
         if stop:
             self.stopped = True
             self._checkpoint()
@@ -331,8 +342,8 @@ class ElasticRun:
             if not self.samples[e]:
                 del self.samples[e]
 
-    def apply_tree(self, tree: dict[str, Any]) -> None:
-        self.registry.load(tree["objects"])
+    def apply_tree(self, tree: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+        self.registry.load(tree["objects"], skip=skip)
         set_rng_state(tree["rng"])
         self.step = int(tree["step"])
 
