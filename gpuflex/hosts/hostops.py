@@ -161,7 +161,11 @@ def stop_groups(pgids: list[int], grace_s: float) -> list[str]:
 
 
 def read_file(path: str, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
-    """Up to `limit` bytes of `path` from `offset`, as text; {"missing": True} if absent."""
+    """Up to `limit` bytes of `path` from `offset`, as text; {"missing": True} if absent.
+
+    Before the end of the file the chunk stops at the last whole UTF-8 character and
+    "offset" points there, so a character is never split between two reads.
+    """
     try:
         with open(os.path.expanduser(path), "rb") as f:
             f.seek(offset)
@@ -169,8 +173,21 @@ def read_file(path: str, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any
             size = os.fstat(f.fileno()).st_size
     except FileNotFoundError:
         return {"missing": True, "data": "", "offset": offset, "size": 0}
+    if offset + len(data) < size:
+        data = data[:_utf8_boundary(data) or len(data)]
     return {"missing": False, "data": data.decode("utf-8", "replace"), "offset": offset + len(data),
             "size": size}
+
+
+def _utf8_boundary(data: bytes) -> int:
+    """Length of `data` without a trailing incomplete UTF-8 character (unchanged if none)."""
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: the lead is further back
+            continue
+        need = 2 if 0xC0 <= byte < 0xE0 else 3 if 0xE0 <= byte < 0xF0 else 4 if 0xF0 <= byte < 0xF8 else 1
+        return len(data) - back if need > back else len(data)
+    return len(data)
 
 
 def main(argv: list[str]) -> int:
