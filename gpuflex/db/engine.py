@@ -45,7 +45,7 @@ def make_engine(url: str) -> Engine:
                                 hint=_HINT) from None
         if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise DatabaseError(f"the database {path} is not writable.", hint=_HINT)
-        url = sa.engine.URL.create("sqlite", database=str(path)).render_as_string()
+        url = sa.engine.make_url(url).set(database=str(path)).render_as_string(hide_password=False)
     try:
         engine = sa.create_engine(url, connect_args={"timeout": 30} if path else {})
     except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as e:
