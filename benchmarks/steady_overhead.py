@@ -2,7 +2,7 @@
 plain DDP under torchrun (benchmarks/torchrun_worker.py: the same model, data order, noise
 and loss), same fixed world size, runs interleaved.
 
-Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700] [--rounds 3]
+Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700] [--rounds 5] [--epochs 40]
 """
 
 from __future__ import annotations
@@ -54,20 +54,27 @@ def gpuflex_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", default="64,700")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--epochs", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--epochs", type=int, default=40)
     args = ap.parse_args()
-    print(f"world size {WORLD}, gloo on CPU, {args.rounds} interleaved rounds, first {SKIP} steps skipped")
-    print("hidden  state MB   DDP steps/s   gpuflex steps/s   gpuflex/DDP")
+    print(f"world size {WORLD}, gloo on CPU, {args.rounds} interleaved rounds of {args.epochs} epochs, "
+          f"first {SKIP} steps skipped")
+    rows = []
     for hidden in [int(h) for h in args.hidden.split(",")]:
         ddp, ours = [], []
         with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
             for i in range(args.rounds):
                 ddp.append(ddp_rate(Path(t), hidden, args.epochs, i))
                 ours.append(gpuflex_rate(Path(t), hidden, args.epochs, i))
-        d, o = statistics.median(ddp), statistics.median(ours)
-        print(f"{hidden:6d}  {state_bytes(hidden) / 1e6:8.1f}  {d:12.1f}  {o:16.1f}  {o / d:11.3f}"
-              f"   (slower by {100 * (1 - o / d):.1f}%)")
+        paired = [o / d for o, d in zip(ours, ddp)]
+        print(f"hidden {hidden}: DDP steps/s {' '.join(f'{x:.1f}' for x in ddp)}")
+        print(f"{'':{len(str(hidden)) + 8}}gpuflex   {' '.join(f'{x:.1f}' for x in ours)}")
+        print(f"{'':{len(str(hidden)) + 8}}round ratios {' '.join(f'{x:.3f}' for x in paired)}")
+        rows.append((hidden, statistics.median(ddp), statistics.median(ours), statistics.median(paired)))
+    print("\nhidden  state MB   DDP steps/s   gpuflex steps/s   gpuflex/DDP (medians)   median round ratio")
+    for hidden, d, o, p in rows:
+        print(f"{hidden:6d}  {state_bytes(hidden) / 1e6:8.1f}  {d:12.1f}  {o:16.1f}  {o / d:11.3f} "
+              f"({100 * (o / d - 1):+.1f}%)  {p:18.3f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """The baseline: the example's training step with plain DDP under torchrun.
 
-Same model, data, sample order (the elastic sampler's pure index arithmetic), noise and
-loss as examples/elastic_mlp.py; only the distribution layer differs (DDP, fixed world).
+Same model, optimizer, LR schedule, data, sample order (the elastic sampler's pure index
+arithmetic), noise and loss as examples/elastic_mlp.py; only the distribution layer differs (DDP, fixed world).
 On a membership change torchrun restarts every worker; this script then reloads its last
 checkpoint (rank 0 writes one every --ckpt-every steps), as an elastic torchrun job must.
 Rank 0 appends `step time world` to --steps-file after each step.
@@ -39,12 +39,14 @@ def main():
     x, y = make_data()
     model = make_model(args.hidden)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)
     sampler = ElasticSampler(N, args.global_batch_size, epochs=args.epochs, seed=0)
     step = 0
     if args.ckpt and os.path.exists(args.ckpt):
         ck = torch.load(args.ckpt, weights_only=False)
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
+        sched.load_state_dict(ck["sched"])
         step = ck["step"]
     model = DDP(model)
     log = open(args.steps_file, "a") if rank == 0 else None
@@ -57,15 +59,20 @@ def main():
         opt.zero_grad()
         loss.backward()
         opt.step()
+        sched.step()
         step += 1
         if log:
             log.write(f"{step} {time.time()} {world}\n")
-            log.flush()
+            if args.ckpt:   # watched while it runs (scale_pause); else written at exit
+                log.flush()
             if args.ckpt and step % args.ckpt_every == 0:
                 tmp = args.ckpt + ".tmp"
-                torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+                torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
+                            "sched": sched.state_dict(), "step": step}, tmp)
                 os.replace(tmp, args.ckpt)
         time.sleep(args.step_sleep)
+    if log:
+        log.close()
     dist.destroy_process_group()
 
 
