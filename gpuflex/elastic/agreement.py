@@ -22,7 +22,6 @@ from gpuflex.elastic.sampler import split
 if TYPE_CHECKING:
     from gpuflex.elastic.runtime import ElasticRun
 
-POLL_INTERVAL_S = 0.2      # how often rank 0 looks for a newer generation without a poke
 
 
 def size(run: "ElasticRun") -> int:
@@ -35,13 +34,11 @@ def build(run: "ElasticRun", done_step: bool) -> torch.Tensor:
     ckpt = run._checkpoint_requested.is_set()
     run._checkpoint_requested.clear()
     switch = 0
-    if run.rank == 0 and run.rdzv is not None:
-        now = time.monotonic()
-        if run._poke.is_set() or now - run._last_poll >= POLL_INTERVAL_S:
-            run._poke.clear()
-            run._last_poll = now
-            latest = run.rdzv.latest()
-            switch = latest if latest > run.generation else 0
+    if run.rank == 0 and run.rdzv is not None and (run._poke.is_set() or run.rdzv.newer.is_set()):
+        run._poke.clear()
+        run.rdzv.newer.clear()   # the watch looks again if this one is not newer after all
+        latest = run.rdzv.latest()
+        switch = latest if latest > run.generation else 0
     b = run.sampler.global_batch_size if run.track_samples else 0
     if not b:
         return torch.tensor([switch, int(stop), int(ckpt)], dtype=torch.int64)

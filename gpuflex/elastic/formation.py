@@ -120,6 +120,7 @@ class Formation:
         self._verify(g, rank, received=copied > 0 and not had_state)
         t3 = time.time()
         run.rank, run.world_size, run.generation = rank, world, g
+        self.rdzv.watch_after(g)
         run._formed_at = t3
         if rank == 0:
             self.rdzv.set(keys.verdict(g), '{"ok": true}')

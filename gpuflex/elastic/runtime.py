@@ -91,8 +91,7 @@ class ElasticRun:
         self._broken: str | None = None       # a collective failed during this step
         self._stop_requested = threading.Event()
         self._checkpoint_requested = threading.Event()
-        self._poke = threading.Event()
-        self._last_poll = 0.0
+        self._poke = threading.Event()         # look at the store's latest generation now
         self._last_ckpt = time.monotonic()
         self._last_progress = 0.0
         self._last_loss: torch.Tensor | None = None
