@@ -190,3 +190,36 @@ def test_a_slow_client_gets_a_timeout_and_does_not_block_others(server):
         assert reply["ok"] is False and "timeout" in reply["error"]
     finally:
         slow.close()
+
+
+def test_rng_state_round_trips_numpy_through_its_cheap_change_check():
+    np = pytest.importorskip("numpy")
+    import random
+
+    from gpuflex.elastic.state import rng_state, set_rng_state
+
+    def draws():
+        return (np.random.standard_normal(), np.random.rand(), random.random(), float(torch.rand(1)))
+
+    np.random.seed(0)
+    for odd in (False, True, False):   # with and without numpy's cached Gaussian
+        if odd:
+            np.random.standard_normal()
+        saved = rng_state()
+        again = rng_state()   # unchanged: the cheap check reuses the last read
+        assert saved["numpy"][3] == again["numpy"][3]
+        first = draws()
+        set_rng_state(saved)
+        assert draws() == first
+        set_rng_state(again)
+        assert draws() == first
+    # a cached Gaussian consumed without the twister moving: the state must not be reused
+    np.random.seed(1)
+    np.random.standard_normal()            # makes a pair: one cached
+    before = rng_state()
+    np.random.standard_normal()            # takes the cached one; the twister's words stay
+    after = rng_state()
+    assert before["numpy"][3] == 1 and after["numpy"][3] == 0
+    expected = np.random.standard_normal()
+    set_rng_state(after)
+    assert np.random.standard_normal() == expected

@@ -47,6 +47,7 @@ class Rendezvous:
         self.lost = threading.Event()
         self.newer = threading.Event()   # a generation after `watching` has been published
         self.watching = 0
+        self.progress: str | None = None   # rank 0's status, sent by the heartbeat thread
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, args=(heartbeat_s,), name="gpuflex-heartbeat",
                                     daemon=True)
@@ -60,8 +61,8 @@ class Rendezvous:
             raise StoreLost(f"cannot reach the job store at {self.host}:{self.port}: {e}") from None
 
     def _beat(self, period: float) -> None:
-        """The heartbeat, and the watch for a generation newer than `watching`, on a
-        connection of their own: the training thread learns of a resize from `newer`
+        """The heartbeat, the watch for a generation newer than `watching` and rank 0's
+        progress, on a connection of their own: the training thread learns of a resize from `newer`
         without a store round trip of its own (one is ~1 ms on a busy host)."""
         try:
             store = self._connect()
@@ -73,6 +74,9 @@ class Rendezvous:
                     last_beat = now
                 if not self.newer.is_set() and store.check([keys.members(self.watching + 1)]):
                     self.newer.set()
+                progress, self.progress = self.progress, None
+                if progress is not None:
+                    store.set(keys.PROGRESS, progress)
                 self._stop.wait(WATCH_S)
         except (RuntimeError, OSError, StoreLost):
             self.lost.set()
@@ -102,8 +106,7 @@ class Rendezvous:
 
     def set(self, key: str, value: str) -> None:
         self._call(self.store.set, key, value)
-        if key != keys.PROGRESS:   # the coordinator reads progress on its idle ticks anyway
-            self._call(self.store.add, keys.EVENTS, 1)
+        self._call(self.store.add, keys.EVENTS, 1)
 
     def get_json(self, key: str) -> Any:
         return json.loads(self._call(self.store.get, key))

@@ -102,6 +102,7 @@ class ElasticRun:
         self._last_agree_s = 0.0
         self._vote: tuple | None = None      # the agreement, when it rode on the gradients
         self._store_lost: StoreLost | None = None
+        self._buffer_slots: list[tuple[torch.nn.Module, str]] | None = None
         self._grad_plan: GradPlan | None = None   # gradients.reduce_gradients' buffer and views
         self._rate = 0.0
         self._pending_timings: dict[str, Any] | None = None
@@ -259,6 +260,8 @@ class ElasticRun:
         done_step = self._step_started is not None
         if self._store_lost is not None:
             raise self._store_lost
+        if self.rdzv is not None and self.rdzv.lost.is_set():   # seen by the heartbeat thread
+            raise StoreLost("the job store stopped answering heartbeats")
         self._step_started = None
         if self._broken is not None:   # this step's gradient all-reduce failed: undo it
             why, self._broken = self._broken, None
@@ -322,8 +325,12 @@ class ElasticRun:
     def _commit(self) -> None:
         """The light commit of every step boundary (parameters and optimizer state need none)."""
         if self.distributed:
+            if self._buffer_slots is None:   # where the buffers live (`.to()` replaces them)
+                self._buffer_slots = [(m, name) for m in self.model.modules() for name in m._buffers
+                                      if m._buffers[name] is not None]
             self._light = LightCommit(self.step, rng_state(), self.registry.capture_light(),
-                                      [b.detach().clone() for b in self.model.buffers()], self._lens())
+                                      [m._buffers[n].detach().clone() for m, n in self._buffer_slots],
+                                      self._lens())
 
     def _undo_step(self) -> None:
         c = self._light
@@ -332,8 +339,8 @@ class ElasticRun:
         self.registry.load(copy.deepcopy(c.objects), light_only=True)
         set_rng_state(c.rng)
         with torch.no_grad():
-            for b, saved in zip(self.model.buffers(), c.buffers):
-                b.copy_(saved)
+            for (m, name), saved in zip(self._buffer_slots or [], c.buffers):
+                m._buffers[name].copy_(saved)
         self.step = c.step
         del self.step_log[c.lens["step_log"]:]
         for e in list(self.samples):

@@ -9,6 +9,7 @@ buffer per (dtype, device), so a state copy to newcomers is one broadcast per bu
 from __future__ import annotations
 
 import copy
+import ctypes
 import dataclasses
 import os
 import random
@@ -53,15 +54,51 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return skeleton
 
 
+class _NumpyWatch:
+    """numpy's global RNG state, re-read only when it may have changed.
+
+    `np.random.get_state()` takes ~30 us, most of a light commit. Its Mersenne Twister
+    words and position are read instead through the bit generator's documented ctypes
+    address (~0.4 us); when they are as at the last full read, and that read had no cached
+    Gaussian (the one part outside those words: a Gaussian pair is only ever made by
+    advancing the twister, so `has_gauss` cannot turn 0 -> 1 without the words changing),
+    the state is the same and the last read is reused.
+    """
+
+    MT_BYTES = 624 * 4 + 4
+
+    def __init__(self) -> None:
+        self.addr: int | None = None
+        self.raw: bytes | None = None
+        self.state: Any = None
+        try:
+            self.addr = int(_np.random.mtrand._rand._bit_generator.ctypes.state_address)
+        except Exception:   # another numpy layout: read it in full every time
+            self.addr = None
+
+    def get(self) -> Any:
+        if self.addr is None:
+            return _np.random.get_state()
+        raw = ctypes.string_at(self.addr, self.MT_BYTES)
+        if raw != self.raw or self.state is None or self.state[3]:
+            self.state, self.raw = _np.random.get_state(), raw
+        return self.state
+
+
+_numpy_watch: _NumpyWatch | None = None
+
+
 def rng_state() -> dict[str, Any]:
+    global _numpy_watch
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    # numpy's global RNG exists only once numpy.random is imported (numpy 2 imports it
-    # lazily, torch does not import it); until then nothing can have drawn from it, and
-    # get_state() (~30 us) would be most of the per-step commit.
+    # numpy's global RNG exists once numpy.random is imported (numpy 2 imports it lazily;
+    # torch imports it when torch._dynamo loads, e.g. at an optimizer's first step).
     if _np is not None and "numpy.random" in sys.modules:
-        state["numpy"] = _np.random.get_state()
+        if _numpy_watch is None:
+            _numpy_watch = _NumpyWatch()
+        state["numpy"] = _numpy_watch.get()
     return state
 
 

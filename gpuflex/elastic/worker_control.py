@@ -7,7 +7,6 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from gpuflex.elastic import keys
 from gpuflex.elastic.control import ControlServer
 
 if TYPE_CHECKING:
@@ -59,4 +58,4 @@ def report_progress(run: "ElasticRun") -> None:
         dt_ = run.step_log[-1][1] - run.step_log[-n][1]
         run._rate = (n - 1) * run.sampler.global_batch_size / dt_ if dt_ > 0 else 0.0
     run._last_progress = now
-    run.rdzv.set(keys.PROGRESS, json.dumps(run.status()))
+    run.rdzv.progress = json.dumps(run.status())   # sent by the heartbeat thread
