@@ -2,7 +2,7 @@
 plain DDP under torchrun (benchmarks/torchrun_worker.py: the same model, data order, noise
 and loss), same fixed world size, runs interleaved.
 
-Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700] [--rounds 5] [--epochs 40]
+Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700,3535] [--rounds 5] [--epochs 40]
 """
 
 from __future__ import annotations
@@ -53,21 +53,22 @@ def gpuflex_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", default="64,700")
+    ap.add_argument("--hidden", default="64,700,3535", help="widths: 0.04, 4 and 100 MB of state")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=40)
     args = ap.parse_args()
-    print(f"world size {WORLD}, gloo on CPU, {args.rounds} interleaved rounds of {args.epochs} epochs, "
-          f"first {SKIP} steps skipped")
+    print(f"world size {WORLD}, gloo on CPU, {args.rounds} interleaved rounds, first {SKIP} steps skipped")
     rows = []
     for hidden in [int(h) for h in args.hidden.split(",")]:
         ddp, ours = [], []
+        # about the same number of steps... but no more than ~20 s per run at large sizes
+        epochs = max(2, min(args.epochs, int(args.epochs * (700 / hidden) ** 2)))
         with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
             for i in range(args.rounds):
-                ddp.append(ddp_rate(Path(t), hidden, args.epochs, i))
-                ours.append(gpuflex_rate(Path(t), hidden, args.epochs, i))
+                ddp.append(ddp_rate(Path(t), hidden, epochs, i))
+                ours.append(gpuflex_rate(Path(t), hidden, epochs, i))
         paired = [o / d for o, d in zip(ours, ddp)]
-        print(f"hidden {hidden}: DDP steps/s {' '.join(f'{x:.1f}' for x in ddp)}")
+        print(f"hidden {hidden} ({epochs} epochs of 32 steps): DDP steps/s {' '.join(f'{x:.1f}' for x in ddp)}")
         print(f"{'':{len(str(hidden)) + 8}}gpuflex   {' '.join(f'{x:.1f}' for x in ours)}")
         print(f"{'':{len(str(hidden)) + 8}}round ratios {' '.join(f'{x:.3f}' for x in paired)}")
         rows.append((hidden, statistics.median(ddp), statistics.median(ours), statistics.median(paired)))

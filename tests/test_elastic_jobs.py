@@ -49,7 +49,7 @@ def assert_matches_reference(report: dict, ref: dict) -> None:
     got, want = torch.tensor(report["params"]), torch.tensor(ref["params"])
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
     n = 2048
-    assert sorted(report["samples"]) == [str(e) for e in range(report["epochs"])]
+    assert sorted(report["samples"], key=int) == [str(e) for e in range(report["epochs"])]
     for epoch, ids in report["samples"].items():
         assert len(ids) == n and sorted(ids) == list(range(n)), f"epoch {epoch} not exactly once"
     steps = [s for s, _, _ in report["step_log"]]
@@ -98,7 +98,8 @@ def live_members(job: dict) -> list[dict]:
 
 def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, home):
     report = home / "r.json"
-    job = ej.submit(example_argv(report, epochs=10, sleep=0.05), "--workers", "1:4")
+    # 16 epochs: the job must still be running after three resizes, when its socket is read
+    job = ej.submit(example_argv(report, epochs=16, sleep=0.05), "--workers", "1:4")
     scale(ej, job["id"], 1)
     first = wait_for(ej, job["id"], lambda j: step_of(j) >= 5, "some steps at world size 1")
     survivor_pid = live_members(first)[0]["pid"]
@@ -118,7 +119,7 @@ def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, hom
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
-    assert_matches_reference(r, reference(tmp_path_factory, 10))
+    assert_matches_reference(r, reference(tmp_path_factory, 16))
     sizes = [ws for _, _, ws in r["step_log"]]
     assert {1, 3, 2, 4} <= set(sizes)
     order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
