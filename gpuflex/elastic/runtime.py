@@ -25,7 +25,6 @@ state any of them holds (see formation.py).
 from __future__ import annotations
 
 import contextlib
-import copy
 import datetime as dt
 import os
 import signal
@@ -44,16 +43,17 @@ from gpuflex.elastic.formation import Formation
 from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
                                         Rendezvous, StoreLost)
 from gpuflex.elastic.sampler import Batch, ElasticSampler
-from gpuflex.elastic.state import (LightCommit, Registry, load_checkpoint, rng_state,
-                                   save_checkpoint, set_rng_state)
+from gpuflex.elastic.state import Registry
+from gpuflex.elastic.commits import StateMixin
 from gpuflex.elastic.worker_control import report_progress, start_control
 
 if TYPE_CHECKING:
     from gpuflex.elastic.loader import ElasticLoader
+    from gpuflex.elastic.state import LightCommit
 
 
 
-class ElasticRun:
+class ElasticRun(StateMixin):
     """Drives an elastic data-parallel training loop; see the module docstring."""
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -313,69 +313,6 @@ class ElasticRun:
             self.samples.setdefault(self.epoch, []).extend(ids)
         self.step_log.append([self.step, now, self.world_size])
         self.step += 1
-
-    # ---- commits, checkpoints -----------------------------------------------------------------
-    def capture(self) -> dict[str, Any]:
-        return {"objects": self.registry.capture(), "rng": rng_state(), "step": self.step}
-
-    def _lens(self) -> dict[str, int]:
-        return {"step_log": len(self.step_log),
-                **{f"samples.{e}": len(v) for e, v in self.samples.items()}}
-
-    def _commit(self) -> None:
-        """The light commit of every step boundary (parameters and optimizer state need none)."""
-        if self.distributed:
-            if self._buffer_slots is None:   # where the buffers live (`.to()` replaces them)
-                self._buffer_slots = [(m, name) for m in self.model.modules() for name in m._buffers
-                                      if m._buffers[name] is not None]
-            self._light = LightCommit(self.step, rng_state(), self.registry.capture_light(),
-                                      [m._buffers[n].detach().clone() for m, n in self._buffer_slots],
-                                      self._lens())
-
-    def _undo_step(self) -> None:
-        c = self._light
-        if c is None:
-            return
-        self.registry.load(copy.deepcopy(c.objects), light_only=True)
-        set_rng_state(c.rng)
-        with torch.no_grad():
-            for (m, name), saved in zip(self._buffer_slots or [], c.buffers):
-                m._buffers[name].copy_(saved)
-        self.step = c.step
-        del self.step_log[c.lens["step_log"]:]
-        for e in list(self.samples):
-            del self.samples[e][c.lens.get(f"samples.{e}", 0):]
-            if not self.samples[e]:
-                del self.samples[e]
-
-    def apply_tree(self, tree: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
-        self.registry.load(tree["objects"], skip=skip)
-        set_rng_state(tree["rng"])
-        self.step = int(tree["step"])
-
-    def logs_payload(self) -> dict[str, Any]:
-        return {"step_log": [list(x) for x in self.step_log],
-                "samples": {e: list(v) for e, v in self.samples.items()}}
-
-    def load_logs(self, logs: dict[str, Any]) -> None:
-        self.step_log = [list(x) for x in logs["step_log"]]
-        self.samples = {int(e): list(v) for e, v in logs["samples"].items()}
-
-    def _checkpoint(self) -> None:
-        """Rank 0 writes the live (just committed) state to disk, atomically."""
-        if self.checkpoint_dir and self.rank == 0:
-            save_checkpoint(os.path.join(self.checkpoint_dir, "checkpoint.pt"),
-                            {"state": self.capture(), "logs": self.logs_payload(),
-                             "time": time.time(), "world_size": self.world_size})
-            self._last_ckpt = time.monotonic()
-
-    def load_disk_checkpoint(self) -> bool:
-        ck = load_checkpoint(os.path.join(self.checkpoint_dir, "checkpoint.pt")) if self.checkpoint_dir else None
-        if ck is not None:
-            self.apply_tree(ck["state"])
-            self.load_logs(ck["logs"])
-            print(f"gpuflex: resumed from checkpoint at step {self.step}", file=sys.stderr, flush=True)
-        return ck is not None
 
     def status(self) -> dict[str, Any]:
         loss = self._last_loss
