@@ -2,8 +2,8 @@
 
 The registered objects (model, optimizer, scheduler, scaler, user counters) plus the
 runtime's own counters and RNG states form one tree. `flatten` splits it into a skeleton
-(everything but tensors) and a tensor list; a `FlatState` packs the tensors into one
-buffer per (dtype, device), so a state copy to newcomers is one broadcast per buffer.
+(everything but tensors) and a tensor list; a `FlatState` lays out fresh tensors for a
+received copy in one 64-byte-aligned buffer per (dtype, device).
 """
 
 from __future__ import annotations
@@ -188,7 +188,8 @@ def _elem_size(dtype: torch.dtype) -> int:
 
 
 class FlatState:
-    """Tensors packed into one contiguous buffer per (dtype, device)."""
+    """Views of the given (dtype, device, shape) layout, packed into one buffer per
+    (dtype, device), each view starting on a 64-byte boundary."""
 
     def __init__(self, layout: tuple) -> None:
         self.layout = layout
@@ -206,15 +207,6 @@ class FlatState:
         self.buffers = {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in sizes.items()}
         self.views = [self.buffers[key][off:off + n].view(shape) for key, off, n, shape in places]
 
-    def copy_from(self, tensors: list[torch.Tensor]) -> None:
-        if self.views:
-            torch._foreach_copy_(self.views, [t.detach() for t in tensors])
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers.values())
-
-    def checksum(self) -> int:
-        return checksum_tensors(list(self.buffers.values()))
 
 
 def checksum_tensors(tensors: list[torch.Tensor]) -> int:
