@@ -60,12 +60,10 @@ def parse(run: "ElasticRun", vec: torch.Tensor) -> tuple[int, bool, bool, list[i
         switch, stop, ckpt = (round(x) for x in vec.tolist())
         return switch, stop > 0, ckpt > 0, None
     vec = vec.round().long().cpu()
-    ids = None
-    if b:
-        counts = vec[3 + b:]
-        if int(counts.max()) > 1:
-            raise RuntimeError("a sample was processed twice in one step (runtime bug)")
-        ids = (vec[3:3 + b][counts == 1] - 1).tolist()
+    counts = vec[3 + b:]
+    if int(counts.max()) > 1:
+        raise RuntimeError("a sample was processed twice in one step (runtime bug)")
+    ids = (vec[3:3 + b][counts == 1] - 1).tolist()
     return int(vec[0]), bool(vec[1]), bool(vec[2]), ids
 
 

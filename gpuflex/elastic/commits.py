@@ -3,7 +3,6 @@ newcomer receives, and the on-disk checkpoint (see runtime.py and state.py)."""
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
@@ -11,7 +10,8 @@ from typing import Any
 
 import torch
 
-from gpuflex.elastic.state import LightCommit, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from gpuflex.elastic.state import (LightCommit, copy_value, load_checkpoint, rng_state,
+                                   save_checkpoint, set_rng_state)
 
 
 class StateMixin:
@@ -38,7 +38,7 @@ class StateMixin:
         c = self._light
         if c is None:
             return
-        self.registry.load(copy.deepcopy(c.objects), light_only=True)
+        self.registry.load(copy_value(c.objects), light_only=True)
         set_rng_state(c.rng)
         with torch.no_grad():
             for (m, name), saved in zip(self._buffer_slots or [], c.buffers):

@@ -34,6 +34,8 @@ class Formation:
     def __init__(self, run: "ElasticRun") -> None:
         self.run = run
         self.rdzv = run.rdzv
+        self.marks: list[tuple[str, float]] = []   # when each part of the last state copy ended
+        self.checksum_s = 0.0
 
     def log(self, msg: str) -> None:
         print(f"gpuflex[w{self.run.wid}]: {msg}", file=sys.stderr, flush=True)
@@ -113,7 +115,7 @@ class Formation:
         tb = time.time()
         run.init_process_group(g, rank, world)
         t1 = time.time()
-        self.marks: list[tuple[str, float]] = []
+        self.marks = []
         had_state = run.has_state
         copied = self._sync_state(rank, world)
         t2 = time.time()

@@ -68,11 +68,10 @@ class _NumpyWatch:
     MT_BYTES = 624 * 4 + 4
 
     def __init__(self) -> None:
-        self.addr: int | None = None
         self.raw: bytes | None = None
         self.state: Any = None
         try:
-            self.addr = int(_np.random.mtrand._rand._bit_generator.ctypes.state_address)
+            self.addr: int | None = int(_np.random.mtrand._rand._bit_generator.ctypes.state_address)
         except Exception:   # another numpy layout: read it in full every time
             self.addr = None
 
