@@ -30,18 +30,18 @@ def example_argv(report: Path, epochs: int, sleep: float) -> list[str]:
             "--report", str(report)]
 
 
-_refs: dict[int, dict] = {}
+_refs: dict[tuple, dict] = {}
 
 
-def reference(tmp_path_factory, epochs: int) -> dict:
+def reference(tmp_path_factory, epochs: int, args: tuple[str, ...] = tuple(ARGS)) -> dict:
     """The standalone run of the same script (one process, no gpuflex services)."""
-    if epochs not in _refs:
+    if (epochs, args) not in _refs:
         out = tmp_path_factory.mktemp("ref") / "ref.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
-        subprocess.run([sys.executable, EXAMPLE, *ARGS, "--epochs", str(epochs), "--report", str(out)],
+        subprocess.run([sys.executable, EXAMPLE, *args, "--epochs", str(epochs), "--report", str(out)],
                        check=True, env=env, timeout=300)
-        _refs[epochs] = json.loads(out.read_text())
-    return _refs[epochs]
+        _refs[epochs, args] = json.loads(out.read_text())
+    return _refs[epochs, args]
 
 
 def assert_matches_reference(report: dict, ref: dict) -> None:
@@ -136,7 +136,10 @@ def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, hom
 
 def test_kill_9_of_rank_0_and_of_a_worker_mid_resize(ej, tmp_path_factory, home):
     report = home / "r.json"
-    job = ej.submit(example_argv(report, epochs=10, sleep=0.05), "--workers", "1:4")
+    # the two larger weights' all-reduces in place, launched from their hooks during backward
+    # (a kill can land while one is in flight), the rest packed
+    job = ej.submit(example_argv(report, epochs=10, sleep=0.05), "--workers", "1:4",
+                    "--env", "GPUFLEX_DIRECT_BYTES=1024")
     scale(ej, job["id"], 3)
     running = wait_for(ej, job["id"], lambda j: step_of(j) >= 10 and j["state"] == "running",
                        "training at world size 3")
@@ -159,6 +162,25 @@ def test_kill_9_of_rank_0_and_of_a_worker_mid_resize(ej, tmp_path_factory, home)
     assert len(faults) >= 2
     dead = {w["wid"]: w for w in done["workers"]}
     assert dead[rank0["wid"]]["exit_code"] == -9 and dead[victim["wid"]]["exit_code"] == -9
+
+
+def test_gradients_launched_during_backward_line_up_with_a_rank_that_has_no_samples(
+        ej, tmp_path_factory, home):
+    """A global batch of 2 over 3 workers: every step one rank has no sample and runs no
+    backward, so it launches the in-place all-reduces after the others launched theirs from
+    their hooks. The fixed launch order keeps the collectives matched; then a shrink to 2."""
+    report = home / "r.json"
+    args = ("--hidden", "32", "--global-batch-size", "2", "--seed", "5")
+    job = ej.submit([sys.executable, EXAMPLE, *args, "--epochs", "1", "--step-sleep", "0.002",
+                     "--report", str(report)], "--workers", "2:3", "--env", "GPUFLEX_DIRECT_BYTES=1024")
+    scale(ej, job["id"], 3)
+    wait_for(ej, job["id"], lambda j: step_of(j) >= 100 and j["world_size"] == 3, "steps at world size 3")
+    scale(ej, job["id"], 2)
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    r = json.loads(report.read_text())
+    assert_matches_reference(r, reference(tmp_path_factory, 1, args))
+    assert [ws for _, _, ws in r["step_log"]].count(3) >= 100
 
 
 def test_store_death_restarts_the_job_from_its_checkpoint(ej, tmp_path_factory, home):

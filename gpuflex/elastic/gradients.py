@@ -1,8 +1,16 @@
-"""The gradient all-reduce of `ElasticRun.backward`."""
+"""The gradient all-reduce of `ElasticRun.backward`.
+
+Large gradients are all-reduced where they are, each launched from its parameter's
+post-accumulate-grad hook while backward is still computing the layers below it (as DDP
+launches its buckets), in one fixed order on every rank. The small ones are packed into one
+buffer with the step-boundary agreement at its end and launched when backward is done.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+import functools
+import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -12,68 +20,100 @@ from gpuflex.elastic import agreement
 if TYPE_CHECKING:
     from gpuflex.elastic.runtime import ElasticRun
 
-DIRECT_BYTES = 8 << 20   # gradients this large are all-reduced where they are, not packed
-# (below it a copy costs less than one more collective: gloo over TCP pays ~0.3 ms per call)
+DIRECT_BYTES = 1 << 20   # gradients this large are all-reduced in place, launched during backward
+# (below it a copy into the packed buffer costs less than one more collective: gloo over
+# TCP pays ~0.3 ms per call; DDP's first bucket is 1 MiB for the same reason).
+# GPUFLEX_DIRECT_BYTES in a worker's environment overrides it.
 
 
-class GradPlan(NamedTuple):
-    """Which gradients are reduced in place and which are packed, made once for the run."""
+def direct_bytes() -> int:
+    value = os.environ.get("GPUFLEX_DIRECT_BYTES", "")
+    return int(value) if value.isdigit() else DIRECT_BYTES
 
-    params: list[torch.Tensor]
-    direct: list[int]        # indices into params: all-reduced in place, no copy
-    packed: list[int]        # indices into params: copied into `flat`
-    flat: torch.Tensor       # packed gradients, then the agreement vector when `fuse`
-    views: list[torch.Tensor]
-    n: int                   # packed gradient elements
-    fuse: bool
+
+class GradPlan:
+    """Which gradients are reduced in place and which are packed, made once for the run
+    (like DDP's buckets, fixed at construction: the set of parameters that require grad
+    is fixed for the run), and the in-place all-reduces launched so far in this step."""
+
+    def __init__(self, run: "ElasticRun") -> None:
+        self.run = run
+        self.params = params = [p for p in run.model.parameters() if p.requires_grad]
+        dtype = params[0].dtype
+        limit = direct_bytes()
+        big = {i for i, p in enumerate(params) if p.numel() * p.element_size() >= limit and p.dtype == dtype}
+        # the launch order, the same on every rank: backward reaches the last layers first
+        self.direct = sorted(big, reverse=True)
+        self.packed = [i for i in range(len(params)) if i not in big]
+        self.n = sum(params[i].numel() for i in self.packed)
+        self.fuse = dtype in (torch.float32, torch.float64) and run.sampler.num_samples < 2 ** 24
+        self.flat = torch.empty(self.n + (agreement.size(run) if self.fuse else 0), dtype=dtype,
+                                device=params[0].device)
+        self.views, off = [], 0
+        for i in self.packed:
+            self.views.append(self.flat[off:off + params[i].numel()].view_as(params[i]))
+            off += params[i].numel()
+        self.works: list[dist.Work] = []   # in-place all-reduces launched, in `direct` order
+        self._ready: set[int] = set()
+        self._armed = False
+        for i in self.direct:
+            params[i].register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
+
+    def arm(self) -> None:
+        """Called just before the step's backward: launch from the hooks during it."""
+        self.works, self._ready = [], set()
+        self._armed = self.run.world_size > 1 and self.run._broken is None
+
+    def _accumulated(self, i: int, _param: torch.Tensor) -> None:
+        if self._armed:
+            self._ready.add(i)
+            self._launch(lambda j: j in self._ready)
+
+    def _launch(self, ready) -> bool:
+        """Launch the next in-place all-reduces of the fixed order while `ready` says so;
+        False if a launch failed (a dead peer: noted by `_collective`)."""
+        while len(self.works) < len(self.direct) and ready(self.direct[len(self.works)]):
+            grad = self.params[self.direct[len(self.works)]].grad
+            if not self.run._collective(lambda: self.works.append(dist.all_reduce(grad, async_op=True))):
+                self._armed = False
+                return False
+        return True
 
 
 def plan_for(run: "ElasticRun") -> GradPlan:
-    params = [p for p in run.model.parameters() if p.requires_grad]
-    dtype = params[0].dtype
-    direct = [i for i, p in enumerate(params)
-              if p.numel() * p.element_size() >= DIRECT_BYTES and p.dtype == dtype]
-    packed = [i for i in range(len(params)) if i not in direct]
-    n = sum(params[i].numel() for i in packed)
-    fuse = dtype in (torch.float32, torch.float64) and run.sampler.num_samples < 2 ** 24
-    flat = torch.empty(n + (agreement.size(run) if fuse else 0), dtype=dtype, device=params[0].device)
-    views, off = [], 0
-    for i in packed:
-        views.append(flat[off:off + params[i].numel()].view_as(params[i]))
-        off += params[i].numel()
-    return GradPlan(params, direct, packed, flat, views, n, fuse)
+    return GradPlan(run)
 
 
 def reduce_gradients(run: "ElasticRun") -> None:
-    """Sum every gradient over the members: large ones all-reduced in place (no copy),
-    the small ones packed into one buffer with the step-boundary agreement at its end
-    (its integers stay exact in float32/float64), all launched at once and then waited
-    for. The plan is made once and kept across generations: like DDP, which fixes its
-    buckets at construction, the set of parameters that require grad is fixed for the run."""
+    """Sum every gradient over the members: the in-place all-reduces not launched during
+    backward (a gradient that came late, or not at all) follow in the fixed order, then the
+    packed small ones with the agreement (its integers stay exact in float32/float64); then
+    all are waited for."""
     plan = run._grad_plan
     if plan is None:
         plan = run._grad_plan = plan_for(run)
-    params, direct, packed, flat, views, n, fuse = plan
-    grads = [p.grad for p in params]
-    for i, g in enumerate(grads):
-        if g is None:   # a parameter the loss did not reach: its gradient is zero
-            grads[i] = params[i].grad = torch.zeros_like(params[i])
-    small = [grads[i] for i in packed]
+    plan._armed = False
+    params = plan.params
+    for i, p in enumerate(params):
+        if p.grad is None:   # a parameter the loss did not reach: its gradient is zero
+            p.grad = torch.zeros_like(p)
+    small = [params[i].grad for i in plan.packed]
     if small:
-        torch._foreach_copy_(views, small)
-    if fuse:
-        flat[n:].copy_(agreement.build(run, done_step=True))
-    works = []
-    if not run._collective(lambda: works.extend(
-            [dist.all_reduce(grads[i], async_op=True) for i in direct]
-            + ([dist.all_reduce(flat, async_op=True)] if flat.numel() else []))):
+        torch._foreach_copy_(plan.views, small)
+    if plan.fuse:
+        plan.flat[plan.n:].copy_(agreement.build(run, done_step=True))
+    if not plan._launch(lambda j: True):
+        run._drop_grads()
+        return
+    works = plan.works
+    if plan.flat.numel() and not run._collective(lambda: works.append(dist.all_reduce(plan.flat, async_op=True))):
         run._drop_grads()
         return
     if not run._collective(lambda: [w.wait() for w in works]):
         run._drop_grads()
         return
-    if fuse:
-        run._vote = agreement.parse(run, flat[n:])
+    if plan.fuse:
+        run._vote = agreement.parse(run, plan.flat[plan.n:])
         run._last_agree_s = 0.0
     if small:
-        torch._foreach_copy_(small, views)
+        torch._foreach_copy_(small, plan.views)

@@ -198,6 +198,10 @@ class ElasticRun(StateMixin):
         of the global batch, then the gradients summed over the members: exactly the
         full-batch mean gradient, at any world size (as DDP's average is at a fixed one)."""
         batch = self.batch
+        if self.world_size > 1:   # the large gradients' all-reduces start during backward
+            if self._grad_plan is None:
+                self._grad_plan = plan_for(self)
+            self._grad_plan.arm()
         if batch is not None and len(batch.indices) == 0:   # more ranks than samples this step
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -251,7 +255,7 @@ class ElasticRun(StateMixin):
         """Before a newcomer says it is ready: its gradient buffer, allocated and touched, so
         its first step in the job does not pay for it while the others wait."""
         if any(p.requires_grad for p in self.model.parameters()):
-            self._grad_plan = plan_for(self)
+            self._grad_plan = plan_for(self)   # and its hooks
             self._grad_plan.flat.zero_()
 
     def _boundary(self) -> bool:
