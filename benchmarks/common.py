@@ -27,13 +27,14 @@ def state_bytes(hidden: int) -> int:
 
 
 class Gpuflex:
-    def __init__(self, workdir: Path, slots: int) -> None:
+    def __init__(self, workdir: Path, slots: int, jobs: str = "") -> None:
+        """`jobs`: extra lines for the config's [jobs] table."""
         self.dir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
         self.config = workdir / "gpuflex.toml"
         self.config.write_text(
             f'[database]\nurl = "sqlite:///{workdir}/g.db"\n\n[jobs]\ncheckpoint_interval_s = 600\n'
-            f'cancel_grace_s = 60\n\n[[hosts]]\nname = "local"\ngpus = "cpu:{slots}"\nworkdir = "{workdir}/work"\n')
+            f'cancel_grace_s = 60\n{jobs}\n[[hosts]]\nname = "local"\ngpus = "cpu:{slots}"\nworkdir = "{workdir}/work"\n')
 
     def __call__(self, *args: str) -> str:
         p = subprocess.run([GPUFLEX, *args], capture_output=True, text=True,
@@ -44,6 +45,12 @@ class Gpuflex:
 
     def status(self, job: str) -> dict:
         return json.loads(self("status", job, "--json"))
+
+    def pgids(self, job: str) -> list[int]:
+        """The process groups of the job: its store/coordinator and its workers."""
+        rows = self._db("SELECT store_pgid FROM jobs WHERE id = ?", int(job))
+        rows += self._db("SELECT pgid FROM workers WHERE job_id = ?", int(job))
+        return [p for (p,) in rows if p]
 
     def _db(self, sql: str, *args) -> list[tuple]:
         con = sqlite3.connect(str(self.dir / "g.db"), timeout=30)

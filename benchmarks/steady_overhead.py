@@ -1,8 +1,16 @@
 """Steady-state overhead: steps per second of the elastic runtime under gpuflex against
 plain DDP under torchrun (benchmarks/torchrun_worker.py: the same model, data order, noise
-and loss), same fixed world size, runs interleaved.
+and loss), same fixed world size (2, gloo on CPU).
 
-Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700,3535] [--rounds 5] [--epochs 40]
+The two runs are interleaved finely: both jobs are started, and then only one of them runs
+at a time, in alternating windows of about a second (the other job's processes are held
+with SIGSTOP, its coordinator and store included). This machine's speed drifts by several
+percent within a minute (another tenant, the hypervisor); whole runs one after the other
+see different machines, windows a second apart see the same one. Each window's rate is
+taken from the job's own step log (the first steps after a resume left out); each pair of
+adjacent windows gives one ratio, and the pairs alternate which job goes first.
+
+Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700,3535] [--pairs 20]
 """
 
 from __future__ import annotations
@@ -10,72 +18,171 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import EXAMPLE, ROOT, Gpuflex, state_bytes  # noqa: E402
 
 WORLD = 2
-SKIP = 10   # warm-up steps left out of the rate
+SKIP = 20        # steps before the measurement starts (start-up, first allocations)
+RESUMED = 3      # steps of each window left out: the first ones after SIGCONT
+EPOCHS = 100000  # both jobs run until the measurement is over, then they are stopped
+# the step log never gets near this: runs end when the windows are done
 
 
-def rate(step_log: list) -> float:
-    part = step_log[SKIP:]
-    return (len(part) - 1) / (part[-1][1] - part[0][1])
+class Job:
+    """One of the two jobs: its process groups, to hold and release, and its step log."""
+
+    def __init__(self, name: str, pgids: list[int]) -> None:
+        self.name, self.pgids = name, pgids
+        self.windows: list[tuple[float, float]] = []
+
+    def signal(self, sig: int) -> None:
+        for p in self.pgids:
+            try:
+                os.killpg(p, sig)
+            except ProcessLookupError:
+                pass
+
+    def run_for(self, seconds: float) -> None:
+        self.signal(signal.SIGCONT)
+        start = time.time()
+        time.sleep(seconds)
+        self.signal(signal.SIGSTOP)
+        self.windows.append((start, time.time()))
+
+    def rates(self, step_log: list[list[float]]) -> list[tuple[int, float]]:
+        """(steps, steps/s) of each window, from the step times inside it."""
+        times = sorted(t for _, t, *_ in step_log)
+        out = []
+        for a, b in self.windows:
+            inside = [t for t in times if a <= t <= b][RESUMED:]
+            out.append((len(inside) - 1, (len(inside) - 1) / (inside[-1] - inside[0]))
+                       if len(inside) >= 5 else (0, float("nan")))
+        return out
 
 
-def ddp_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
-    log = tmp / f"ddp{n}.log"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                    f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / "torchrun_worker.py"),
-                    "--hidden", str(hidden), "--epochs", str(epochs), "--steps-file", str(log)],
-                   check=True, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return rate([list(map(float, ln.split())) for ln in log.read_text().splitlines()])
+def wait_for(cond, what: str, timeout: float = 120) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.1)
 
 
-def gpuflex_rate(tmp: Path, hidden: int, epochs: int, n: int) -> float:
-    gf = Gpuflex(tmp / f"gf{n}", slots=WORLD)
+def process_groups(root: int) -> list[int]:
+    """The process groups of `root` and of all its descendants (torchrun starts each
+    worker in a session of its own)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(d.name)] = (int(fields[1]), int(fields[2]))   # ppid, pgrp
+    tree, grew = {root}, True
+    while grew:
+        more = {p for p, (pp, _) in parent.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sorted({parent[p][1] for p in tree if p in parent})
+
+
+def lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def start_ddp(tmp: Path, hidden: int) -> tuple[Job, subprocess.Popen, Path]:
+    log = tmp / "ddp.log"
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / "torchrun_worker.py"),
+                             "--hidden", str(hidden), "--epochs", str(EPOCHS), "--steps-file", str(log),
+                             "--flush-every", "10"],
+                            stdout=subprocess.DEVNULL, stderr=open(tmp / "ddp.err", "w"),
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    wait_for(lambda: lines(log) >= SKIP or proc.poll() is not None, "DDP's first steps")
+    if proc.poll() is not None:
+        raise RuntimeError(f"torchrun failed: {(tmp / 'ddp.err').read_text()[-2000:]}")
+    return Job("DDP", process_groups(proc.pid)), proc, log
+
+
+def start_gpuflex(tmp: Path, hidden: int) -> tuple[Job, Gpuflex, str]:
+    # held for a second at a time: timeouts well above the windows
+    gf = Gpuflex(tmp / "gf", slots=WORLD, jobs="pg_timeout_s = 120\nheartbeat_timeout_s = 120\n")
     job = str(json.loads(gf("submit", "--workers", str(WORLD), "--json", "--env", "OMP_NUM_THREADS=1",
                             "--", sys.executable, str(EXAMPLE), "--hidden", str(hidden),
-                            "--epochs", str(epochs)))["id"])
-    # the report (--report) adds sample tracking; measure without it, from the checkpoint's log
-    gf.wait_workers_gone(job)
-    gf.status(job)   # one refresh records the outcome
-    import torch
+                            "--epochs", str(EPOCHS)))["id"])
+    wait_for(lambda: gf.step(job) >= SKIP, "gpuflex's first steps")
+    return Job("gpuflex", gf.pgids(job)), gf, job
 
-    ck = next((tmp / f"gf{n}" / "work").rglob("checkpoint.pt"))
-    return rate(torch.load(ck, weights_only=False)["logs"]["step_log"])
+
+def measure(hidden: int, pairs: int, window: float) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+    with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
+        tmp = Path(t)
+        ddp, proc, ddp_log = start_ddp(tmp, hidden)
+        ddp.signal(signal.SIGSTOP)
+        ours = gf = None
+        try:
+            ours, gf, job = start_gpuflex(tmp, hidden)
+            ours.signal(signal.SIGSTOP)
+            for i in range(pairs):
+                first, second = (ddp, ours) if i % 2 == 0 else (ours, ddp)
+                first.run_for(window)
+                second.run_for(window)
+            ddp.signal(signal.SIGCONT)   # alone, until its log is flushed past the last window
+            n = lines(ddp_log)
+            wait_for(lambda: lines(ddp_log) > n, "DDP's step log")
+        finally:
+            ddp.signal(signal.SIGCONT)
+            ddp.signal(signal.SIGKILL)
+            proc.wait()
+            if ours is not None:
+                ours.signal(signal.SIGCONT)
+                gf("cancel", job)   # the example checkpoints its step log on the way out
+                gf.wait_workers_gone(job)
+                gf.status(job)
+        ddp_steps = [list(map(float, ln.split())) for ln in ddp_log.read_text().splitlines()]
+        import torch
+
+        ck = next((tmp / "gf" / "work").rglob("checkpoint.pt"))
+        our_steps = torch.load(ck, weights_only=False)["logs"]["step_log"]
+        return ddp.rates(ddp_steps), ours.rates(our_steps)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", default="64,700,3535", help="widths: 0.04, 4 and 100 MB of state")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--pairs", type=int, default=20, help="window pairs per size")
+    ap.add_argument("--window", type=float, default=0.0,
+                    help="seconds per window (default: 1 s, or ~25 steps at large sizes)")
     args = ap.parse_args()
-    print(f"world size {WORLD}, gloo on CPU, {args.rounds} interleaved rounds, first {SKIP} steps skipped")
+    print(f"world size {WORLD}, gloo on CPU; the jobs take turns in windows, {args.pairs} pairs per size")
     rows = []
     for hidden in [int(h) for h in args.hidden.split(",")]:
-        ddp, ours = [], []
-        # about the same number of steps... but no more than ~20 s per run at large sizes
-        epochs = max(2, min(args.epochs, int(args.epochs * (700 / hidden) ** 2)))
-        with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
-            for i in range(args.rounds):
-                ddp.append(ddp_rate(Path(t), hidden, epochs, i))
-                ours.append(gpuflex_rate(Path(t), hidden, epochs, i))
-        paired = [o / d for o, d in zip(ours, ddp)]
-        print(f"hidden {hidden} ({epochs} epochs of 32 steps): DDP steps/s {' '.join(f'{x:.1f}' for x in ddp)}")
-        print(f"{'':{len(str(hidden)) + 8}}gpuflex   {' '.join(f'{x:.1f}' for x in ours)}")
-        print(f"{'':{len(str(hidden)) + 8}}round ratios {' '.join(f'{x:.3f}' for x in paired)}")
-        rows.append((hidden, statistics.median(ddp), statistics.median(ours), statistics.median(paired)))
-    print("\nhidden  state MB   DDP steps/s   gpuflex steps/s   gpuflex/DDP (medians)   median round ratio")
-    for hidden, d, o, p in rows:
-        print(f"{hidden:6d}  {state_bytes(hidden) / 1e6:8.1f}  {d:12.1f}  {o:16.1f}  {o / d:11.3f} "
-              f"({100 * (o / d - 1):+.1f}%)  {p:18.3f}")
+        # ~25 steps of the 100 MB model take ~3 s on 2 cores
+        window = args.window or max(1.0, 3.0 * (hidden / 3535) ** 2)
+        d, o = measure(hidden, args.pairs, window)
+        ratios = [ro / rd for (_, rd), (_, ro) in zip(d, o) if rd == rd and ro == ro]
+        pooled_d = sum(n for n, _ in d) / sum(n / r for n, r in d if n)
+        pooled_o = sum(n for n, _ in o) / sum(n / r for n, r in o if n)
+        q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [float("nan")] * 3
+        print(f"\nhidden {hidden} ({state_bytes(hidden) / 1e6:.1f} MB of state), windows of {window:.1f} s")
+        print("  DDP steps/s     " + " ".join(f"{r:6.1f}" for _, r in d))
+        print("  gpuflex steps/s " + " ".join(f"{r:6.1f}" for _, r in o))
+        print("  pair ratios     " + " ".join(f"{r:6.3f}" for r in ratios))
+        rows.append((hidden, pooled_d, pooled_o, statistics.median(ratios), q[0], q[2], len(ratios),
+                     sum(n for n, _ in d), sum(n for n, _ in o)))
+    print("\nhidden  state MB  DDP steps/s  gpuflex steps/s  pooled ratio  median pair ratio (IQR)     pairs  steps DDP/gpuflex")
+    for hidden, pd, po, med, q1, q3, n, sd, so in rows:
+        print(f"{hidden:6d}  {state_bytes(hidden) / 1e6:8.1f}  {pd:11.1f}  {po:15.1f}  {po / pd:8.3f} "
+              f"({100 * (po / pd - 1):+.1f}%)  {med:8.3f} ({q1:.3f}-{q3:.3f})  {n:5d}  {sd}/{so}")
 
 
 if __name__ == "__main__":

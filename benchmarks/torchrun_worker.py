@@ -32,6 +32,7 @@ def main():
     ap.add_argument("--ckpt")
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--steps-file", required=True)
+    ap.add_argument("--flush-every", type=int, default=0, help="flush the step log every N steps (0: at exit)")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -63,14 +64,15 @@ def main():
         step += 1
         if log:
             log.write(f"{step} {time.time()} {world}\n")
-            if args.ckpt:   # watched while it runs (scale_pause); else written at exit
+            if args.ckpt or (args.flush_every and step % args.flush_every == 0):   # watched while it runs
                 log.flush()
             if args.ckpt and step % args.ckpt_every == 0:
                 tmp = args.ckpt + ".tmp"
                 torch.save({"model": model.module.state_dict(), "opt": opt.state_dict(),
                             "sched": sched.state_dict(), "step": step}, tmp)
                 os.replace(tmp, args.ckpt)
-        time.sleep(args.step_sleep)
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
     if log:
         log.close()
     dist.destroy_process_group()

@@ -66,7 +66,8 @@ def main():
             loss.backward()
             opt.step()
             sched.step()
-            time.sleep(args.step_sleep)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
     if dist.get_rank() == 0 and args.report:
         write_report(args.report, model.module, args, len(loader) * args.epochs, [], {})
     dist.destroy_process_group()

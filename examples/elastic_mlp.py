@@ -66,7 +66,8 @@ def main():
             run.backward(loss)
             opt.step()
             sched.step()
-            time.sleep(args.step_sleep)
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
     if run.is_primary and args.report:
         write_report(args.report, model, args, run.step, run.step_log, run.samples)
 
