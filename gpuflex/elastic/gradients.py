@@ -79,22 +79,21 @@ class GradPlan:
                 return False
         return True
 
-
-def plan_for(run: "ElasticRun") -> GradPlan:
-    return GradPlan(run)
+    def launch_rest(self) -> bool:
+        """After backward: the hooks stop, and the in-place all-reduces not yet launched
+        (a gradient that came late, or not at all) follow in the fixed order."""
+        self._armed = False
+        return self._launch(lambda j: True)
 
 
 def reduce_gradients(run: "ElasticRun") -> None:
     """Sum every gradient over the members: the in-place all-reduces not launched during
     backward (a gradient that came late, or not at all) follow in the fixed order, then the
     packed small ones with the agreement (its integers stay exact in float32/float64); then
-    all are waited for."""
+    all are waited for. `ElasticRun.backward` has made the plan and armed it."""
     plan = run._grad_plan
-    if plan is None:
-        plan = run._grad_plan = plan_for(run)
-    plan._armed = False
     params = plan.params
-    for i, p in enumerate(params):
+    for p in params:
         if p.grad is None:   # a parameter the loss did not reach: its gradient is zero
             p.grad = torch.zeros_like(p)
     small = [params[i].grad for i in plan.packed]
@@ -102,7 +101,7 @@ def reduce_gradients(run: "ElasticRun") -> None:
         torch._foreach_copy_(plan.views, small)
     if plan.fuse:
         plan.flat[plan.n:].copy_(agreement.build(run, done_step=True))
-    if not plan._launch(lambda j: True):
+    if not plan.launch_rest():
         run._drop_grads()
         return
     works = plan.works

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from gpuflex.elastic import keys
 from gpuflex.elastic import agreement
-from gpuflex.elastic.gradients import GradPlan, plan_for, reduce_gradients
+from gpuflex.elastic.gradients import GradPlan, reduce_gradients
 from gpuflex.elastic.formation import Formation
 from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
                                         Rendezvous, StoreLost)
@@ -200,7 +200,7 @@ class ElasticRun(StateMixin):
         batch = self.batch
         if self.world_size > 1:   # the large gradients' all-reduces start during backward
             if self._grad_plan is None:
-                self._grad_plan = plan_for(self)
+                self._grad_plan = GradPlan(self)
             self._grad_plan.arm()
         if batch is not None and len(batch.indices) == 0:   # more ranks than samples this step
             for p in self.model.parameters():
@@ -255,7 +255,7 @@ class ElasticRun(StateMixin):
         """Before a newcomer says it is ready: its gradient buffer, allocated and touched, so
         its first step in the job does not pay for it while the others wait."""
         if any(p.requires_grad for p in self.model.parameters()):
-            self._grad_plan = plan_for(self)   # and its hooks
+            self._grad_plan = GradPlan(self)   # and its hooks
             self._grad_plan.flat.zero_()
 
     def _boundary(self) -> bool:
