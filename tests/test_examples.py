@@ -12,6 +12,17 @@ from pathlib import Path
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
+def torch_teardown_abort(stderr: str) -> bool:
+    """torch 2.13's known exit race, after the script's own work is done: an all-reduce that DDP
+    launched inside backward keeps a Python object in its thread-local state, and when gloo's
+    worker thread frees it while the interpreter is already finalizing, the thread cannot take the
+    GIL and the process aborts ("terminate called without an active exception"; see pytorch
+    PR 179291). Under load it hits a few percent of torchrun runs of the plain DDP script. Only
+    this exact signature is forgiven; the report is still checked in full."""
+    return ("terminate called without an active exception" in stderr and "SIGABRT" in stderr
+            and stderr.count("Traceback (most recent call last)") == 1)   # torchrun's own, no worker's
+
+
 def code(path: Path) -> list[str]:
     """The script from its first import on (the docstring describes each file)."""
     lines = path.read_text().splitlines()
@@ -36,8 +47,9 @@ def test_the_elastic_example_runs_standalone_and_the_ddp_one_under_torchrun(tmp_
     assert r["steps"] == 32 and sorted(r["samples"]["0"]) == list(range(2048))
     assert [s for s, _, ws in r["step_log"]] == list(range(32)) and {ws for *_, ws in r["step_log"]} == {1}
     ddp = tmp_path / "ddp.json"
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                    str(EXAMPLES / "ddp_mlp.py"), "--epochs", "1", "--hidden", "16", "--report", str(ddp)],
-                   check=True, env=env, timeout=300, capture_output=True)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                        str(EXAMPLES / "ddp_mlp.py"), "--epochs", "1", "--hidden", "16", "--report", str(ddp)],
+                       env=env, timeout=300, capture_output=True, text=True)
+    assert p.returncode == 0 or torch_teardown_abort(p.stderr), p.stderr[-3000:]
     d = json.loads(ddp.read_text())
     assert d["steps"] == 32 and len(d["params"]) == len(r["params"])
