@@ -89,6 +89,35 @@ def test_light_state_is_captured_by_value_and_heavy_state_is_left_out():
         reg.add("bad", object())
 
 
+def test_undoing_a_step_restores_the_logs_also_across_an_epoch_edge(monkeypatch):
+    from gpuflex.elastic.runtime import ElasticRun
+
+    monkeypatch.setenv("GPUFLEX_STORE", "127.0.0.1:1")   # distributed: it commits (never started here)
+    model = torch.nn.Linear(2, 1)
+    run = ElasticRun(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                     num_samples=8, global_batch_size=2, epochs=3, track_samples=True)
+
+    def confirm():
+        run._confirm_step(run.sampler.global_batch(run.step)[2].tolist(), now=float(run.step))
+
+    for _ in range(3):   # steps 0-2 of epoch 0 (4 steps an epoch)
+        confirm()
+        run._commit()
+    before = ({e: list(v) for e, v in run.samples.items()}, list(run.step_log), run.step)
+    confirm()   # the last step of epoch 0 ...
+    confirm()   # ... and the first of epoch 1, then a failure: both undone
+    assert set(run.samples) == {0, 1} and len(run.samples[0]) == 8
+    run._undo_step()
+    assert ({e: list(v) for e, v in run.samples.items()}, run.step_log, run.step) == before
+    for _ in range(5):   # past the edge, then undo a step inside epoch 1
+        confirm()
+        run._commit()
+    kept = {e: list(v) for e, v in run.samples.items()}
+    confirm()
+    run._undo_step()
+    assert run.samples == kept and run.step == 8 and sorted(run.samples[0]) == list(range(8))
+
+
 def test_checksum_sees_a_one_bit_change():
     a = [torch.randn(100), torch.arange(5)]
     b = [a[0].clone(), a[1].clone()]

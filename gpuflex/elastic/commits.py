@@ -21,8 +21,11 @@ class StateMixin:
         return {"objects": self.registry.capture(), "rng": rng_state(), "step": self.step}
 
     def _lens(self) -> dict[str, int]:
-        return {"step_log": len(self.step_log),
-                **{f"samples.{e}": len(v) for e, v in self.samples.items()}}
+        """Where the logs end now. Only the current epoch's sample list can grow in the next
+        step (or a later epoch's appear), so that one length suffices: a cost per step that
+        does not grow with the number of epochs run."""
+        return {"step_log": len(self.step_log), "epoch": self.epoch,
+                "samples": len(self.samples.get(self.epoch, ()))}
 
     def _commit(self) -> None:
         """The light commit of every step boundary (parameters and optimizer state need none)."""
@@ -45,10 +48,13 @@ class StateMixin:
                 m._buffers[name].copy_(saved)
         self.step = c.step
         del self.step_log[c.lens["step_log"]:]
-        for e in list(self.samples):
-            del self.samples[e][c.lens.get(f"samples.{e}", 0):]
-            if not self.samples[e]:
-                del self.samples[e]
+        epoch = c.lens["epoch"]
+        for e in [e for e in self.samples if e > epoch]:
+            del self.samples[e]
+        if epoch in self.samples:
+            del self.samples[epoch][c.lens["samples"]:]
+            if not self.samples[epoch]:
+                del self.samples[epoch]
 
     def apply_tree(self, tree: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
         self.registry.load(tree["objects"], skip=skip)
