@@ -104,6 +104,7 @@ class ElasticRun(StateMixin):
         self._store_lost: StoreLost | None = None
         self._buffer_slots: list[tuple[torch.nn.Module, str]] | None = None
         self._grad_plan: GradPlan | None = None   # gradients.reduce_gradients' buffer and views
+        self.pg: dist.ProcessGroup | None = None   # this generation's, from init_process_group
         self._rate = 0.0
         self._pending_timings: dict[str, Any] | None = None
         self._formed_at: float | None = None   # the end of the last formation, until its first step
@@ -348,6 +349,7 @@ class ElasticRun(StateMixin):
         store = dist.PrefixStore(keys.pg_prefix(g), self.rdzv.store)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
                                 timeout=dt.timedelta(seconds=self.pg_timeout_s))
+        self.pg = dist.group.WORLD
 
 
 def _json(data: Any) -> str:
