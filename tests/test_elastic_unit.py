@@ -252,3 +252,29 @@ def test_rng_state_round_trips_numpy_through_its_cheap_change_check():
     expected = np.random.standard_normal()
     set_rng_state(after)
     assert np.random.standard_normal() == expected
+
+
+def test_rng_state_round_trips_python_random_through_its_cheap_change_check():
+    import random
+
+    from gpuflex.elastic import state
+
+    random.seed(3)
+    saved = state.rng_state()["python"]
+    assert state.rng_state()["python"] is saved   # unchanged: the last full read is reused
+    assert saved == random.getstate()
+    first = [random.random() for _ in range(3)]
+    moved = state.rng_state()["python"]
+    assert moved != saved and moved == random.getstate()
+    state.set_rng_state({**state.rng_state(), "python": saved})
+    assert [random.random() for _ in range(3)] == first
+    # a cached Gaussian consumed without the twister moving: the state must not be reused
+    random.gauss(0.0, 1.0)                 # makes a pair, keeps one in gauss_next
+    before = state.rng_state()["python"]
+    random.gauss(0.0, 1.0)                 # takes it; the twister's words stay as they were
+    after = state.rng_state()["python"]
+    assert before[2] is not None and after[2] is None and after == random.getstate()
+    expected = random.gauss(0.0, 1.0)
+    state.set_rng_state({**state.rng_state(), "python": after})
+    assert random.gauss(0.0, 1.0) == expected
+    assert state._random_watch.addr is not None   # CPython here: the cheap path was the one tested
