@@ -12,6 +12,7 @@ import functools
 import os
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -60,6 +61,11 @@ class GradPlan:
         self.fuse = dtype in (torch.float32, torch.float64) and run.sampler.num_samples < 2 ** 24
         self.flat = torch.empty(self.n + (agreement.size(run) if self.fuse else 0), dtype=dtype,
                                 device=params[0].device)
+        # the agreement's part of the buffer, written and read through numpy (a host copy
+        # on a GPU, moved with the one copy_)
+        self.tail = self.flat[self.n:]
+        self.tail_np = (None if not self.fuse else self.tail.numpy() if self.flat.device.type == "cpu"
+                        else np.empty(self.tail.numel(), dtype=np.float64))
         self.views, off = [], 0
         for i in self.packed:
             self.views.append(self.flat[off:off + params[i].numel()].view_as(params[i]))
@@ -111,7 +117,9 @@ def reduce_gradients(run: "ElasticRun") -> None:
     if small:
         torch._foreach_copy_(plan.views, small)
     if plan.fuse:
-        plan.flat[plan.n:].copy_(agreement.build(run, done_step=True))
+        agreement.fill(run, plan.tail_np, done_step=True)
+        if plan.tail.device.type != "cpu":
+            plan.tail.copy_(torch.from_numpy(plan.tail_np))
     if not plan.launch_rest():
         run._drop_grads()
         return
@@ -123,7 +131,8 @@ def reduce_gradients(run: "ElasticRun") -> None:
         run._drop_grads()
         return
     if plan.fuse:
-        run._vote = agreement.parse(run, plan.flat[plan.n:])
+        run._vote = agreement.parse(run, plan.tail_np if plan.tail.device.type == "cpu"
+                                    else plan.tail.cpu().numpy())
         run._last_agree_s = 0.0
     if small:
         torch._foreach_copy_(small, plan.views)
