@@ -127,6 +127,8 @@ def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, hom
     events = ej.json("events", str(job["id"]))
     scales = [e for e in events if e["kind"] == "scale"]
     assert len(scales) >= 3   # 3, 2, 4 (the shrink to 1 came before the first generation formed)
+    # the members' states agreed bit for bit at every formation (the exchanged sums included)
+    assert not [e for e in events if e["kind"] == "rollback"]
     for e in scales:
         for phase in ("detect", "agree", "rebuild", "copy", "verify", "first_step"):
             assert isinstance(e["data"]["timings"][phase], float), (phase, e)
@@ -164,15 +166,18 @@ def test_kill_9_of_rank_0_and_of_a_worker_mid_resize(ej, tmp_path_factory, home)
     assert dead[rank0["wid"]]["exit_code"] == -9 and dead[victim["wid"]]["exit_code"] == -9
 
 
+@pytest.mark.parametrize("exchange_bytes", ["524288", "0"], ids=["exchange", "all-reduce"])
 def test_gradients_launched_during_backward_line_up_with_a_rank_that_has_no_samples(
-        ej, tmp_path_factory, home):
+        ej, tmp_path_factory, home, exchange_bytes):
     """A global batch of 2 over 3 workers: every step one rank has no sample and runs no
     backward, so it launches the in-place all-reduces after the others launched theirs from
-    their hooks. The fixed launch order keeps the collectives matched; then a shrink to 2."""
+    their hooks. The fixed launch order keeps the collectives matched; then a shrink to 2.
+    The packed small gradients are summed by the exchange, or (0) by all-reduce."""
     report = home / "r.json"
     args = ("--hidden", "32", "--global-batch-size", "2", "--seed", "5")
     job = ej.submit([sys.executable, EXAMPLE, *args, "--epochs", "1", "--step-sleep", "0.002",
-                     "--report", str(report)], "--workers", "2:3", "--env", "GPUFLEX_DIRECT_BYTES=1024")
+                     "--report", str(report)], "--workers", "2:3", "--env", "GPUFLEX_DIRECT_BYTES=1024",
+                    "--env", f"GPUFLEX_EXCHANGE_BYTES={exchange_bytes}")
     scale(ej, job["id"], 3)
     wait_for(ej, job["id"], lambda j: step_of(j) >= 100 and j["world_size"] == 3, "steps at world size 3")
     scale(ej, job["id"], 2)
@@ -181,6 +186,7 @@ def test_gradients_launched_during_backward_line_up_with_a_rank_that_has_no_samp
     r = json.loads(report.read_text())
     assert_matches_reference(r, reference(tmp_path_factory, 1, args))
     assert [ws for _, _, ws in r["step_log"]].count(3) >= 100
+    assert not [e for e in ej.json("events", str(job["id"])) if e["kind"] == "rollback"]
 
 
 def test_store_death_restarts_the_job_from_its_checkpoint(ej, tmp_path_factory, home):

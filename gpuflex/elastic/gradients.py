@@ -3,7 +3,10 @@
 Large gradients are all-reduced where they are, each launched from its parameter's
 post-accumulate-grad hook while backward is still computing the layers below it (as DDP
 launches its buckets), in one fixed order on every rank. The small ones are packed into one
-buffer with the step-boundary agreement at its end and launched when backward is done.
+buffer with the step-boundary agreement at its end and summed when backward is done: on
+gloo, when the buffer is small, by an exchange (each rank sends it to every other and adds
+the copies in rank order) rather than gloo's all-reduce, whose rounds cost ~0.7 ms on a
+busy host where the exchange takes ~0.2 ms.
 """
 
 from __future__ import annotations
@@ -38,9 +41,19 @@ def all_reduce_async(run: "ElasticRun", tensor: torch.Tensor) -> dist.Work:
     return run.pg.allreduce([tensor], _SUM)
 
 
+EXCHANGE_BYTES = 512 << 10   # the packed buffer is exchanged when its size x (world - 1) is at most this
+# (gloo only; measured on 2 ranks: 8 KiB 0.36 vs 0.68 ms, 256 KiB 0.34 vs 1.28 ms, 1 MiB
+# 1.43 vs 0.80 ms). GPUFLEX_EXCHANGE_BYTES overrides it (0: always all-reduce).
+EXCHANGE_TAG = 0x6766   # the exchange's point-to-point tag (the state copy uses 0)
+
+
+def _env_bytes(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
+    return int(value) if value.isdigit() else default
+
+
 def direct_bytes() -> int:
-    value = os.environ.get("GPUFLEX_DIRECT_BYTES", "")
-    return int(value) if value.isdigit() else DIRECT_BYTES
+    return _env_bytes("GPUFLEX_DIRECT_BYTES", DIRECT_BYTES)
 
 
 class GradPlan:
@@ -70,6 +83,8 @@ class GradPlan:
         for i in self.packed:
             self.views.append(self.flat[off:off + params[i].numel()].view_as(params[i]))
             off += params[i].numel()
+        self.exchange_bytes = _env_bytes("GPUFLEX_EXCHANGE_BYTES", EXCHANGE_BYTES)
+        self.rows: torch.Tensor | None = None   # the exchange's copies, one row per rank
         self.works: list[dist.Work] = []   # in-place all-reduces launched, in `direct` order
         self._ready: set[int] = set()
         self._armed = False
@@ -96,6 +111,31 @@ class GradPlan:
                 return False
         return True
 
+    def exchanges(self) -> bool:
+        """Whether the packed buffer is summed by the exchange this step (gloo, small)."""
+        flat = self.flat
+        return (flat.device.type == "cpu" and flat.numel() > 0
+                and flat.numel() * flat.element_size() * (self.run.world_size - 1) <= self.exchange_bytes)
+
+    def launch_exchange(self) -> None:
+        """Send the packed buffer to every other rank and receive each one's into its row."""
+        run, flat = self.run, self.flat
+        if self.rows is None or self.rows.shape[0] != run.world_size:
+            self.rows = torch.empty(run.world_size, flat.numel(), dtype=flat.dtype)
+        for peer in range(run.world_size):
+            if peer != run.rank:
+                self.works.append(run.pg.send([flat], peer, EXCHANGE_TAG))
+                self.works.append(run.pg.recv([self.rows[peer]], peer, EXCHANGE_TAG))
+
+    def sum_exchanged(self) -> None:
+        """The buffer becomes the sum of every rank's copy, added in rank order on every
+        rank: elementwise IEEE additions in one order, so each rank gets the same bits."""
+        rows, flat = self.rows, self.flat
+        rows[self.run.rank].copy_(flat)
+        torch.add(rows[0], rows[1], out=flat)
+        for r in range(2, rows.shape[0]):
+            flat.add_(rows[r])
+
     def launch_rest(self) -> bool:
         """After backward: the hooks stop, and the in-place all-reduces not yet launched
         (a gradient that came late, or not at all) follow in the fixed order."""
@@ -106,8 +146,8 @@ class GradPlan:
 def reduce_gradients(run: "ElasticRun") -> None:
     """Sum every gradient over the members: the in-place all-reduces not launched during
     backward (a gradient that came late, or not at all) follow in the fixed order, then the
-    packed small ones with the agreement (its integers stay exact in float32/float64); then
-    all are waited for. `ElasticRun.backward` has made the plan and armed it."""
+    packed small ones with the agreement (its integers stay exact in float32/float64), by
+    all-reduce or by the exchange; then all are waited for. `ElasticRun.backward` has made the plan and armed it."""
     plan = run._grad_plan
     params = plan.params
     for p in params:
@@ -124,12 +164,20 @@ def reduce_gradients(run: "ElasticRun") -> None:
         run._drop_grads()
         return
     works = plan.works
-    if plan.flat.numel() and not run._collective(lambda: works.append(all_reduce_async(run, plan.flat))):
+    exchange = plan.exchanges()
+    if exchange:
+        launch = plan.launch_exchange
+    else:
+        def launch():
+            works.append(all_reduce_async(run, plan.flat))
+    if plan.flat.numel() and not run._collective(launch):
         run._drop_grads()
         return
     if not run._collective(lambda: [w.wait() for w in works]):
         run._drop_grads()
         return
+    if exchange:
+        plan.sum_exchanged()
     if plan.fuse:
         run._vote = agreement.parse(run, plan.tail_np if plan.tail.device.type == "cpu"
                                     else plan.tail.cpu().numpy())
