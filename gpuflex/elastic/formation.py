@@ -86,11 +86,10 @@ class Formation:
 
     # ---- pieces -------------------------------------------------------------------------------
     def _destroy(self) -> None:
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except (RuntimeError, ValueError):
-                pass
+        try:
+            self.run.destroy_process_group()
+        except (RuntimeError, ValueError):
+            pass
 
     def _formation_failed(self, g: int, e: Exception) -> None:
         self.log(f"forming generation {g} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")

@@ -6,7 +6,7 @@ launches its buckets), in one fixed order on every rank. The small ones are pack
 buffer with the step-boundary agreement at its end and summed when backward is done: on
 gloo, when the buffer is small, by an exchange (each rank sends it to every other and adds
 the copies in rank order) rather than gloo's all-reduce, whose rounds cost ~0.7 ms on a
-busy host where the exchange takes ~0.2 ms.
+busy host where the exchange takes ~0.3 ms.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def all_reduce_async(run: "ElasticRun", tensor: torch.Tensor) -> dist.Work:
 
 
 EXCHANGE_BYTES = 512 << 10   # the packed buffer is exchanged when its size x (world - 1) is at most this
-# (gloo only; measured on 2 ranks: 8 KiB 0.36 vs 0.68 ms, 256 KiB 0.34 vs 1.28 ms, 1 MiB
-# 1.43 vs 0.80 ms). GPUFLEX_EXCHANGE_BYTES overrides it (0: always all-reduce).
+# (gloo only; benchmarks/gloo_sum.py, 2 ranks: 8 KiB 0.28 vs 0.67 ms all-reduce, 256 KiB
+# 0.30 vs 0.65 ms, 4 MiB 3.98 vs 3.12 ms). GPUFLEX_EXCHANGE_BYTES overrides it (0: never).
 EXCHANGE_TAG = 0x6766   # the exchange's point-to-point tag (the state copy uses 0)
 
 
@@ -147,7 +147,8 @@ def reduce_gradients(run: "ElasticRun") -> None:
     """Sum every gradient over the members: the in-place all-reduces not launched during
     backward (a gradient that came late, or not at all) follow in the fixed order, then the
     packed small ones with the agreement (its integers stay exact in float32/float64), by
-    all-reduce or by the exchange; then all are waited for. `ElasticRun.backward` has made the plan and armed it."""
+    all-reduce or by the exchange; then all are waited for. `ElasticRun.backward` has made
+    the plan and armed it."""
     plan = run._grad_plan
     params = plan.params
     for p in params:

@@ -340,12 +340,21 @@ class ElasticRun(StateMixin):
             self.rdzv.close()
         if self._control is not None:
             self._control.close()
+        self.destroy_process_group()
+
+    def destroy_process_group(self) -> None:
+        """Drop this generation's group, the runtime's reference included: with none left,
+        gloo joins its threads here. A group that outlives this (referenced at exit) keeps
+        threads that may free a finished work while the interpreter finalizes, and torch
+        2.13 then aborts the process (see tests/test_examples.py)."""
+        self.pg = None
+        if self._grad_plan is not None:
+            self._grad_plan.works = []   # finished; they would keep gloo's context alive
         if dist.is_initialized():
             dist.destroy_process_group()
 
     def init_process_group(self, g: int, rank: int, world: int) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self.destroy_process_group()
         store = dist.PrefixStore(keys.pg_prefix(g), self.rdzv.store)
         dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
                                 timeout=dt.timedelta(seconds=self.pg_timeout_s))

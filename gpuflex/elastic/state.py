@@ -108,7 +108,7 @@ class _PythonRandomWatch:
         if sys.implementation.name != "cpython":
             return
         addr = id(self.inst) + object.__basicsize__
-        version, words, _ = self.inst.getstate()
+        _, words, _ = self.inst.getstate()
         raw = ctypes.string_at(addr, 4 * (self.N + 1))
         seen = memoryview(raw).cast("I")
         if tuple(seen[1:]) + (int.from_bytes(raw[:4], sys.byteorder, signed=True),) == words:
