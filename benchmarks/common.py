@@ -114,3 +114,22 @@ def stalls(step_log: list[list[float]]) -> tuple[float, list[tuple[str, int, int
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def process_groups(root: int) -> list[int]:
+    """The process groups of `root` and of all its descendants (torchrun starts each
+    worker in a session of its own)."""
+    parent = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parent[int(d.name)] = (int(fields[1]), int(fields[2]))   # ppid, pgrp
+    tree, grew = {root}, True
+    while grew:
+        more = {p for p, (pp, _) in parent.items() if pp in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sorted({parent[p][1] for p in tree if p in parent})

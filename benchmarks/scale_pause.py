@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import EXAMPLE, ROOT, Gpuflex, hidden_for, median, state_bytes, stalls  # noqa: E402
+from common import EXAMPLE, ROOT, Gpuflex, hidden_for, median, process_groups, state_bytes, stalls  # noqa: E402
 
 
 def gpuflex_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[float, list, list]:
@@ -101,10 +101,15 @@ def torchrun_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[flo
             if not wait(lambda ls: len(ls) >= n + 8 and ls[-1][2] == 2):
                 error = "torchrun did not resume after a node left"
                 break
-    finally:
+    finally:   # the agents and their workers (torchrun starts each in a session of its own)
+        groups = {g for a in agents if a.poll() is None for g in process_groups(a.pid)}
+        for g in groups:
+            try:
+                os.killpg(g, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
+            a.wait()
     med, st = stalls(lines())
     return med, st, error
 

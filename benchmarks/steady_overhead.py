@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import EXAMPLE, ROOT, Gpuflex, state_bytes  # noqa: E402
+from common import EXAMPLE, ROOT, Gpuflex, process_groups, state_bytes  # noqa: E402
 
 WORLD = 2
 SKIP = 20        # steps before the measurement starts (start-up, first allocations)
@@ -74,25 +74,6 @@ def wait_for(cond, what: str, timeout: float = 120) -> None:
         if time.monotonic() > end:
             raise RuntimeError(f"timed out waiting for {what}")
         time.sleep(0.1)
-
-
-def process_groups(root: int) -> list[int]:
-    """The process groups of `root` and of all its descendants (torchrun starts each
-    worker in a session of its own)."""
-    parent = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(d.name)] = (int(fields[1]), int(fields[2]))   # ppid, pgrp
-    tree, grew = {root}, True
-    while grew:
-        more = {p for p, (pp, _) in parent.items() if pp in tree} - tree
-        tree |= more
-        grew = bool(more)
-    return sorted({parent[p][1] for p in tree if p in parent})
 
 
 def lines(path: Path) -> int:
