@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -29,10 +28,8 @@ def size(run: "ElasticRun") -> int:
     return 3 + 2 * (run.sampler.global_batch_size if run.track_samples else 0)
 
 
-def fill(run: "ElasticRun", out: np.ndarray, done_step: bool) -> None:
-    """Write this rank's contribution into `out` (`size(run)` long, any numeric dtype):
-    [switch generation (rank 0), stop, checkpoint, ids+1..., counts...]. numpy, not torch:
-    on ~130 numbers each torch op costs a few microseconds, every step."""
+def build(run: "ElasticRun", done_step: bool) -> torch.Tensor:
+    """This rank's contribution: [switch generation (rank 0), stop, checkpoint, ids+1..., counts...]."""
     stop = run._stop_requested.is_set()
     ckpt = run._checkpoint_requested.is_set()
     run._checkpoint_requested.clear()
@@ -42,42 +39,43 @@ def fill(run: "ElasticRun", out: np.ndarray, done_step: bool) -> None:
         run.rdzv.newer.clear()   # the watch looks again if this one is not newer after all
         latest = run.rdzv.latest()
         switch = latest if latest > run.generation else 0
-    out.fill(0)
-    out[:3] = (switch, int(stop), int(ckpt))
     b = run.sampler.global_batch_size if run.track_samples else 0
+    if not b:
+        return torch.tensor([switch, int(stop), int(ckpt)], dtype=torch.int64)
+    vec = torch.zeros(3 + 2 * b, dtype=torch.int64)
+    vec[0], vec[1], vec[2] = switch, int(stop), int(ckpt)
     batch_ids = run._step_ids
     if b and done_step and batch_ids is not None:
-        off, k = last_offset(run), len(batch_ids)
-        out[3 + off:3 + off + k] = batch_ids.numpy() + 1
-        out[3 + b + off:3 + b + off + k] = 1
+        off = last_offset(run)
+        vec[3 + off:3 + off + len(batch_ids)] = batch_ids + 1
+        vec[3 + b + off:3 + b + off + len(batch_ids)] = 1
+    return vec
 
 
-def parse(run: "ElasticRun", vec: np.ndarray) -> tuple[int, bool, bool, list[int] | None]:
+def parse(run: "ElasticRun", vec: torch.Tensor) -> tuple[int, bool, bool, list[int] | None]:
     """(switch-to generation, stop, checkpoint, ids of the samples of the step) from the sum
     (integers, or floats holding integers when it rode on the gradients)."""
     b = run.sampler.global_batch_size if run.track_samples else 0
-    vec = np.rint(vec).astype(np.int64)
-    if b:
-        counts = vec[3 + b:]
-        if counts.max() > 1:
-            raise RuntimeError("a sample was processed twice in one step (runtime bug)")
-        ids = (vec[3:3 + b][counts == 1] - 1).tolist()
-    else:
-        ids = None
-    switch, stop, ckpt = vec[:3].tolist()
-    return switch, stop > 0, ckpt > 0, ids
+    if not b:
+        switch, stop, ckpt = (round(x) for x in vec.tolist())
+        return switch, stop > 0, ckpt > 0, None
+    vec = vec.round().long().cpu()
+    counts = vec[3 + b:]
+    if int(counts.max()) > 1:
+        raise RuntimeError("a sample was processed twice in one step (runtime bug)")
+    ids = (vec[3:3 + b][counts == 1] - 1).tolist()
+    return int(vec[0]), bool(vec[1]), bool(vec[2]), ids
 
 
 def agree(run: "ElasticRun", done_step: bool):
     """The agreement as a collective of its own (a step without run.backward, world 1)."""
     t0 = time.perf_counter()
-    vec = np.empty(size(run), dtype=np.int64)
-    fill(run, vec, done_step)
+    vec = build(run, done_step)
     if run.world_size > 1:
-        dev = torch.from_numpy(vec).to(run.device)   # the same memory on CPU
+        dev = vec.to(run.device) if run.backend == "nccl" else vec
         if not run._collective(dist.all_reduce, dev):
             return None
-        vec = dev.cpu().numpy()
+        vec = dev.cpu()
     run._last_agree_s = time.perf_counter() - t0
     return parse(run, vec)
 

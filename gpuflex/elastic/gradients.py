@@ -15,7 +15,6 @@ import functools
 import os
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -74,11 +73,6 @@ class GradPlan:
         self.fuse = dtype in (torch.float32, torch.float64) and run.sampler.num_samples < 2 ** 24
         self.flat = torch.empty(self.n + (agreement.size(run) if self.fuse else 0), dtype=dtype,
                                 device=params[0].device)
-        # the agreement's part of the buffer, written and read through numpy (a host copy
-        # on a GPU, moved with the one copy_)
-        self.tail = self.flat[self.n:]
-        self.tail_np = (None if not self.fuse else self.tail.numpy() if self.flat.device.type == "cpu"
-                        else np.empty(self.tail.numel(), dtype=np.float64))
         self.views, off = [], 0
         for i in self.packed:
             self.views.append(self.flat[off:off + params[i].numel()].view_as(params[i]))
@@ -158,9 +152,7 @@ def reduce_gradients(run: "ElasticRun") -> None:
     if small:
         torch._foreach_copy_(plan.views, small)
     if plan.fuse:
-        agreement.fill(run, plan.tail_np, done_step=True)
-        if plan.tail.device.type != "cpu":
-            plan.tail.copy_(torch.from_numpy(plan.tail_np))
+        plan.flat[plan.n:].copy_(agreement.build(run, done_step=True))
     if not plan.launch_rest():
         run._drop_grads()
         return
@@ -180,8 +172,7 @@ def reduce_gradients(run: "ElasticRun") -> None:
     if exchange:
         plan.sum_exchanged()
     if plan.fuse:
-        run._vote = agreement.parse(run, plan.tail_np if plan.tail.device.type == "cpu"
-                                    else plan.tail.cpu().numpy())
+        run._vote = agreement.parse(run, plan.flat[plan.n:])
         run._last_agree_s = 0.0
     if small:
         torch._foreach_copy_(small, plan.views)
