@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sqlite3
 import statistics
 import subprocess
@@ -133,3 +134,18 @@ def process_groups(root: int) -> list[int]:
         tree |= more
         grew = bool(more)
     return sorted({parent[p][1] for p in tree if p in parent})
+
+
+def signal_groups(pgids, sig: int) -> None:
+    """Send `sig` to each process group, skipping those already gone."""
+    for p in pgids:
+        try:
+            os.killpg(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -12,22 +12,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gpuflex.elastic.gradients import exchange as launch_exchange, sum_exchanged
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import free_port  # noqa: E402
+
 ROUNDS = 7
-TAG = 0x6766
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def per_op(fn, n: int) -> float:
@@ -52,18 +51,10 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out: dict) -> Non
         def allreduce():
             pg.allreduce([buf], opts).wait()
 
-        def exchange():
-            works = []
-            for peer in range(world):
-                if peer != rank:
-                    works.append(pg.send([buf], peer, TAG))
-                    works.append(pg.recv([rows[peer]], peer, TAG))
-            for w in works:
+        def exchange():   # as gradients.reduce_gradients runs it
+            for w in launch_exchange(pg, rank, buf, rows):
                 w.wait()
-            rows[rank].copy_(buf)
-            torch.add(rows[0], rows[1], out=buf)
-            for r in range(2, world):
-                buf.add_(rows[r])
+            sum_exchanged(buf, rows, rank)
             buf.fill_(1.0)
 
         n = max(10, min(500, int(2e4 / kib)))

@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import EXAMPLE, ROOT, Gpuflex, hidden_for, median, process_groups, state_bytes, stalls  # noqa: E402
+from common import (EXAMPLE, ROOT, Gpuflex, free_port, hidden_for, median, process_groups,  # noqa: E402
+                    signal_groups, state_bytes, stalls)
 
 
 def gpuflex_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[float, list, list]:
@@ -48,12 +48,6 @@ def gpuflex_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[floa
         if os.environ.get("GPUFLEX_BENCH_LOGS"):
             print(f"--- {log.name}\n" + "".join(ln for ln in open(log) if "generation" in ln))
     return med, st, copies
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[float, list, str]:
@@ -102,12 +96,7 @@ def torchrun_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[flo
                 error = "torchrun did not resume after a node left"
                 break
     finally:   # the agents and their workers (torchrun starts each in a session of its own)
-        groups = {g for a in agents if a.poll() is None for g in process_groups(a.pid)}
-        for g in groups:
-            try:
-                os.killpg(g, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        signal_groups({g for a in agents if a.poll() is None for g in process_groups(a.pid)}, signal.SIGKILL)
         for a in agents:
             a.wait()
     med, st = stalls(lines())

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import EXAMPLE, ROOT, Gpuflex, process_groups, state_bytes  # noqa: E402
+from common import EXAMPLE, ROOT, Gpuflex, process_groups, signal_groups, state_bytes  # noqa: E402
 
 WORLD = 2
 SKIP = 20        # steps before the measurement starts (start-up, first allocations)
@@ -44,11 +44,7 @@ class Job:
         self.windows: list[tuple[float, float]] = []
 
     def signal(self, sig: int) -> None:
-        for p in self.pgids:
-            try:
-                os.killpg(p, sig)
-            except ProcessLookupError:
-                pass
+        signal_groups(self.pgids, sig)
 
     def run_for(self, seconds: float) -> None:
         self.signal(signal.SIGCONT)

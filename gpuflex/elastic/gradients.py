@@ -55,6 +55,26 @@ def direct_bytes() -> int:
     return _env_bytes("GPUFLEX_DIRECT_BYTES", DIRECT_BYTES)
 
 
+def exchange(pg: dist.ProcessGroup, rank: int, buf: torch.Tensor, rows: torch.Tensor) -> list[dist.Work]:
+    """Send `buf` to every other rank and receive each one's into its row of `rows`
+    (one row per rank): the launches of the exchange, to be waited for."""
+    works = []
+    for peer in range(rows.shape[0]):
+        if peer != rank:
+            works.append(pg.send([buf], peer, EXCHANGE_TAG))
+            works.append(pg.recv([rows[peer]], peer, EXCHANGE_TAG))
+    return works
+
+
+def sum_exchanged(buf: torch.Tensor, rows: torch.Tensor, rank: int) -> None:
+    """After the exchange: `buf` becomes the sum of every rank's copy, added in rank order
+    on every rank: elementwise IEEE additions in one order, so each rank gets the same bits."""
+    rows[rank].copy_(buf)
+    torch.add(rows[0], rows[1], out=buf)
+    for r in range(2, rows.shape[0]):
+        buf.add_(rows[r])
+
+
 class GradPlan:
     """Which gradients are reduced in place and which are packed, made once for the run
     (like DDP's buckets, fixed at construction: the set of parameters that require grad
@@ -79,7 +99,9 @@ class GradPlan:
             off += params[i].numel()
         self.exchange_bytes = _env_bytes("GPUFLEX_EXCHANGE_BYTES", EXCHANGE_BYTES)
         self.rows: torch.Tensor | None = None   # the exchange's copies, one row per rank
-        self.works: list[dist.Work] = []   # in-place all-reduces launched, in `direct` order
+        # this step's launches: the in-place all-reduces in `direct` order (their count says
+        # which is next), then the packed buffer's all-reduce or exchange
+        self.works: list[dist.Work] = []
         self._ready: set[int] = set()
         self._armed = False
         for i in self.direct:
@@ -112,23 +134,11 @@ class GradPlan:
                 and flat.numel() * flat.element_size() * (self.run.world_size - 1) <= self.exchange_bytes)
 
     def launch_exchange(self) -> None:
-        """Send the packed buffer to every other rank and receive each one's into its row."""
+        """The packed buffer's exchange, its rows made for this world size."""
         run, flat = self.run, self.flat
         if self.rows is None or self.rows.shape[0] != run.world_size:
             self.rows = torch.empty(run.world_size, flat.numel(), dtype=flat.dtype)
-        for peer in range(run.world_size):
-            if peer != run.rank:
-                self.works.append(run.pg.send([flat], peer, EXCHANGE_TAG))
-                self.works.append(run.pg.recv([self.rows[peer]], peer, EXCHANGE_TAG))
-
-    def sum_exchanged(self) -> None:
-        """The buffer becomes the sum of every rank's copy, added in rank order on every
-        rank: elementwise IEEE additions in one order, so each rank gets the same bits."""
-        rows, flat = self.rows, self.flat
-        rows[self.run.rank].copy_(flat)
-        torch.add(rows[0], rows[1], out=flat)
-        for r in range(2, rows.shape[0]):
-            flat.add_(rows[r])
+        self.works += exchange(run.pg, run.rank, flat, self.rows)
 
     def launch_rest(self) -> bool:
         """After backward: the hooks stop, and the in-place all-reduces not yet launched
@@ -157,8 +167,8 @@ def reduce_gradients(run: "ElasticRun") -> None:
         run._drop_grads()
         return
     works = plan.works
-    exchange = plan.exchanges()
-    if exchange:
+    exchanged = plan.exchanges()
+    if exchanged:
         launch = plan.launch_exchange
     else:
         def launch():
@@ -169,8 +179,8 @@ def reduce_gradients(run: "ElasticRun") -> None:
     if not run._collective(lambda: [w.wait() for w in works]):
         run._drop_grads()
         return
-    if exchange:
-        plan.sum_exchanged()
+    if exchanged:
+        sum_exchanged(plan.flat, plan.rows, run.rank)
     if plan.fuse:
         run._vote = agreement.parse(run, plan.flat[plan.n:])
         run._last_agree_s = 0.0

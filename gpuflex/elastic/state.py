@@ -119,7 +119,7 @@ class _PythonRandomWatch:
             return random.getstate()
         raw = ctypes.string_at(self.addr, 4 * (self.N + 1))
         gauss = self.inst.gauss_next
-        if raw != self.raw or gauss != self.gauss or self.state is None:
+        if raw != self.raw or gauss != self.gauss:   # the first read: self.raw is None
             self.state, self.raw, self.gauss = random.getstate(), raw, gauss
         return self.state
 
