@@ -204,3 +204,42 @@ def test_status_watch_json_streams_one_document_per_refresh(home, config_path):
         rest, err = p.communicate(timeout=60)
     assert [(d["id"], d["name"], d["state"]) for d in docs] == [(1, "w", "queued")] * 2
     assert p.returncode == 0 and "Traceback" not in err
+
+
+def test_status_watch_ends_on_ctrl_c_during_its_sleep(home, config_path):
+    """An hour between refreshes: only a signal that ends the sleep lets it exit in time."""
+    import signal
+
+    g = GpuflexCLI(home, config_path)
+    g.ok("submit", "--name", "w", "--workers", "9", "--", "true")
+    p = subprocess.Popen([g.script, "status", "w", "--json", "--watch", "--interval", "3600"],
+                         env=g.env(), cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        doc = json.loads(p.stdout.readline())
+    finally:
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=60)
+    assert doc["state"] == "queued" and rest == ""
+    assert p.returncode == 0 and err == ""
+
+
+def test_a_signal_during_the_work_waits_for_it_and_a_second_one_aborts_it(capsys):
+    """StopSignals in this process: the first SIGINT between sleeps only marks the stop
+    (no KeyboardInterrupt inside the work), the next sleep returns at once, and a second
+    SIGINT during the work raises KeyboardInterrupt."""
+    import os
+    import signal
+
+    from gpuflex.cli.common import StopSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals(notice="stopping after this tick") as stop:
+        os.kill(os.getpid(), signal.SIGINT)   # "during the work": no exception here
+        marked = sum(range(1000))             # bytecodes for the handler to run between
+        assert stop.requested and marked
+        assert "stopping after this tick" in capsys.readouterr().err
+        assert stop.sleep(3600) is True       # returns without sleeping
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            sum(range(1000))
+    assert signal.getsignal(signal.SIGINT) is before

@@ -219,5 +219,7 @@ def test_watch_stops_cleanly_on_ctrl_c_after_the_running_tick(box, home):
         if p.poll() is None:
             p.kill()
     assert p.returncode == 0 and "Traceback" not in err, err
-    assert "stopping after this tick" in err and "stopped after" in err
+    # a SIGINT during a tick announces the stop (tests/test_cli.py); during the sleep it
+    # simply ends the sleep
+    assert "stopped after" in err
     assert all(json.loads(line)["skipped"] is None for line in out.splitlines())

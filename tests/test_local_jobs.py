@@ -162,3 +162,22 @@ def test_cancel_stops_every_process_group_of_the_job(gf, db_path):
     assert all_devices_free(gf)
     again = gf("cancel", str(job["id"]))
     assert again.returncode == 2 and "already cancelled" in again.stderr
+
+
+def test_logs_follow_stops_cleanly_on_ctrl_c(gf):
+    import signal
+    import subprocess
+
+    code = "import time; print('first line', flush=True); time.sleep(600)"
+    job = gf.submit(py(code), "--workers", "1")
+    wait_for_log(gf, job["id"], ["first line"])
+    p = subprocess.Popen([gf.script, "logs", str(job["id"]), "--follow"], env=gf.env(), cwd=gf.home,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = p.stdout.readline()
+    finally:
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=60)
+    assert first == "first line\n" and rest == ""
+    assert p.returncode == 0 and err == ""
+    assert gf.json("status", str(job["id"]))["state"] == "running"   # only the follow ended

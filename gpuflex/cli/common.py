@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import signal
 import sys
+import time
 from typing import Any, Callable
 
 import typer
@@ -67,3 +69,61 @@ def obj(ctx: typer.Context) -> Context:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+class _Woken(BaseException):
+    """Raised by StopSignals' handler, only while the loop sleeps."""
+
+
+class StopSignals:
+    """Ctrl-C (and SIGTERM) for a command that loops: work, then sleep, then work again.
+
+    A signal while the loop sleeps ends the sleep at once. One that comes during the work
+    only marks the stop: the work (a DB transaction, a lock held inside SQLAlchemy or
+    rich) finishes first. An exception raised at an arbitrary point in that work could
+    leave a lock taken and hang the exit. A second signal during the work aborts it
+    (KeyboardInterrupt), for work that does not finish.
+
+        with StopSignals() as stop:
+            while True:
+                work()
+                if stop.sleep(interval):
+                    break
+    """
+
+    def __init__(self, notice: str | None = None,
+                 signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)) -> None:
+        self.notice, self.signums = notice, signums
+        self.requested = False
+        self._sleeping = False
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        self._old = {s: signal.signal(s, self._handle) for s in self.signums}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self._sleeping:
+            raise _Woken
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        if self.notice:
+            err_console.print(self.notice)
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep unless a stop was asked for; True when one was (before or during the sleep)."""
+        try:
+            try:
+                self._sleeping = True   # from here a signal raises _Woken
+                if not self.requested:  # one that came just before is seen here
+                    time.sleep(seconds)
+            finally:
+                self._sleeping = False
+        except _Woken:
+            self.requested = True
+        return self.requested

@@ -4,9 +4,7 @@ foreground) and `gpuflex report` (what harvesting gained)."""
 from __future__ import annotations
 
 import json
-import signal
 import sys
-import threading
 import time
 from typing import Optional
 
@@ -14,7 +12,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from gpuflex.cli.common import command, console, err_console, obj, print_json
+from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json
 from gpuflex.errors import GpuflexError, UsageError
 
 
@@ -132,33 +130,23 @@ def watch(
     if ticks is not None and ticks < 1:
         raise UsageError(f"--ticks {ticks}: must be 1 or more.")
     svc = obj(ctx).service()
-    stop = threading.Event()
-
-    def on_signal(signum, frame):
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-        err_console.print("stopping after this tick (Ctrl-C again to abort it)")
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     done = 0
-    try:
-        while not stop.is_set():
-            began = time.monotonic()
-            try:
-                show_tick(run_tick(svc), as_json, lines=True)
-            except GpuflexError as e:  # one bad tick (DB busy, ...) does not end the service
-                err_console.print(Text(f"error: {e}", style="red"))
-            done += 1
-            if ticks is not None and done >= ticks:
-                break
-            stop.wait(max(0.0, every - (time.monotonic() - began)))
-    except KeyboardInterrupt:
-        err_console.print("aborted")
-        raise typer.Exit(130)
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    with StopSignals(notice="stopping after this tick (Ctrl-C again to abort it)") as stop:
+        try:
+            while True:
+                began = time.monotonic()
+                try:
+                    show_tick(run_tick(svc), as_json, lines=True)
+                except GpuflexError as e:  # one bad tick (DB busy, ...) does not end the service
+                    err_console.print(Text(f"error: {e}", style="red"))
+                done += 1
+                if ticks is not None and done >= ticks:
+                    break
+                if stop.sleep(max(0.0, every - (time.monotonic() - began))):
+                    break
+        except KeyboardInterrupt:
+            err_console.print("aborted")
+            raise typer.Exit(130)
     err_console.print(f"stopped after {done} tick(s)")
 
 

@@ -11,7 +11,7 @@ import typer
 from rich.live import Live
 
 from gpuflex.cli import render
-from gpuflex.cli.common import command, console, obj, print_json
+from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json
 from gpuflex.control.service import SubmitRequest, parse_env, parse_workers
 from gpuflex.errors import JobError, UsageError
 from gpuflex.states import JobState
@@ -120,18 +120,16 @@ def status(
         out = snapshot()
         print_json(out) if as_json else console.print(out)
         return
-    try:
+    with StopSignals() as stop:  # Ctrl-C ends the watch after the refresh under way
         if as_json:  # a live table cannot show JSON: one document per line, per refresh
             while True:
                 sys.stdout.write(json.dumps(snapshot(), default=str) + "\n")
                 sys.stdout.flush()
-                time.sleep(interval)
+                if stop.sleep(interval):
+                    return
         with Live(snapshot(), console=console, auto_refresh=False) as live:
-            while True:
-                time.sleep(interval)
+            while not stop.sleep(interval):
                 live.update(snapshot(), refresh=True)
-    except KeyboardInterrupt:
-        pass
 
 
 @command
@@ -155,22 +153,25 @@ def scale(
         return
     deadline = time.monotonic() + timeout
     switched = None
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        svc.refresh()
-        with svc.sessions() as session:
-            cur = svc.get(session, j.id)
-            if JobState(cur.state).final:
-                raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
-            if cur.state == JobState.RUNNING.value and cur.world_size == n:
-                switched = switched or time.monotonic()
-                ev = [e for e in cur.events if e.kind in ("scale", "fault")
-                      and e.data.get("generation") == cur.generation]
-                # the phase timings come with the first step after the switch
-                if ev or time.monotonic() - switched > 10:
-                    console.print(f"job {cur.id}: world size {n} at generation {cur.generation}"
-                                  + (f" ({render.phases(ev[-1].data)})" if ev else ""))
-                    return
+    with StopSignals() as stop:
+        while time.monotonic() < deadline:
+            if stop.sleep(0.5):
+                err_console.print(f"job {j.id}: stopped waiting; the resize goes on (see gpuflex status {j.id}).")
+                raise typer.Exit(130)
+            svc.refresh()
+            with svc.sessions() as session:
+                cur = svc.get(session, j.id)
+                if JobState(cur.state).final:
+                    raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
+                if cur.state == JobState.RUNNING.value and cur.world_size == n:
+                    switched = switched or time.monotonic()
+                    ev = [e for e in cur.events if e.kind in ("scale", "fault")
+                          and e.data.get("generation") == cur.generation]
+                    # the phase timings come with the first step after the switch
+                    if ev or time.monotonic() - switched > 10:
+                        console.print(f"job {cur.id}: world size {n} at generation {cur.generation}"
+                                      + (f" ({render.phases(ev[-1].data)})" if ev else ""))
+                        return
     raise JobError(f"job {j.id}: the resize to {n} did not finish within {timeout:.0f} s.")
 
 
@@ -209,6 +210,12 @@ def logs(
                 raise UsageError(f"job {j.id} has no worker with rank or id {worker}.")
         targets = [(w.host, w.wid, w.log_path) for w in chosen]
         job_id = j.id
+    with StopSignals() as stop:
+        _follow(svc, targets, job_id, follow, stop)
+
+
+def _follow(svc, targets, job_id: int, follow: bool, stop: StopSignals) -> None:
+    """Print what the log files hold; with `follow`, go on until the job ends or Ctrl-C."""
     offsets = {t: 0 for t in targets}
     pending = {t: "" for t in targets}  # an unfinished line, held back so its prefix is printed once
     many = len(targets) > 1
@@ -242,7 +249,8 @@ def logs(
             if JobState(svc.get(session, job_id).state).final:
                 follow = False  # one last read, then stop
                 continue
-        time.sleep(0.5)
+        if stop.sleep(0.5):
+            follow = False      # Ctrl-C: one last read, then stop
 
 
 @command
