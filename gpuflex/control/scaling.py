@@ -7,6 +7,7 @@ switch at their next step boundary.
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING
 
 from sqlalchemy.orm import Session
@@ -20,6 +21,8 @@ from gpuflex.states import JobState, WorkerState
 
 if TYPE_CHECKING:
     from gpuflex.control.service import JobService
+
+POKE_TIMEOUT_S = 2.0
 
 
 def scale(svc: "JobService", session: Session, job: Job, n: int) -> Job:
@@ -89,10 +92,23 @@ def _request(svc: "JobService", session: Session, job: Job, message: str, wait_s
 
 
 def poke_workers(svc: "JobService", job: Job) -> None:
-    """Tell running workers to look at the store now instead of at their next poll."""
+    """Tell running workers to look at the store now instead of at their next poll.
+
+    All hosts at once, each host's workers in turn; the first failure on a host skips the
+    rest there (a poke only hastens what the workers' 0.1 s store poll finds anyway)."""
+    by_host: dict[str, list[str]] = collections.defaultdict(list)
     for w in members(job):
         if w.state == WorkerState.RUNNING.value and w.control_path:
+            by_host[w.host].append(w.control_path)
+    hosts = [svc.config.host(h) for h in by_host]
+
+    def poke(t) -> None:
+        for path in by_host[t.host.name]:
             try:
-                svc.pool.transport(w.host).control_request(w.control_path, {"op": "resize"}, timeout=2)
+                t.control_request(path, {"op": "resize"}, timeout=POKE_TIMEOUT_S)
             except (TransportError, ValueError):
-                pass  # a worker that cannot be poked still polls the store
+                return
+
+    limit = max((h.connect_timeout_s + len(by_host[h.name]) * (POKE_TIMEOUT_S + h.connect_timeout_s)
+                 for h in hosts), default=0) + 1
+    svc.pool.fan_out(hosts, poke, limit)
