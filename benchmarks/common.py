@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpuflex.hosts.hostops import proc_stats
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "elastic_mlp.py"
 GPUFLEX = str(Path(sys.executable).parent / "gpuflex")
@@ -120,29 +122,13 @@ def median(xs: list[float]) -> float:
 def process_groups(root: int) -> list[int]:
     """The process groups of `root` and of all its descendants (torchrun starts each
     worker in a session of its own)."""
-    parent = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parent[int(d.name)] = (int(fields[1]), int(fields[2]))   # ppid, pgrp
+    parent = {pid: (ppid, pgrp) for pid, _, ppid, pgrp in proc_stats()}
     tree, grew = {root}, True
     while grew:
         more = {p for p, (pp, _) in parent.items() if pp in tree} - tree
         tree |= more
         grew = bool(more)
     return sorted({parent[p][1] for p in tree if p in parent})
-
-
-def signal_groups(pgids, sig: int) -> None:
-    """Send `sig` to each process group, skipping those already gone."""
-    for p in pgids:
-        try:
-            os.killpg(p, sig)
-        except ProcessLookupError:
-            pass
 
 
 def free_port() -> int:

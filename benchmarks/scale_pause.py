@@ -19,9 +19,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpuflex.hosts.hostops import signal_groups
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (EXAMPLE, ROOT, Gpuflex, free_port, hidden_for, median, process_groups,  # noqa: E402
-                    signal_groups, state_bytes, stalls)
+                    state_bytes, stalls)
 
 
 def gpuflex_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[float, list, list]:
@@ -96,7 +98,7 @@ def torchrun_run(tmp: Path, hidden: int, events: int, sleep: float) -> tuple[flo
                 error = "torchrun did not resume after a node left"
                 break
     finally:   # the agents and their workers (torchrun starts each in a session of its own)
-        signal_groups({g for a in agents if a.poll() is None for g in process_groups(a.pid)}, signal.SIGKILL)
+        signal_groups(sorted({g for a in agents if a.poll() is None for g in process_groups(a.pid)}), signal.SIGKILL)
         for a in agents:
             a.wait()
     med, st = stalls(lines())

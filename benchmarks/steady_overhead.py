@@ -26,8 +26,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpuflex.hosts.hostops import signal_groups
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import EXAMPLE, ROOT, Gpuflex, process_groups, signal_groups, state_bytes  # noqa: E402
+from common import EXAMPLE, ROOT, Gpuflex, process_groups, state_bytes  # noqa: E402
 
 WORLD = 2
 SKIP = 20        # steps before the measurement starts (start-up, first allocations)

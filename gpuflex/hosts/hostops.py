@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 
 def spawn(spec: dict[str, Any]) -> dict[str, int]:
@@ -84,8 +84,8 @@ def _supervise(spec: dict[str, Any], report_fd: int) -> None:
     os.replace(tmp, exit_path)
 
 
-def group_alive(pgid: int) -> bool:
-    """True while any non-zombie process of group `pgid` exists (Linux /proc)."""
+def proc_stats() -> Iterator[tuple[int, str, int, int]]:
+    """(pid, state, ppid, pgrp) of each process in /proc (Linux), read lazily."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -96,9 +96,13 @@ def group_alive(pgid: int) -> bool:
             continue
         # the command name may hold spaces and parentheses: split after the last ')'
         fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False
+        if len(fields) > 2:
+            yield int(entry.name), fields[0], int(fields[1]), int(fields[2])
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any non-zombie process of group `pgid` exists (Linux /proc)."""
+    return any(state != "Z" and pgrp == pgid for _, state, _, pgrp in proc_stats())
 
 
 def read_exit(exit_path: str) -> dict[str, Any] | None:
