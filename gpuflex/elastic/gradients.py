@@ -140,6 +140,10 @@ class GradPlan:
             self.rows = torch.empty(run.world_size, flat.numel(), dtype=flat.dtype)
         self.works += exchange(run.pg, run.rank, flat, self.rows)
 
+    def launch_all_reduce(self) -> None:
+        """The packed buffer's all-reduce."""
+        self.works.append(all_reduce_async(self.run, self.flat))
+
     def launch_rest(self) -> bool:
         """After backward: the hooks stop, and the in-place all-reduces not yet launched
         (a gradient that came late, or not at all) follow in the fixed order."""
@@ -166,17 +170,12 @@ def reduce_gradients(run: "ElasticRun") -> None:
     if not plan.launch_rest():
         run._drop_grads()
         return
-    works = plan.works
     exchanged = plan.exchanges()
-    if exchanged:
-        launch = plan.launch_exchange
-    else:
-        def launch():
-            works.append(all_reduce_async(run, plan.flat))
+    launch = plan.launch_exchange if exchanged else plan.launch_all_reduce
     if plan.flat.numel() and not run._collective(launch):
         run._drop_grads()
         return
-    if not run._collective(lambda: [w.wait() for w in works]):
+    if not run._collective(lambda: [w.wait() for w in plan.works]):
         run._drop_grads()
         return
     if exchanged:
