@@ -8,6 +8,7 @@ import socket
 
 from gpuflex.config import Config, HostConfig
 from gpuflex.db.models import Job, Worker
+from gpuflex.elastic.env import WorkerEnv
 from gpuflex.hosts.transport import SpawnSpec, Transport
 
 SOCKET_ROOT = "/tmp"  # unix socket paths must stay short (108 bytes)
@@ -60,24 +61,16 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
 
 def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank: int, world: int) -> SpawnSpec:
     d = job_dir(host, job)
+    contract = WorkerEnv(
+        worker_id=worker.wid, job_id=job.id, job_token=job.token,
+        store=f"{job.store_addr}:{job.store_port}", control=worker_socket(job, worker.wid),
+        checkpoint_dir=job.checkpoint_dir or posixpath.join(d, "checkpoints"),
+        checkpoint_interval_s=config.jobs.checkpoint_interval_s, pg_timeout_s=config.jobs.pg_timeout_s,
+        gpus=tuple(worker.gpus) if host.cpu_slots is None else None,
+        slots=tuple(worker.gpus) if host.cpu_slots is not None else None,
+        rank=rank, world_size=world)
     env = dict(job.env)
-    env.update({
-        "PYTHONUNBUFFERED": "1",
-        "GPUFLEX_JOB_ID": str(job.id),
-        "GPUFLEX_JOB_TOKEN": job.token,
-        "GPUFLEX_WORKER_ID": str(worker.wid),
-        "GPUFLEX_STORE": f"{job.store_addr}:{job.store_port}",
-        "GPUFLEX_CONTROL": worker_socket(job, worker.wid),
-        "GPUFLEX_CHECKPOINT_DIR": job.checkpoint_dir or posixpath.join(d, "checkpoints"),
-        "GPUFLEX_CHECKPOINT_INTERVAL_S": str(config.jobs.checkpoint_interval_s),
-        "GPUFLEX_PG_TIMEOUT_S": str(config.jobs.pg_timeout_s),
-        # torch-style variables for scripts that only read these
-        "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": "0",
-    })
-    if host.cpu_slots is None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, worker.gpus))
-    else:
-        env["GPUFLEX_SLOTS"] = ",".join(map(str, worker.gpus))
+    env.update(contract.to_env())
     return SpawnSpec(argv=list(job.argv), cwd=job.workdir, env=env,
                      log=worker.log_path, exit_path=worker.exit_path)
 

@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuflex.control import launch as L
+from gpuflex.elastic.keys import STORE_LOST_EXIT
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy.placement import Assignment, place
@@ -19,7 +20,6 @@ from gpuflex.states import JobState, WorkerState
 if TYPE_CHECKING:
     from gpuflex.control.service import JobService
 
-STORE_LOST_EXIT = 75  # the runtime's exit code when the job store is gone (EX_TEMPFAIL)
 LAUNCH_RETRY_S = 30   # wait this long before launching a job again after a host failed it
 
 

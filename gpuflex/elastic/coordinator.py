@@ -113,8 +113,8 @@ class Coordinator:
     def _tick(self) -> None:
         if self.has(keys.PROGRESS):
             self.progress = json.loads(self.store.get(keys.PROGRESS))
-        if self.has("desired_request"):
-            req = self.store.get("desired_request").decode()
+        if self.has(keys.DESIRED_REQUEST):
+            req = self.store.get(keys.DESIRED_REQUEST).decode()
             if req != getattr(self, "_last_request", None):
                 self._last_request = req
                 self.desired = sorted(set(json.loads(req)))

@@ -13,13 +13,23 @@ done/{wid}       the worker finished (training over or stopped); left/{wid}: ret
 rejected/{wid}   the coordinator gave up on a newcomer (e.g. its state did not verify)
 released/{wid}   a newcomer no longer wanted (a shrink came before it joined): exit 0
 desired          JSON list of wids the controller wants
+desired_request  JSON list of wids a worker's control socket was asked for (a `resize`
+                 poke with members); the coordinator validates it and turns it into `desired`
 progress         JSON {step, epoch, samples_per_s, loss, time} from rank 0, about once a second
 finished         rank 0 reached the end of training
 events           a counter every worker bumps after writing a key the coordinator acts on,
                  so an idle coordinator reads one key per tick instead of all of them
+
+Exit codes of a worker (the runtime's side of the protocol; the control side reads them):
+STORE_LOST_EXIT  75 (EX_TEMPFAIL): the job store is gone; the job restarts from its last
+                 on-disk checkpoint
+EVICTED_EXIT     3: this worker was dropped from the job (or its state was rejected)
 """
 
 from __future__ import annotations
+
+STORE_LOST_EXIT = 75
+EVICTED_EXIT = 3
 
 
 def members(g: int) -> str:
@@ -72,6 +82,7 @@ def pg_prefix(g: int) -> str:
 
 LATEST = "latest"
 DESIRED = "desired"
+DESIRED_REQUEST = "desired_request"
 PROGRESS = "progress"
 FINISHED = "finished"
 EVENTS = "events"

@@ -16,8 +16,8 @@ from torch.distributed import TCPStore
 
 from gpuflex.elastic import keys
 
-STORE_LOST_EXIT = 75   # EX_TEMPFAIL: the job store is gone
-EVICTED_EXIT = 3       # this worker was dropped from the job (or its state was rejected)
+from gpuflex.elastic.keys import EVICTED_EXIT, STORE_LOST_EXIT  # noqa: F401  (re-exported)
+
 POLL_S = 0.01
 WATCH_S = 0.1   # how often the heartbeat thread looks for a newer generation
 

@@ -7,6 +7,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from gpuflex.elastic import keys
 from gpuflex.elastic.control import ControlServer
 
 if TYPE_CHECKING:
@@ -28,7 +29,7 @@ def start_control(run: "ElasticRun") -> ControlServer | None:
                 raise ValueError("members must be a non-empty list of worker ids")
             if run.rdzv is None:
                 raise ValueError("not connected to the job store yet")
-            run.rdzv.set("desired_request", json.dumps(sorted(set(members))))
+            run.rdzv.set(keys.DESIRED_REQUEST, json.dumps(sorted(set(members))))
         run._poke.set()
         return {"poked": True}
 

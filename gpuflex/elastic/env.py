@@ -1,0 +1,103 @@
+"""The worker environment contract: what gpuflex puts in a worker's environment.
+
+Written by the control side (`gpuflex.control.launch`, through `WorkerEnv.to_env`) and
+read by the runtime (`WorkerEnv.from_environ`). Standard library only, like `keys`, so the
+control side imports it without torch. Every `GPUFLEX_*` variable a worker reads is named
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Mapping
+
+JOB_ID = "GPUFLEX_JOB_ID"
+JOB_TOKEN = "GPUFLEX_JOB_TOKEN"
+WORKER_ID = "GPUFLEX_WORKER_ID"
+STORE = "GPUFLEX_STORE"                      # host:port of the job's TCPStore; unset = standalone
+CONTROL = "GPUFLEX_CONTROL"                  # the worker's unix control socket
+CHECKPOINT_DIR = "GPUFLEX_CHECKPOINT_DIR"
+CHECKPOINT_INTERVAL_S = "GPUFLEX_CHECKPOINT_INTERVAL_S"
+PG_TIMEOUT_S = "GPUFLEX_PG_TIMEOUT_S"
+SLOTS = "GPUFLEX_SLOTS"                      # CPU slots held (on GPU hosts: CUDA_VISIBLE_DEVICES)
+# Tuning knobs a user may set in a job's environment (read by gpuflex.elastic.gradients).
+DIRECT_BYTES = "GPUFLEX_DIRECT_BYTES"
+EXCHANGE_BYTES = "GPUFLEX_EXCHANGE_BYTES"
+
+DEFAULT_CHECKPOINT_INTERVAL_S = 60.0
+DEFAULT_PG_TIMEOUT_S = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerEnv:
+    """One worker's view of its job, as the environment carries it."""
+
+    worker_id: int = 0
+    store: str | None = None
+    job_id: int | None = None
+    job_token: str | None = None
+    control: str | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
+    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
+    slots: tuple[int, ...] | None = None      # CPU slots; None on GPU hosts
+    gpus: tuple[int, ...] | None = None       # GPU indices (CUDA_VISIBLE_DEVICES); None on CPU slots
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return bool(self.store)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables to set (the control side adds the job's own `--env` first)."""
+        env = {
+            "PYTHONUNBUFFERED": "1",
+            WORKER_ID: str(self.worker_id),
+            CHECKPOINT_INTERVAL_S: str(self.checkpoint_interval_s),
+            PG_TIMEOUT_S: str(self.pg_timeout_s),
+            # torch-style variables for scripts that only read these
+            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
+        }
+        for name, value in ((JOB_ID, self.job_id), (JOB_TOKEN, self.job_token), (STORE, self.store),
+                            (CONTROL, self.control), (CHECKPOINT_DIR, self.checkpoint_dir)):
+            if value is not None:
+                env[name] = str(value)
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
+        if self.slots is not None:
+            env[SLOTS] = ",".join(map(str, self.slots))
+        return env
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "WorkerEnv":
+        env = os.environ if environ is None else environ
+
+        def ints(name: str) -> tuple[int, ...] | None:
+            raw = env.get(name)
+            if raw is None:
+                return None
+            return tuple(int(x) for x in raw.split(",") if x.strip())
+
+        job_id = env.get(JOB_ID)
+        return cls(
+            worker_id=int(env.get(WORKER_ID, "0")),
+            store=env.get(STORE) or None,
+            job_id=int(job_id) if job_id else None,
+            job_token=env.get(JOB_TOKEN),
+            control=env.get(CONTROL) or None,
+            checkpoint_dir=env.get(CHECKPOINT_DIR) or None,
+            checkpoint_interval_s=float(env.get(CHECKPOINT_INTERVAL_S, DEFAULT_CHECKPOINT_INTERVAL_S)),
+            pg_timeout_s=float(env.get(PG_TIMEOUT_S, DEFAULT_PG_TIMEOUT_S)),
+            slots=ints(SLOTS),
+            gpus=ints("CUDA_VISIBLE_DEVICES") if SLOTS not in env else None,
+            rank=int(env.get("RANK", "0")),
+            world_size=int(env.get("WORLD_SIZE", "1")),
+        )
+
+
+def env_bytes(name: str, default: int) -> int:
+    """A byte-size tuning knob from the environment (`DIRECT_BYTES`, `EXCHANGE_BYTES`)."""
+    raw = os.environ.get(name, "")
+    return int(raw) if raw.isdigit() else default
