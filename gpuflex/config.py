@@ -65,6 +65,11 @@ class HostConfig:
         return self.address == "local"
 
     @property
+    def transport(self) -> str:
+        """The kind of transport that reaches the host (gpuflex.hosts.transport's registry)."""
+        return "local" if self.is_local else "ssh"
+
+    @property
     def cpu_slots(self) -> int | None:
         """N for `gpus = "cpu:N"`, else None (a GPU host)."""
         if isinstance(self.gpus, str) and self.gpus.startswith("cpu:"):

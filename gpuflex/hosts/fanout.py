@@ -23,7 +23,6 @@ class Result(Generic[T]):
     host: str
     value: T | None = None
     error: GpuflexError | None = None
-    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -51,15 +50,12 @@ def fan_out(hosts: Iterable[HostConfig], fn: Callable[[HostConfig], T],
     done = threading.Condition(lock)
 
     def work(h: HostConfig) -> None:
-        start = time.monotonic()
         try:
-            value = fn(h)
-            res: Result[T] = Result(h.name, value=value, seconds=time.monotonic() - start)
+            res: Result[T] = Result(h.name, value=fn(h))
         except GpuflexError as e:
-            res = Result(h.name, error=e, seconds=time.monotonic() - start)
+            res = Result(h.name, error=e)
         except Exception as e:  # noqa: BLE001 - reported per host, see docstring
-            res = Result(h.name, error=TransportError(h.name, f"{type(e).__name__}: {e}"),
-                         seconds=time.monotonic() - start)
+            res = Result(h.name, error=TransportError(h.name, f"{type(e).__name__}: {e}"))
         with done:
             results.setdefault(h.name, res)
             done.notify_all()
@@ -76,5 +72,5 @@ def fan_out(hosts: Iterable[HostConfig], fn: Callable[[HostConfig], T],
         for h in hosts:
             if h.name not in results:
                 results[h.name] = Result(h.name, error=TransportError(
-                    h.name, f"no answer within {timeout:g} s"), seconds=timeout)
+                    h.name, f"no answer within {timeout:g} s"))
         return {h.name: results[h.name] for h in hosts}

@@ -1,9 +1,9 @@
 """GPU probe: nvidia-smi CSV -> typed samples -> the `gpus` rows and a bounded history.
 
 `probe_host(transport)` asks one host (two nvidia-smi queries, plus `ps` for the owners
-of compute processes); `probe_hosts(pool, session, ...)` asks every GPU host of the
-pool in parallel and records what each said, or why it could not be asked, without
-letting one dead host fail the others.
+of compute processes); `collect_probes` asks every GPU host of the pool in parallel and
+`record_probes` records what each said, or why it could not be asked, without letting
+one dead host fail the others.
 
 Verdicts written to `Gpu.verdict` (what `Pool.free` reads):
 - "free": a GPU of a host with no `owner`, with no foreign compute process.
@@ -329,13 +329,3 @@ def record_probes(pool, session: Session, results: dict[str, Result[HostProbe]],
             record_failure(rows[name], r.error)
     session.flush()
 
-
-def probe_hosts(pool, session: Session, harvest: HarvestSettings | None = None,
-                timeout: float | None = None, hosts: list[str] | None = None) -> dict[str, Result[HostProbe]]:
-    """Probe every configured GPU host in parallel and record each one's answer or error in
-    `session` (`Host.reachable`, `Host.last_error`, `gpus` rows, `gpu_samples`). A dead host
-    never fails the others; bounded by `timeout` (default: the slowest host's connect
-    timeout plus three command timeouts). Returns {host name: Result}."""
-    results = collect_probes(pool, timeout, hosts)
-    record_probes(pool, session, results, harvest)
-    return results

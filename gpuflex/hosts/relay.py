@@ -5,16 +5,42 @@ Run as `python -m gpuflex.hosts.relay PATH [--timeout S]` by `SSHTransport.contr
 to the socket at PATH, prints the one-line reply. Every failure is a JSON line
 `{"ok": false, "error": ...}`; `"relay_error": true` marks a failure of the relay
 itself (socket missing, refused, timed out) as opposed to a reply from the server.
-Standard library and gpuflex's transport module only.
+Standard library only: it runs on the host, where gpuflex's own dependencies may be
+missing. `unix_request` is the exchange itself, which `LocalTransport` calls directly.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
+from typing import Any
 
-from gpuflex.hosts.transport import unix_request
+MAX_CONTROL_REPLY = 1 << 20
+
+
+def unix_request(path: str, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Send one JSON line to a unix socket and read one JSON line back.
+
+    Raises OSError (no socket, refused, timed out, closed without a reply, a reply over
+    1 MiB) or ValueError (the reply is not JSON).
+    """
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(json.dumps(message).encode() + b"\n")
+        buf = b""
+        while not buf.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > MAX_CONTROL_REPLY:
+                raise OSError("reply too large")
+    if not buf:
+        raise OSError("connection closed without a reply")
+    return json.loads(buf)
 
 
 def relay(path: str, line: str, timeout: float) -> dict:

@@ -30,7 +30,7 @@ import paramiko
 
 from gpuflex.config import HostConfig
 from gpuflex.errors import TransportError
-from gpuflex.hosts.transport import CommandResult, Transport
+from gpuflex.hosts.transport import CommandResult, Transport, register_transport
 
 _READ = 1 << 16
 MAX_OUTPUT = 64 << 20  # a runaway command must not fill the control host's memory
@@ -166,12 +166,6 @@ class SSHTransport(Transport):
                 self._client.close()
                 self._client = None
 
-    def server_key(self) -> paramiko.PKey | None:
-        """The host key of the live connection (None when not connected)."""
-        c = self._client
-        tr = c.get_transport() if c is not None else None
-        return tr.get_remote_server_key() if tr is not None else None
-
     # ---- commands ----------------------------------------------------------------
     def _open_session(self) -> paramiko.Channel:
         for attempt in (0, 1):
@@ -239,6 +233,9 @@ class SSHTransport(Transport):
             # the socket itself could not be reached: the same as LocalTransport's OSError
             raise TransportError(self.host.name, f"control socket {path}: {reply.get('error')}")
         return reply
+
+
+register_transport("ssh", SSHTransport)
 
 
 class _TooMuchOutput(Exception):

@@ -1,26 +1,32 @@
-"""The `Transport` seam: how gpuflex runs things on a host.
+"""The `Transport` seam: how gpuflex runs things on a host, and the registry of kinds.
 
 `LocalTransport` acts on this machine; `SSHTransport` (gpuflex.hosts.ssh) on a remote
 host through paramiko. Both carry out process operations with the same host-side code
 (`gpuflex.hosts.hostops`), so a worker's life looks the same everywhere.
+
+Transports are registered by kind (`register_transport`). A host's kind is
+`HostConfig.transport` ("local" or "ssh", derived from its `address`), and
+`make_transport(host)` builds the transport registered for it. A kind not registered
+yet is loaded by convention from the module `gpuflex.hosts.<kind>`, which registers
+itself on import (as gpuflex.hosts.ssh does), so a new transport is a new module and
+this one never names it. "local" is registered here: it needs nothing but this module.
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+import importlib
 import json
 import os
-import signal
-import socket
+import re
 import subprocess
-from typing import Any
+from typing import Any, Callable
 
 from gpuflex.config import HostConfig
 from gpuflex.errors import TransportError
 from gpuflex.hosts import hostops
-
-MAX_CONTROL_REPLY = 1 << 20
+from gpuflex.hosts.relay import unix_request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,31 +153,41 @@ class LocalTransport(Transport):
             raise TransportError(self.host.name, f"control socket {path}: {e}") from None
 
 
-def unix_request(path: str, message: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Send one JSON line to a unix socket and read one JSON line back."""
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(json.dumps(message).encode() + b"\n")
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-            if len(buf) > MAX_CONTROL_REPLY:
-                raise OSError("reply too large")
-    if not buf:
-        raise OSError("connection closed without a reply")
-    return json.loads(buf)
+TransportFactory = Callable[[HostConfig], "Transport"]
+_KIND = re.compile(r"^[a-z][a-z0-9_]*$")
+_factories: dict[str, TransportFactory] = {}
+
+
+def register_transport(kind: str, factory: TransportFactory) -> None:
+    """Make `make_transport` build hosts of `kind` with `factory(host)`.
+
+    Registering a kind again replaces its factory (a test may put a fake in its place).
+    Raises ValueError for a kind that is not a lowercase identifier.
+    """
+    if not _KIND.match(kind):
+        raise ValueError(f"transport kind must be a lowercase identifier, got {kind!r}")
+    _factories[kind] = factory
 
 
 def make_transport(host: HostConfig) -> Transport:
-    if host.is_local:
-        return LocalTransport(host)
-    from gpuflex.hosts.ssh import SSHTransport  # paramiko only where SSH is used
+    """A new transport for `host`, of the kind `host.transport` names.
 
-    return SSHTransport(host)
+    Raises TransportError (naming the host and the registered kinds) when no transport
+    of that kind is registered and no module `gpuflex.hosts.<kind>` registers one.
+    """
+    kind = host.transport
+    if kind not in _factories and _KIND.match(kind):
+        module = f"{__package__}.{kind}"
+        try:
+            importlib.import_module(module)  # registers itself; paramiko only where SSH is used
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise  # the module exists but lacks a dependency: say so, not "unknown kind"
+    factory = _factories.get(kind)
+    if factory is None:
+        raise TransportError(host.name, f"no transport of kind {kind!r} "
+                                        f"(registered: {', '.join(sorted(_factories))}).")
+    return factory(host)
 
 
-SIGTERM = signal.SIGTERM
+register_transport("local", LocalTransport)
