@@ -7,7 +7,17 @@ import enum
 from gpuflex.errors import IllegalTransition
 
 
-class JobState(str, enum.Enum):
+class _StrState(str, enum.Enum):
+    """A state written as its value: in messages, JSON and the database alike."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class JobState(_StrState):
     """The life of a job.
 
     - QUEUED: recorded, waiting for MIN free slots/GPUs. -> RUNNING (placed), CANCELLED,
@@ -53,7 +63,7 @@ _JOB_MOVES: dict[JobState, set[JobState]] = {
 }
 
 
-class WorkerState(str, enum.Enum):
+class WorkerState(_StrState):
     """The life of one worker process.
 
     - STARTING: spawned, not yet seen in a generation. -> RUNNING, LEAVING (no longer

@@ -26,13 +26,8 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import fcntl
-import hashlib
-import os
 import signal
-import tempfile
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from sqlalchemy import select
@@ -40,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
 from gpuflex.control import lifecycle, scaling
-from gpuflex.db.engine import sqlite_path
+from gpuflex.db.locks import database_lock
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
 from gpuflex.control.harvest_inputs import current_plan
@@ -83,31 +78,17 @@ def budget_s(config: Config) -> float:
 
 
 # ---- the tick lock ---------------------------------------------------------------------
-def lock_path(config: Config) -> Path:
-    db = sqlite_path(config.database_url)
-    if db is not None:
-        return Path(str(db) + ".harvest.lock")
-    digest = hashlib.sha256(config.database_url.encode()).hexdigest()[:16]
-    return Path(tempfile.gettempdir()) / f"gpuflex-harvest-{digest}.lock"
-
-
 @contextlib.contextmanager
 def tick_lock(config: Config) -> Iterator[str | None]:
     """Try the tick lock without waiting: yields None when held by us, else who holds it."""
-    path = lock_path(config)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    lock = database_lock(config.database_url, "harvest")
+    if not lock.acquire(blocking=False):
+        yield lock.holder()
+        return
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-            return
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}".encode(), 0)
         yield None
     finally:
-        os.close(fd)
+        lock.release()
 
 
 # ---- the tick --------------------------------------------------------------------------

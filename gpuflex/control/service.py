@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import os
 import re
 import secrets
 import time
-from pathlib import Path
 from typing import Iterator
 
 from sqlalchemy import select
@@ -24,7 +22,8 @@ from gpuflex.config import Config
 from gpuflex.control import lifecycle, scaling
 from gpuflex.control.launch import local_user
 from gpuflex.control.pool import Pool
-from gpuflex.db.engine import open_database, sqlite_path
+from gpuflex.db.engine import open_database
+from gpuflex.db.locks import database_lock
 from gpuflex.db.models import Event, Job
 from gpuflex.errors import UnknownJobError, UsageError
 from gpuflex.states import JobState
@@ -96,18 +95,9 @@ class JobService:
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Session]:
-        """A session under the service's file lock, committed on success."""
-        path = sqlite_path(self.config.database_url)
-        lock = Path(str(path) + ".ops.lock") if path else None
-        fd = os.open(lock, os.O_CREAT | os.O_RDWR, 0o600) if lock else None
-        try:
-            if fd is not None:
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            with self.sessions.begin() as session:
-                yield session
-        finally:
-            if fd is not None:
-                os.close(fd)
+        """A session under the database's "ops" lock (gpuflex.db.locks), committed on success."""
+        with database_lock(self.config.database_url, "ops").held(), self.sessions.begin() as session:
+            yield session
 
     # ---- reads -------------------------------------------------------------------
     def get(self, session: Session, ref: str | int) -> Job:

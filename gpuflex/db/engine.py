@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import os
 from pathlib import Path
 
@@ -11,18 +10,12 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from gpuflex.db.locks import database_lock
+from gpuflex.db.url import sqlite_path
 from gpuflex.errors import DatabaseError
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 _HINT = "Set [database] url in gpuflex.toml to a writable SQLite file (sqlite:///path/gpuflex.db)."
-
-
-def sqlite_path(url: str) -> Path | None:
-    """The file behind a sqlite URL (with ~ expanded), or None for other databases."""
-    u = sa.engine.make_url(url)
-    if u.get_backend_name() != "sqlite" or not u.database or u.database == ":memory:":
-        return None
-    return Path(os.path.expanduser(u.database))
 
 
 def make_engine(url: str) -> Engine:
@@ -102,19 +95,11 @@ def upgrade(engine: Engine) -> bool:
     except sa.exc.DatabaseError as e:  # unopenable, or a file that is not a database
         raise DatabaseError(f"cannot open the database {engine.url.database}: {e.orig}.",
                             hint=_HINT) from None
-    path = sqlite_path(str(engine.url))
-    lock_path = Path(str(path) + ".lock") if path else None
-    fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o600) if lock_path else None
-    try:
-        if fd is not None:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+    with database_lock(str(engine.url), "migration").held():
         if current_revision(engine) == head:
             return False
         command.upgrade(alembic_config(engine), "head")
         return True
-    finally:
-        if fd is not None:
-            os.close(fd)
 
 
 def open_database(url: str) -> sessionmaker[Session]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import datetime as dt
+import enum
 import time
 from typing import Any
 
 from sqlalchemy import JSON, Boolean, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
+from sqlalchemy.types import TypeDecorator
+
+from gpuflex.states import JobState, WorkerState
 
 
 def now() -> float:
@@ -16,6 +19,25 @@ def now() -> float:
 
 class Base(DeclarativeBase):
     pass
+
+
+class StateType(TypeDecorator):
+    """A `str` enum stored as its value in a VARCHAR, the type the migrations create (so
+    the schema is unchanged); rows read back as enum members, and a plain string of a
+    valid value is accepted on the way in."""
+
+    impl = String
+    cache_ok = True
+
+    def __init__(self, states: type[enum.Enum], length: int) -> None:
+        super().__init__(length)
+        self.states = states
+
+    def process_bind_param(self, value: Any, dialect: Any) -> str | None:
+        return None if value is None else self.states(value).value
+
+    def process_result_value(self, value: Any, dialect: Any) -> enum.Enum | None:
+        return None if value is None else self.states(value)
 
 
 class Host(Base):
@@ -58,7 +80,7 @@ class Job(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     token: Mapped[str] = mapped_column(String(32), unique=True)
     name: Mapped[str] = mapped_column(String(128))
-    state: Mapped[str] = mapped_column(String(16), index=True)
+    state: Mapped[JobState] = mapped_column(StateType(JobState, 16), index=True)
     argv: Mapped[list[str]] = mapped_column(JSON)
     workdir: Mapped[str] = mapped_column(Text)
     env: Mapped[dict[str, str]] = mapped_column(JSON)
@@ -88,6 +110,10 @@ class Job(Base):
     events: Mapped[list["Event"]] = relationship(back_populates="job", cascade="all, delete-orphan",
                                                  order_by="Event.id")
 
+    @validates("state")
+    def _valid_job_state(self, _key: str, value: JobState | str) -> JobState:
+        return JobState(value)
+
 
 class Worker(Base):
     """One worker process. `wid` is stable for the process's life; `rank` changes per generation."""
@@ -102,7 +128,7 @@ class Worker(Base):
     gpus: Mapped[list[int]] = mapped_column(JSON)
     pid: Mapped[int | None] = mapped_column(Integer)
     pgid: Mapped[int | None] = mapped_column(Integer)
-    state: Mapped[str] = mapped_column(String(16))
+    state: Mapped[WorkerState] = mapped_column(StateType(WorkerState, 16))
     generation: Mapped[int] = mapped_column(Integer, default=0)
     log_path: Mapped[str] = mapped_column(Text)
     exit_path: Mapped[str] = mapped_column(Text)
@@ -111,6 +137,10 @@ class Worker(Base):
     started_at: Mapped[float] = mapped_column(Float, default=now)
     ended_at: Mapped[float | None] = mapped_column(Float)
     job: Mapped[Job] = relationship(back_populates="workers")
+
+    @validates("state")
+    def _valid_worker_state(self, _key: str, value: WorkerState | str) -> WorkerState:
+        return WorkerState(value)
 
 
 class Event(Base):
@@ -124,10 +154,6 @@ class Event(Base):
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     job: Mapped[Job] = relationship(back_populates="events")
-
-
-def to_datetime(ts: float | None) -> dt.datetime | None:
-    return dt.datetime.fromtimestamp(ts) if ts is not None else None
 
 
 class GpuSample(Base):
