@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuflex.elastic.rendezvous import EVICTED_EXIT
+from gpuflex.elastic.keys import EVICTED_EXIT
 from gpuflex.hosts.hostops import group_alive
 from gpuflex.hosts.transport import unix_request
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_mlp.py")
+CORRUPT_COPY = str(Path(__file__).resolve().parent / "fakes" / "runtime_corrupt_copy.py")
 DEADLINE_S = 300
 ARGS = ["--hidden", "32", "--global-batch-size", "64", "--seed", "3"]
 
@@ -211,7 +212,8 @@ def test_store_death_restarts_the_job_from_its_checkpoint(ej, tmp_path_factory, 
 def test_a_state_copy_that_fails_its_check_is_rolled_back(ej, tmp_path_factory, home):
     report = home / "r.json"
     argv = example_argv(report, epochs=8, sleep=0.05)
-    job = ej.submit(argv, "--workers", "1:4", "--env", "GPUFLEX_TEST_CORRUPT_STATE=4")
+    argv[1:1] = [CORRUPT_COPY, "4"]           # worker 4's received copy gets a changed parameter
+    job = ej.submit(argv, "--workers", "1:4")
     scale(ej, job["id"], 2)                   # workers 0 and 1 stay
     wait_for(ej, job["id"], lambda j: step_of(j) >= 5, "training at world size 2")
     p = ej("scale", str(job["id"]), "3")      # newcomer: worker 4, whose copy is corrupted

@@ -3,8 +3,8 @@ newcomer receives, and the on-disk checkpoint (see runtime.py and state.py)."""
 
 from __future__ import annotations
 
+import logging
 import os
-import sys
 import time
 from typing import Any
 
@@ -12,6 +12,8 @@ import torch
 
 from gpuflex.elastic.state import (LightCommit, copy_value, load_checkpoint, rng_state,
                                    save_checkpoint, set_rng_state)
+
+log = logging.getLogger(__name__)
 
 
 class StateMixin:
@@ -82,6 +84,6 @@ class StateMixin:
         if ck is not None:
             self.apply_tree(ck["state"])
             self.load_logs(ck["logs"])
-            print(f"gpuflex: resumed from checkpoint at step {self.step}", file=sys.stderr, flush=True)
+            log.info("gpuflex: resumed from checkpoint at step %d", self.step)
         return ck is not None
 

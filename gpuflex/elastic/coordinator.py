@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import logging
 import signal
 import sys
 import threading
@@ -36,6 +37,9 @@ from torch.distributed import TCPStore
 
 from gpuflex.elastic import keys
 from gpuflex.elastic.control import ControlServer
+from gpuflex.elastic.logs import ensure_handler
+
+log = logging.getLogger(__name__)
 
 TICK_S = 0.05
 IDLE_TICK_S = 0.5   # full reads of a settled job: heartbeat staleness and progress
@@ -98,7 +102,7 @@ class Coordinator:
         self.generation, self.members = g, list(members)
         self.ever_members |= set(members)
         self.history.append({**rec, "verified": False, "ok": None, "timings": None})
-        print(f"generation {g} ({kind}): members {members} - {message}", flush=True)
+        log.info("generation %d (%s): members %s - %s", g, kind, members, message)
 
     def tick(self) -> None:
         with self.lock:
@@ -221,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--control", required=True, help="path of the control socket")
     ap.add_argument("--heartbeat-timeout", type=float, default=5.0)
     args = ap.parse_args(argv)
+    ensure_handler(sys.stdout)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -229,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     coord = Coordinator(store, [int(w) for w in args.members.split(",") if w],
                         hb_timeout_s=args.heartbeat_timeout)
     server = ControlServer(args.control, {"status": coord.op_status, "resize": coord.op_resize})
-    print(f"coordinator listening on port {args.port}, control {args.control}", flush=True)
+    log.info("coordinator listening on port %d, control %s", args.port, args.control)
     try:
         while not stop.wait(TICK_S):
             coord.tick()

@@ -12,13 +12,12 @@ busy host where the exchange takes ~0.3 ms.
 from __future__ import annotations
 
 import functools
-import os
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from gpuflex.elastic import agreement
+from gpuflex.elastic import agreement, env
 
 if TYPE_CHECKING:
     from gpuflex.elastic.runtime import ElasticRun
@@ -46,13 +45,8 @@ EXCHANGE_BYTES = 512 << 10   # the packed buffer is exchanged when its size x (w
 EXCHANGE_TAG = 0x6766   # the exchange's point-to-point tag (the state copy uses 0)
 
 
-def _env_bytes(name: str, default: int) -> int:
-    value = os.environ.get(name, "")
-    return int(value) if value.isdigit() else default
-
-
 def direct_bytes() -> int:
-    return _env_bytes("GPUFLEX_DIRECT_BYTES", DIRECT_BYTES)
+    return env.env_bytes(env.DIRECT_BYTES, DIRECT_BYTES)
 
 
 def exchange(pg: dist.ProcessGroup, rank: int, buf: torch.Tensor, rows: torch.Tensor) -> list[dist.Work]:
@@ -97,7 +91,7 @@ class GradPlan:
         for i in self.packed:
             self.views.append(self.flat[off:off + params[i].numel()].view_as(params[i]))
             off += params[i].numel()
-        self.exchange_bytes = _env_bytes("GPUFLEX_EXCHANGE_BYTES", EXCHANGE_BYTES)
+        self.exchange_bytes = env.env_bytes(env.EXCHANGE_BYTES, EXCHANGE_BYTES)
         self.rows: torch.Tensor | None = None   # the exchange's copies, one row per rank
         # this step's launches: the in-place all-reduces in `direct` order (their count says
         # which is next), then the packed buffer's all-reduce or exchange

@@ -16,8 +16,6 @@ from torch.distributed import TCPStore
 
 from gpuflex.elastic import keys
 
-from gpuflex.elastic.keys import EVICTED_EXIT, STORE_LOST_EXIT  # noqa: F401  (re-exported)
-
 POLL_S = 0.01
 WATCH_S = 0.1   # how often the heartbeat thread looks for a newer generation
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import logging
 import os
 import signal
 import sys
@@ -36,12 +37,13 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 import torch.distributed as dist
 
-from gpuflex.elastic import keys
-from gpuflex.elastic import agreement
+from gpuflex.elastic import agreement, keys
+from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.gradients import GradPlan, reduce_gradients
 from gpuflex.elastic.formation import Formation
-from gpuflex.elastic.rendezvous import (EVICTED_EXIT, STORE_LOST_EXIT, Evicted, Leaving,
-                                        Rendezvous, StoreLost)
+from gpuflex.elastic.keys import EVICTED_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.logs import ensure_handler
+from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
 from gpuflex.elastic.state import Registry
 from gpuflex.elastic.commits import StateMixin
@@ -51,6 +53,7 @@ if TYPE_CHECKING:
     from gpuflex.elastic.loader import ElasticLoader
     from gpuflex.elastic.state import LightCommit
 
+log = logging.getLogger(__name__)
 
 
 class ElasticRun(StateMixin):
@@ -75,12 +78,12 @@ class ElasticRun(StateMixin):
         self.step_log: list[list[float]] = []
         self.step = 0
         self.stopped = False
-        env = os.environ
-        self.wid = int(env.get("GPUFLEX_WORKER_ID", "0"))
-        self.store_address = env.get("GPUFLEX_STORE")
-        self.checkpoint_dir = checkpoint_dir or env.get("GPUFLEX_CHECKPOINT_DIR")
-        self.checkpoint_interval_s = float(checkpoint_interval_s or env.get("GPUFLEX_CHECKPOINT_INTERVAL_S", 60))
-        self.pg_timeout_s = float(env.get("GPUFLEX_PG_TIMEOUT_S", 10))
+        env = self.env = WorkerEnv.from_environ()
+        self.wid = env.worker_id
+        self.store_address = env.store
+        self.checkpoint_dir = checkpoint_dir or env.checkpoint_dir
+        self.checkpoint_interval_s = float(checkpoint_interval_s or env.checkpoint_interval_s)
+        self.pg_timeout_s = env.pg_timeout_s
         self.rank, self.world_size, self.generation = 0, 1, 0
         self.device = self._pick_device()
         self.backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -182,12 +185,12 @@ class ElasticRun(StateMixin):
         try:
             yield
         except StoreLost as e:
-            print(f"gpuflex: {e}; exiting with {STORE_LOST_EXIT} so the job restarts from its "
-                  "last checkpoint", file=sys.stderr, flush=True)
+            log.info("gpuflex: %s; exiting with %d so the job restarts from its last checkpoint",
+                     e, STORE_LOST_EXIT)
             self._close()
             os._exit(STORE_LOST_EXIT)
         except Evicted as e:
-            print(f"gpuflex: worker {self.wid} {e}; exiting", file=sys.stderr, flush=True)
+            log.info("gpuflex: worker %d %s; exiting", self.wid, e)
             self._close()
             sys.exit(EVICTED_EXIT)
         except Leaving:
@@ -242,10 +245,12 @@ class ElasticRun(StateMixin):
 
     # ---- start, boundary, switch ---------------------------------------------------------------
     def _start(self) -> None:
+        if self.distributed or not logging.getLogger().handlers:   # a worker's log, or a plain script
+            ensure_handler(sys.stderr)
         if not self.distributed:
             self.load_disk_checkpoint()
             return
-        self._control = start_control(self)
+        self._control = start_control(self, self.env.control)
         self.rdzv = Rendezvous(self.store_address, self.wid, timeout_s=max(60.0, self.pg_timeout_s))
         self.formation = Formation(self)
         self._warm_up()

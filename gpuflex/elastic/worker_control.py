@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -14,8 +13,7 @@ if TYPE_CHECKING:
     from gpuflex.elastic.runtime import ElasticRun
 
 
-def start_control(run: "ElasticRun") -> ControlServer | None:
-    path = os.environ.get("GPUFLEX_CONTROL")
+def start_control(run: "ElasticRun", path: str | None) -> ControlServer | None:
     if not path:
         return None
 
