@@ -13,7 +13,12 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional, Union
+
+from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, PlainValidator, StrictInt,
+                      StrictStr, TypeAdapter, ValidationError, field_validator)
+from pydantic.dataclasses import dataclass
+from pydantic_core import PydanticCustomError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,40 +30,91 @@ from gpuflex.errors import ConfigError
 BUILTIN = "<built-in default>"
 MAX_CPU_SLOTS = 4096  # each slot is a DB row: a typo like cpu:40000000 must not hang every command
 DEFAULT_DB_URL = "sqlite:///~/.local/state/gpuflex/gpuflex.db"
+REMOTE_DEFAULTS = {"python": "python3", "workdir": "~/gpuflex"}  # a host whose address is not "local"
+
+# One TOML table per model: every key it does not declare is an error. Types are strict
+# per field (StrictStr, StrictInt, Number): TOML's "22" is not a port, true is not 1.
+_TABLE = ConfigDict(extra="forbid")
+_MESSAGE = "gpuflex_config"  # our own errors carry the whole message (see _config_error)
 
 
-@dataclasses.dataclass(frozen=True)
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError(_MESSAGE, "{message}", {"message": message})
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(f"expected int or float, got {value!r}.")
+    if not math.isfinite(value):  # TOML allows inf and nan
+        raise _invalid(f"must be a finite number, got {value!r}.")
+    return value
+
+
+def _host_name(value: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", value):
+        raise _invalid(f"invalid host name {value!r} (letters, digits, . _ -).")
+    return value
+
+
+def _gpus(value: Any) -> Any:
+    if isinstance(value, str):
+        if value != "all" and not re.fullmatch(r"cpu:[1-9][0-9]*", value):
+            raise _invalid(f'expected "all", "cpu:N" or a list of GPU indices, got {value!r}.')
+        if value != "all" and (len(value) > 12 or int(value[4:]) > MAX_CPU_SLOTS):
+            raise _invalid(f"at most cpu:{MAX_CPU_SLOTS} slots, got {value!r}.")
+        return value
+    if not isinstance(value, list):
+        raise _invalid(f"expected str or list, got {value!r}.")
+    if not value or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in value) \
+            or len(set(value)) != len(value):
+        raise _invalid(f"expected distinct non-negative GPU indices, got {value!r}.")
+    return value
+
+
+def _database_url(value: str) -> str:
+    if "://" not in value:
+        raise _invalid(f"not a database URL: {value!r} (e.g. sqlite:///path/gpuflex.db).")
+    return value
+
+
+# int or float as written (an int stays an int), finite; never a bool
+Number = Annotated[Union[int, float], BeforeValidator(_number)]
+HostName = Annotated[StrictStr, AfterValidator(_host_name)]
+Gpus = Annotated[Union[str, list[int]], PlainValidator(_gpus)]  # "all", "cpu:N" or [indices]
+
+
+@dataclass(frozen=True, config=_TABLE)
 class HarvestSettings:
-    interval_s: float = 60
-    idle_util_pct: float = 5
-    idle_memory_mib: float = 512
-    idle_samples: int = 3
-    reclaim_deadline_s: float = 30
+    interval_s: Number = Field(60, ge=1)
+    idle_util_pct: Number = Field(5, ge=0)
+    idle_memory_mib: Number = Field(512, ge=0)
+    idle_samples: StrictInt = Field(3, ge=1)
+    reclaim_deadline_s: Number = Field(30, ge=1)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True, config=_TABLE)
 class JobSettings:
-    cancel_grace_s: float = 10          # SIGTERM, then SIGKILL after this
-    checkpoint_interval_s: float = 60   # on-disk checkpoints of elastic jobs
-    pg_timeout_s: float = 10            # process-group timeout inside workers
-    heartbeat_timeout_s: float = 3      # a worker silent this long is taken for dead
+    cancel_grace_s: Number = Field(10, ge=0)                # SIGTERM, then SIGKILL after this
+    checkpoint_interval_s: Number = Field(60, ge=0.1)       # on-disk checkpoints of elastic jobs
+    pg_timeout_s: Number = Field(10, ge=1)                  # process-group timeout inside workers
+    heartbeat_timeout_s: Number = Field(3, ge=1)            # a worker silent this long is taken for dead
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True, config=_TABLE)
 class HostConfig:
-    name: str
-    address: str = "local"
-    port: int = 22
-    user: str | None = None
-    identity_file: str | None = None
-    known_hosts: str = "~/.ssh/known_hosts"
-    gpus: str | list[int] = "all"
-    owner: str | None = None
-    nvidia_smi: str = "nvidia-smi"
-    python: str = sys.executable
-    workdir: str = "~/.local/state/gpuflex/work"
-    connect_timeout_s: float = 5
-    command_timeout_s: float = 30
+    name: HostName
+    address: StrictStr = "local"
+    port: StrictInt = Field(22, ge=1, le=65535)
+    user: Optional[StrictStr] = None
+    identity_file: Optional[StrictStr] = None
+    known_hosts: StrictStr = "~/.ssh/known_hosts"
+    gpus: Gpus = "all"
+    owner: Optional[StrictStr] = None
+    nvidia_smi: StrictStr = "nvidia-smi"
+    python: StrictStr = sys.executable
+    workdir: StrictStr = "~/.local/state/gpuflex/work"
+    connect_timeout_s: Number = Field(5, ge=0.1)
+    command_timeout_s: Number = Field(30, ge=0.1)
 
     @property
     def is_local(self) -> bool:
@@ -92,6 +148,50 @@ class Config:
         raise ConfigError(self.path, f"no host named {name!r}", key="hosts")
 
 
+@dataclass(frozen=True, config=_TABLE)
+class _Database:
+    url: Annotated[StrictStr, AfterValidator(_database_url)] = DEFAULT_DB_URL
+
+
+def _local_host() -> tuple[HostConfig, ...]:
+    return (HostConfig(name="local", gpus=f"cpu:{os.cpu_count() or 1}"),)
+
+
+@dataclass(frozen=True, config=_TABLE)
+class _File:
+    """The shape of gpuflex.toml."""
+
+    database: _Database = _Database()
+    harvest: HarvestSettings = HarvestSettings()
+    jobs: JobSettings = JobSettings()
+    hosts: tuple[HostConfig, ...] = Field(default_factory=_local_host)
+
+    @field_validator("hosts", mode="before")
+    @classmethod
+    def _remote_defaults(cls, hosts: Any) -> Any:
+        if not isinstance(hosts, list) or not hosts:
+            raise _invalid("must be a non-empty array of tables ([[hosts]]).")
+        return [{**REMOTE_DEFAULTS, **h} if isinstance(h, dict) and h.get("address", "local") != "local" else h
+                for h in hosts]
+
+    @field_validator("hosts")
+    @classmethod
+    def _distinct_names(cls, hosts: tuple[HostConfig, ...]) -> tuple[HostConfig, ...]:
+        seen: set[str] = set()
+        for h in hosts:
+            if h.name in seen:
+                raise _invalid(f"duplicate host name {h.name!r}.")
+            seen.add(h.name)
+        return hosts
+
+
+_FILE = TypeAdapter(_File)
+_TABLES = {"": _File, "database": _Database, "harvest": HarvestSettings, "jobs": JobSettings,
+           "hosts": HostConfig}
+_UNKNOWN = ("unexpected_keyword_argument", "extra_forbidden")
+_TYPE_NAMES = {"int_type": "int", "string_type": "str"}
+
+
 def find_config_path(explicit: str | None) -> Path | None:
     if explicit:
         return Path(explicit).expanduser()
@@ -123,133 +223,37 @@ def load_config(explicit: str | None = None) -> Config:
     return parse_config(data, str(path))
 
 
-_HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
-
-
-class _Section:
-    """Typed reads from one TOML table, remembering which keys were used."""
-
-    def __init__(self, path: str, prefix: str, data: Any) -> None:
-        if not isinstance(data, dict):
-            raise ConfigError(path, f"must be a table, got {data!r}.", key=prefix)
-        self.path, self.prefix, self.data = path, prefix, data
-
-    def _key(self, key: str) -> str:
-        return f"{self.prefix}.{key}" if self.prefix else key
-
-    def get(self, key: str, types: type | tuple[type, ...], default: Any) -> Any:
-        if key not in self.data:
-            return default
-        value = self.data[key]
-        if isinstance(value, bool) and bool not in (types if isinstance(types, tuple) else (types,)):
-            ok = False
-        else:
-            ok = isinstance(value, types)
-        if not ok:
-            names = types.__name__ if isinstance(types, type) else " or ".join(t.__name__ for t in types)
-            raise ConfigError(self.path, f"expected {names}, got {value!r}.", key=self._key(key))
-        return value
-
-    def number(self, key: str, default: float, *, minimum: float = 0, integer: bool = False) -> Any:
-        value = self.get(key, int if integer else (int, float), default)
-        if not math.isfinite(value):  # TOML allows inf and nan
-            raise ConfigError(self.path, f"must be a finite number, got {value!r}.", key=self._key(key))
-        if value < minimum:
-            raise ConfigError(self.path, f"must be >= {minimum}, got {value!r}.", key=self._key(key))
-        return value
-
-    def reject_unknown(self, known: set[str]) -> None:
-        for key in self.data:
-            if key not in known:
-                raise ConfigError(
-                    self.path,
-                    f"unknown key (known: {', '.join(sorted(known))}).",
-                    key=self._key(key),
-                )
-
-
 def parse_config(data: dict[str, Any], path: str) -> Config:
-    top = _Section(path, "", data)
-    top.reject_unknown({"database", "harvest", "jobs", "hosts"})
-
-    db = _Section(path, "database", data.get("database", {}))
-    db.reject_unknown({"url"})
-    url = db.get("url", str, DEFAULT_DB_URL)
-    if "://" not in url:
-        raise ConfigError(path, f"not a database URL: {url!r} (e.g. sqlite:///path/gpuflex.db).",
-                          key="database.url")
-
-    hv = _Section(path, "harvest", data.get("harvest", {}))
-    hv.reject_unknown({f.name for f in dataclasses.fields(HarvestSettings)})
-    harvest = HarvestSettings(
-        interval_s=hv.number("interval_s", 60, minimum=1),
-        idle_util_pct=hv.number("idle_util_pct", 5),
-        idle_memory_mib=hv.number("idle_memory_mib", 512),
-        idle_samples=hv.number("idle_samples", 3, minimum=1, integer=True),
-        reclaim_deadline_s=hv.number("reclaim_deadline_s", 30, minimum=1),
-    )
-    js = _Section(path, "jobs", data.get("jobs", {}))
-    js.reject_unknown({f.name for f in dataclasses.fields(JobSettings)})
-    jobs = JobSettings(
-        cancel_grace_s=js.number("cancel_grace_s", 10),
-        checkpoint_interval_s=js.number("checkpoint_interval_s", 60, minimum=0.1),
-        pg_timeout_s=js.number("pg_timeout_s", 10, minimum=1),
-        heartbeat_timeout_s=js.number("heartbeat_timeout_s", 3, minimum=1),
-    )
-
-    raw_hosts = data.get("hosts")
-    if raw_hosts is None:
-        hosts = (HostConfig(name="local", gpus=f"cpu:{os.cpu_count() or 1}"),)
-    else:
-        if not isinstance(raw_hosts, list) or not raw_hosts:
-            raise ConfigError(path, "must be a non-empty array of tables ([[hosts]]).", key="hosts")
-        hosts = tuple(_parse_host(path, i, h) for i, h in enumerate(raw_hosts))
-        seen: set[str] = set()
-        for h in hosts:
-            if h.name in seen:
-                raise ConfigError(path, f"duplicate host name {h.name!r}.", key="hosts")
-            seen.add(h.name)
-    return Config(path=path, database_url=url, harvest=harvest, jobs=jobs, hosts=hosts)
+    """Validate the TOML document `data` read from `path`; raises ConfigError."""
+    try:
+        f = _FILE.validate_python(data)
+    except ValidationError as e:
+        raise _config_error(path, e) from None
+    return Config(path=path, database_url=f.database.url, harvest=f.harvest, jobs=f.jobs, hosts=f.hosts)
 
 
-def _parse_host(path: str, index: int, raw: Any) -> HostConfig:
-    sec = _Section(path, f"hosts[{index}]", raw)
-    sec.reject_unknown({f.name for f in dataclasses.fields(HostConfig)})
-    name = sec.get("name", str, None)
-    if name is None:
-        raise ConfigError(path, "missing.", key=f"hosts[{index}].name")
-    if not _HOST_NAME.match(name):
-        raise ConfigError(path, f"invalid host name {name!r} (letters, digits, . _ -).",
-                          key=f"hosts[{index}].name")
-    address = sec.get("address", str, "local")
-    gpus = sec.get("gpus", (str, list), "all")
-    if isinstance(gpus, str):
-        if gpus != "all" and not re.fullmatch(r"cpu:[1-9][0-9]*", gpus):
-            raise ConfigError(path, f'expected "all", "cpu:N" or a list of GPU indices, got {gpus!r}.',
-                              key=f"hosts[{index}].gpus")
-        if gpus != "all" and (len(gpus) > 12 or int(gpus[4:]) > MAX_CPU_SLOTS):
-            raise ConfigError(path, f"at most cpu:{MAX_CPU_SLOTS} slots, got {gpus!r}.",
-                              key=f"hosts[{index}].gpus")
-    elif not gpus or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in gpus) \
-            or len(set(gpus)) != len(gpus):
-        raise ConfigError(path, f"expected distinct non-negative GPU indices, got {gpus!r}.",
-                          key=f"hosts[{index}].gpus")
-    defaults = HostConfig(name=name)
-    port = sec.number("port", 22, minimum=1, integer=True)
-    if port > 65535:
-        raise ConfigError(path, f"must be <= 65535, got {port}.", key=f"hosts[{index}].port")
-    return HostConfig(
-        name=name,
-        address=address,
-        port=port,
-        user=sec.get("user", str, None),
-        identity_file=sec.get("identity_file", str, None),
-        known_hosts=sec.get("known_hosts", str, defaults.known_hosts),
-        gpus=gpus,
-        owner=sec.get("owner", str, None),
-        nvidia_smi=sec.get("nvidia_smi", str, defaults.nvidia_smi),
-        python=sec.get("python", str, defaults.python if address == "local" else "python3"),
-        workdir=sec.get("workdir", str, defaults.workdir if address == "local" else "~/gpuflex"),
-        connect_timeout_s=sec.number("connect_timeout_s", 5, minimum=0.1),
-        command_timeout_s=sec.number("command_timeout_s", 30, minimum=0.1),
-    )
+def _config_error(path: str, error: ValidationError) -> ConfigError:
+    """The first problem as one line naming the key and the bad value; an unknown key first,
+    as a misspelt key is the likeliest cause of whatever else is wrong."""
+    errors = error.errors()
+    e = next((x for x in errors if x["type"] in _UNKNOWN), errors[0])
+    loc, kind, value, ctx = e["loc"], e["type"], e.get("input"), e.get("ctx") or {}
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    if kind in _UNKNOWN:
+        table = _TABLES[str(loc[0]) if len(loc) > 1 else ""]
+        message = f"unknown key (known: {', '.join(sorted(f.name for f in dataclasses.fields(table)))})."
+    elif kind == _MESSAGE:
+        message = ctx["message"]
+    elif kind in ("missing", "missing_argument"):
+        message = "missing."
+    elif kind in ("dataclass_type", "dataclass_args_type"):
+        message = f"must be a table, got {value!r}."
+    elif kind in _TYPE_NAMES:
+        message = f"expected {_TYPE_NAMES[kind]}, got {value!r}."
+    elif kind == "greater_than_equal":
+        message = f"must be >= {ctx['ge']}, got {value!r}."
+    elif kind == "less_than_equal":
+        message = f"must be <= {ctx['le']}, got {value!r}."
+    else:  # a check pydantic makes that none of the above names
+        message = f"{e['msg']}, got {value!r}."
+    return ConfigError(path, message, key=key)
