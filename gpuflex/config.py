@@ -3,6 +3,12 @@
 Lookup order: an explicit path (`--config`), `$GPUFLEX_CONFIG`, `./gpuflex.toml`,
 `~/.config/gpuflex/gpuflex.toml`, else the built-in default (one local host with CPU
 slots). Every error names the file, the key and the bad value.
+
+Each TOML table is a pydantic model (a pydantic dataclass, so `dataclasses.replace`
+works on it): the keys it declares, their defaults, strict types and bounds. A key it
+does not declare is an error. `_config_error` turns pydantic's first error (an unknown
+key before any other) into one `ConfigError` line with the file, the key and the bad
+value.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ for).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Callable, Generic, Iterable, TypeVar
@@ -14,6 +15,7 @@ from gpuflex.config import HostConfig
 from gpuflex.errors import GpuflexError, TransportError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,7 @@ def fan_out(hosts: Iterable[HostConfig], fn: Callable[[HostConfig], T],
         except GpuflexError as e:
             res = Result(h.name, error=e)
         except Exception as e:  # noqa: BLE001 - reported per host, see docstring
+            log.debug("%s: unexpected error", h.name, exc_info=True)  # the traceback, for --verbose
             res = Result(h.name, error=TransportError(h.name, f"{type(e).__name__}: {e}"))
         with done:
             results.setdefault(h.name, res)

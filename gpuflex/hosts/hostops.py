@@ -13,6 +13,7 @@ file; a group that is gone without an exit file was killed or lost with its host
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, Iterator
+
+log = logging.getLogger(__name__)
 
 
 def spawn(spec: dict[str, Any]) -> dict[str, int]:
@@ -106,10 +109,14 @@ def group_alive(pgid: int) -> bool:
 
 
 def read_exit(exit_path: str) -> dict[str, Any] | None:
+    """The worker's exit record; None while there is none (or it cannot be read)."""
     try:
         with open(os.path.expanduser(exit_path)) as f:
             return json.load(f)
-    except (OSError, ValueError):
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # written atomically, so this is not a half-written file
+        log.warning("cannot read the exit record %s: %s", exit_path, e)
         return None
 
 
@@ -135,7 +142,8 @@ def signal_groups(pgids: list[int], signum: int) -> list[bool]:
             sent.append(True)
         except ProcessLookupError:
             sent.append(False)
-        except PermissionError:
+        except PermissionError:  # the group id was reused by another user's processes
+            log.warning("not signalling process group %s: it belongs to another user", pgid)
             sent.append(False)
     return sent
 

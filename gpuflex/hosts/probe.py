@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import logging
 import time
 from typing import Iterable
 
@@ -42,6 +43,8 @@ CSV_FORMAT = "--format=csv,noheader,nounits"
 HISTORY_PER_GPU = 360  # an hour of samples at 10 s, six at the default 60 s tick
 NO_DEVICES = "No devices were found"
 EXIT_NO_DEVICES = 6    # nvidia-smi's exit status when it finds no GPU
+
+log = logging.getLogger(__name__)
 
 
 class ProbeError(TransportError):
@@ -107,6 +110,8 @@ def _rows(text: str, width: int) -> Iterable[list[str]]:
     for row in csv.reader(lines, skipinitialspace=True):
         if len(row) == width:
             yield row
+        else:
+            log.debug("nvidia-smi: skipping a line that is not a row of %d: %r", width, row)
 
 
 def parse_gpus(text: str) -> list[GpuSample]:
@@ -120,6 +125,7 @@ def parse_gpus(text: str) -> list[GpuSample]:
         try:
             i = int(index)
         except ValueError:
+            log.debug("nvidia-smi: skipping a GPU row without an index: %r", index)
             continue
         out.append(GpuSample(i, _text(uuid), _text(name), parse_number(util),
                              parse_number(used), parse_number(total)))
@@ -133,6 +139,7 @@ def parse_apps(text: str) -> list[ComputeApp]:
         try:
             p = int(pid)
         except ValueError:
+            log.debug("nvidia-smi: skipping a compute-app row without a pid: %r", pid)
             continue
         out.append(ComputeApp(uuid.strip(), p, parse_number(used)))
     return out

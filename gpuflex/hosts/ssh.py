@@ -18,6 +18,7 @@ import base64
 import getpass
 import hashlib
 import json
+import logging
 import os
 import select
 import shlex
@@ -31,6 +32,8 @@ import paramiko
 from gpuflex.config import HostConfig
 from gpuflex.errors import TransportError
 from gpuflex.hosts.transport import CommandResult, Transport, register_transport
+
+log = logging.getLogger(__name__)
 
 _READ = 1 << 16
 MAX_OUTPUT = 64 << 20  # a runaway command must not fill the control host's memory
@@ -174,6 +177,8 @@ class SSHTransport(Transport):
                 return tr.open_session(timeout=self.host.connect_timeout_s)
             except (paramiko.SSHException, EOFError, OSError) as e:
                 # the pooled connection died under us (host rebooted, sshd restarted): reopen once
+                log.debug("%s: cannot open a channel (%r)%s", self.host.name, e,
+                          "" if attempt else "; reconnecting")
                 with self._lock:
                     if self._client is not None and self._client.get_transport() is tr:
                         self._client.close()
@@ -320,7 +325,8 @@ def pin_host_key(host: HostConfig, key: paramiko.PKey) -> str:
         if line.strip() and not line.lstrip().startswith("#"):
             try:
                 entry = paramiko.hostkeys.HostKeyEntry.from_line(line)
-            except Exception:  # noqa: BLE001 - a line we cannot read is kept verbatim
+            except Exception as e:  # noqa: BLE001 - a line we cannot read is kept verbatim
+                log.debug("%s: keeping a known_hosts line paramiko cannot read (%s)", path, e)
                 entry = None
         if entry is None or entry.key is None or entry.key.get_name() != key.get_name() \
                 or not any(_entry_names_host(h, name) for h in entry.hostnames):
