@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from gpuflex.config import Config, load_config
+from gpuflex.control.service import JobService
 from gpuflex.errors import GpuflexError
 
 console = Console(highlight=False, soft_wrap=True)
@@ -25,17 +26,15 @@ err_console = Console(stderr=True, highlight=False, soft_wrap=True)
 class Context:
     config_path: str | None = None
     _config: Config | None = None
-    _service: Any = None
+    _service: JobService | None = None
 
     def config(self) -> Config:
         if self._config is None:
             self._config = load_config(self.config_path)
         return self._config
 
-    def service(self):
+    def service(self) -> JobService:
         if self._service is None:
-            from gpuflex.control.service import JobService
-
             self._service = JobService(self.config())
         return self._service
 

@@ -169,8 +169,7 @@ def report(
     start = R.parse_since(since)
     svc = obj(ctx).service()
     svc.refresh()
-    with svc.sessions() as session:
-        data = R.build(session, start)
+    data = svc.report(start)
     if as_json:
         print_json(data)
         return

@@ -5,12 +5,9 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 from rich.text import Text
-from sqlalchemy import select
 
 from gpuflex.cli.common import command, console, err_console, obj, print_json
-from gpuflex.db.models import Host, Job, Worker
 from gpuflex.errors import UsageError
-from gpuflex.states import WorkerState
 
 app = typer.Typer(
     help="Hosts, their GPUs (or CPU slots), utilization, idle verdict and who holds each.\n\n"
@@ -22,62 +19,6 @@ app = typer.Typer(
 
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="hosts")
-
-
-def pool_view(svc) -> list[dict]:
-    """Hosts with their devices, the last probe's figures and who holds each device."""
-    from gpuflex.hosts.probe import latest_samples
-
-    with svc.sessions() as session:
-        workers: dict[tuple[str, int], tuple[Job, Worker]] = {}
-        for w, j in session.execute(select(Worker, Job).join(Job)):
-            if not WorkerState(w.state).final:
-                for d in w.gpus:
-                    workers[(w.host, d)] = (j, w)
-        samples = latest_samples(session)
-        out = []
-        for h in session.scalars(select(Host).order_by(Host.name)):
-            cfg = next((c for c in svc.config.hosts if c.name == h.name), None)
-            if cfg is None:
-                continue
-            devices = []
-            for g in h.gpus:
-                job_worker = workers.get((h.name, g.index))
-                sample = samples.get((h.name, g.index))
-                foreign = list(sample.foreign_pids) if sample is not None and g.kind == "gpu" else []
-                devices.append({
-                    "index": g.index, "kind": g.kind, "uuid": g.uuid, "model": g.model,
-                    "utilization_pct": g.utilization_pct, "memory_used_mib": g.memory_used_mib,
-                    "memory_total_mib": g.memory_total_mib, "verdict": g.verdict,
-                    "idle_streak": g.idle_streak,
-                    "job": job_worker[0].id if job_worker else None,
-                    "rank": job_worker[1].rank if job_worker else None,
-                    "foreign": foreign,
-                    "zombie": g.verdict == "zombie",
-                    "holder": _holder(job_worker, foreign) or _zombie(g),
-                })
-            out.append({
-                "name": h.name, "address": h.address, "owner": h.owner, "reachable": h.reachable,
-                "error": h.last_error, "last_probe_at": h.last_probe_at, "devices": devices,
-            })
-        return out
-
-
-def _zombie(g) -> str | None:
-    """Memory in use with no process listed: say so, it is why the GPU is not idle."""
-    if g.verdict != "zombie":
-        return None
-    return f"zombie memory ({g.memory_used_mib:.0f} MiB used, no process listed)"
-
-
-def _holder(job_worker, foreign: list[dict]) -> str | None:
-    parts = []
-    if job_worker is not None:
-        j, w = job_worker
-        parts.append(f"job {j.id} rank {w.rank if w.rank is not None else '?'} (w{w.wid})")
-    for p in foreign:
-        parts.append(f"pid {p['pid']} ({p.get('user') or 'unknown user'})")
-    return ", ".join(parts) or None
 
 
 @app.callback(invoke_without_command=True)
@@ -97,7 +38,7 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
 def _list(ctx: typer.Context, as_json: bool) -> None:
     svc = obj(ctx).service()
     svc.refresh(probe=True)
-    view = pool_view(svc)
+    view = svc.hosts()
     if as_json:
         print_json(view)
         return

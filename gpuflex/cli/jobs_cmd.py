@@ -8,9 +8,10 @@ import time
 from typing import Optional
 
 import typer
+from rich.console import Group
 from rich.live import Live
 
-from gpuflex.cli import render
+import gpuflex.cli.render as render
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json
 from gpuflex.control.service import SubmitRequest, parse_env, parse_workers
 from gpuflex.errors import JobError, UsageError
@@ -51,25 +52,22 @@ def submit(
                         gpus_per_worker=gpus_per_worker, priority=priority, harvest=harvest,
                         env=parse_env(env or []), workdir=workdir)
     svc = obj(ctx).service()
-    job_id = svc.submit(req)
-    with svc.sessions() as session:
-        job = svc.get(session, job_id)
-        if as_json:
-            print_json(render.job_json(job))
-        elif job.state == JobState.FAILED.value:
-            console.print(f"job {job.id} ({job.name}) failed: {job.exit_reason}")
-        else:
-            console.print(f"job {job.id} ({job.name}) {job.state}"
-                          + (f": {job.queue_reason}" if job.queue_reason else
-                             f" with {job.world_size} worker(s)"))
-        if job.state == JobState.FAILED.value:
-            raise typer.Exit(1)
+    job = svc.job(svc.submit(req), events=False)
+    if as_json:
+        print_json(render.job_json(job))
+    elif job.state is JobState.FAILED:
+        console.print(f"job {job.id} ({job.name}) failed: {job.exit_reason}")
+    else:
+        console.print(f"job {job.id} ({job.name}) {job.state}"
+                      + (f": {job.queue_reason}" if job.queue_reason else
+                         f" with {job.world_size} worker(s)"))
+    if job.state is JobState.FAILED:
+        raise typer.Exit(1)
 
 
 def _known(svc, job: str) -> None:
     """Fail on an unknown job before the refresh, so bad input changes nothing."""
-    with svc.sessions() as session:
-        svc.get(session, job)
+    svc.job(job, events=False)
 
 
 @command
@@ -89,30 +87,27 @@ def status(
 
     def snapshot():
         svc.refresh()
-        with svc.sessions() as session:
-            if job is None:
-                jobs = svc.list(session)
-                if as_json:
-                    return [render.job_json(j, progress=svc.progress.get(j.id)) for j in jobs]
-                return render.jobs_table(jobs, svc.progress)
-            j = svc.get(session, job)
+        if job is None:
+            jobs = svc.jobs()
             if as_json:
-                return render.job_json(j, progress=svc.progress.get(j.id))
-            from rich.console import Group
-
-            head = (f"job {j.id} [bold]{j.name}[/] {j.state} world {j.world_size} "
-                    f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
-            prog = svc.progress.get(j.id)
-            if prog:
-                head += f" step {prog.get('step')} epoch {prog.get('epoch')}"
-                if prog.get("samples_per_s"):
-                    head += f" {prog['samples_per_s']:.0f} samples/s"
-            if j.queue_reason and j.state == "queued":
-                head += f"\n{j.queue_reason}"
-            if j.exit_reason:
-                head += f"\n{j.exit_reason}"
-            last = [e for e in j.events if e.kind in ("scale", "fault", "formed", "state")][-5:]
-            return Group(head, render.workers_table(j), render.events_table(j, last))
+                return [render.job_json(j, progress=svc.progress.get(j.id)) for j in jobs]
+            return render.jobs_table(jobs, svc.progress)
+        j = svc.job(job, events=not as_json)
+        if as_json:
+            return render.job_json(j, progress=svc.progress.get(j.id))
+        head = (f"job {j.id} [bold]{j.name}[/] {j.state} world {j.world_size} "
+                f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
+        prog = svc.progress.get(j.id)
+        if prog:
+            head += f" step {prog.get('step')} epoch {prog.get('epoch')}"
+            if prog.get("samples_per_s"):
+                head += f" {prog['samples_per_s']:.0f} samples/s"
+        if j.queue_reason and j.state is JobState.QUEUED:
+            head += f"\n{j.queue_reason}"
+        if j.exit_reason:
+            head += f"\n{j.exit_reason}"
+        last = [e for e in j.events if e.kind in ("scale", "fault", "formed", "state")][-5:]
+        return Group(head, render.workers_table(j), render.events_table(j, last))
 
     if job is not None:
         _known(svc, job)
@@ -159,19 +154,18 @@ def scale(
                 err_console.print(f"job {j.id}: stopped waiting; the resize goes on (see gpuflex status {j.id}).")
                 raise typer.Exit(130)
             svc.refresh()
-            with svc.sessions() as session:
-                cur = svc.get(session, j.id)
-                if JobState(cur.state).final:
-                    raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
-                if cur.state == JobState.RUNNING.value and cur.world_size == n:
-                    switched = switched or time.monotonic()
-                    ev = [e for e in cur.events if e.kind in ("scale", "fault")
-                          and e.data.get("generation") == cur.generation]
-                    # the phase timings come with the first step after the switch
-                    if ev or time.monotonic() - switched > 10:
-                        console.print(f"job {cur.id}: world size {n} at generation {cur.generation}"
-                                      + (f" ({render.phases(ev[-1].data)})" if ev else ""))
-                        return
+            cur = svc.job(j.id)
+            if cur.state.final:
+                raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
+            if cur.state is JobState.RUNNING and cur.world_size == n:
+                switched = switched or time.monotonic()
+                ev = [e for e in cur.events if e.kind in ("scale", "fault")
+                      and e.data.get("generation") == cur.generation]
+                # the phase timings come with the first step after the switch
+                if ev or time.monotonic() - switched > 10:
+                    console.print(f"job {cur.id}: world size {n} at generation {cur.generation}"
+                                  + (f" ({render.phases(ev[-1].data)})" if ev else ""))
+                    return
     raise JobError(f"job {j.id}: the resize to {n} did not finish within {timeout:.0f} s.")
 
 
@@ -200,18 +194,16 @@ def logs(
     svc = obj(ctx).service()
     _known(svc, job)
     svc.refresh()
-    with svc.sessions() as session:
-        j = svc.get(session, job)
-        chosen = list(j.workers)
-        if worker is not None:
-            chosen = [w for w in j.workers if w.rank == worker and not w.state in ("exited", "failed", "lost", "stopped")] \
-                or [w for w in j.workers if w.rank == worker] or [w for w in j.workers if w.wid == worker]
-            if not chosen:
-                raise UsageError(f"job {j.id} has no worker with rank or id {worker}.")
-        targets = [(w.host, w.wid, w.log_path) for w in chosen]
-        job_id = j.id
+    j = svc.job(job, events=False)
+    chosen = list(j.workers)
+    if worker is not None:
+        chosen = [w for w in j.workers if w.rank == worker and not w.state.final] \
+            or [w for w in j.workers if w.rank == worker] or [w for w in j.workers if w.wid == worker]
+        if not chosen:
+            raise UsageError(f"job {j.id} has no worker with rank or id {worker}.")
+    targets = [(w.host, w.wid, w.log_path) for w in chosen]
     with StopSignals() as stop:
-        _follow(svc, targets, job_id, follow, stop)
+        _follow(svc, targets, j.id, follow, stop)
 
 
 def _follow(svc, targets, job_id: int, follow: bool, stop: StopSignals) -> None:
@@ -245,10 +237,9 @@ def _follow(svc, targets, job_id: int, follow: bool, stop: StopSignals) -> None:
                     emit(pending[t] + "\n", t[1])
             return
         svc.refresh()
-        with svc.sessions() as session:
-            if JobState(svc.get(session, job_id).state).final:
-                follow = False  # one last read, then stop
-                continue
+        if svc.job(job_id, events=False).state.final:
+            follow = False  # one last read, then stop
+            continue
         if stop.sleep(0.5):
             follow = False      # Ctrl-C: one last read, then stop
 
@@ -266,9 +257,8 @@ def events(
     svc = obj(ctx).service()
     _known(svc, job)
     svc.refresh()
-    with svc.sessions() as session:
-        j = svc.get(session, job)
-        if as_json:
-            print_json([render.event_json(e) for e in j.events])
-        else:
-            console.print(render.events_table(j, list(j.events)))
+    j = svc.job(job)
+    if as_json:
+        print_json([render.event_json(e) for e in j.events])
+    else:
+        console.print(render.events_table(j, list(j.events)))

@@ -7,16 +7,17 @@ from typing import Any
 
 from rich.table import Table
 
-from gpuflex.db.models import Event, Job, Worker
+from gpuflex.control.views import EventInfo, JobInfo, WorkerInfo
+from gpuflex.states import JobState
 
 
-def worker_json(w: Worker) -> dict[str, Any]:
+def worker_json(w: WorkerInfo) -> dict[str, Any]:
     return {"rank": w.rank, "wid": w.wid, "host": w.host, "gpus": list(w.gpus), "pid": w.pid,
             "state": w.state, "generation": w.generation, "exit_code": w.exit_code, "log": w.log_path,
             "control": w.control_path}
 
 
-def job_json(job: Job, *, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": job.id, "name": job.name, "state": job.state, "user": job.user,
         "argv": list(job.argv), "workdir": job.workdir, "env": dict(job.env),
@@ -31,7 +32,7 @@ def job_json(job: Job, *, progress: dict[str, Any] | None = None) -> dict[str, A
     }
 
 
-def event_json(e: Event) -> dict[str, Any]:
+def event_json(e: EventInfo) -> dict[str, Any]:
     return {"id": e.id, "job": e.job_id, "time": e.time, "kind": e.kind, "message": e.message,
             "data": e.data}
 
@@ -47,16 +48,16 @@ def ago(ts: float | None) -> str:
     return f"{s / 3600:.1f}h"
 
 
-_STATE_STYLE = {"queued": "yellow", "running": "green", "scaling": "cyan", "succeeded": "bold green",
-                "failed": "red", "cancelled": "magenta"}
+_STATE_STYLE = {JobState.QUEUED: "yellow", JobState.RUNNING: "green", JobState.SCALING: "cyan",
+                JobState.SUCCEEDED: "bold green", JobState.FAILED: "red", JobState.CANCELLED: "magenta"}
 
 
-def jobs_table(jobs: list[Job], progress: dict[int, dict[str, Any]]) -> Table:
+def jobs_table(jobs: list[JobInfo], progress: dict[int, dict[str, Any]]) -> Table:
     t = Table(title="gpuflex jobs", title_justify="left")
     for col in ("ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "USER", "AGE", "NOTE"):
         t.add_column(col, no_wrap=col != "NOTE")
     for j in jobs:
-        note = j.queue_reason if j.state == "queued" else (j.exit_reason or "")
+        note = j.queue_reason if j.state is JobState.QUEUED else (j.exit_reason or "")
         step = (progress.get(j.id) or {}).get("step")
         t.add_row(str(j.id), j.name, f"[{_STATE_STYLE.get(j.state, '')}]{j.state}[/]",
                   f"{j.world_size}/{j.min_workers}:{j.max_workers}", str(j.generation),
@@ -64,13 +65,13 @@ def jobs_table(jobs: list[Job], progress: dict[int, dict[str, Any]]) -> Table:
     return t
 
 
-def workers_table(job: Job) -> Table:
+def workers_table(job: JobInfo) -> Table:
     t = Table(title=f"workers of job {job.id}", title_justify="left")
     for col in ("RANK", "WID", "HOST", "DEVICES", "PID", "STATE", "GEN", "EXIT"):
         t.add_column(col)
     for w in job.workers:
         t.add_row("-" if w.rank is None else str(w.rank), str(w.wid), w.host,
-                  ",".join(map(str, w.gpus)), str(w.pid or "-"), w.state, str(w.generation),
+                  ",".join(map(str, w.gpus)), str(w.pid or "-"), str(w.state), str(w.generation),
                   "-" if w.exit_code is None else str(w.exit_code))
     return t
 
@@ -81,7 +82,7 @@ def phases(data: dict[str, Any]) -> str:
     return " ".join(f"{k}={t[k] * 1000:.0f}ms" for k in order if isinstance(t.get(k), (int, float)))
 
 
-def events_table(job: Job, events: list[Event]) -> Table:
+def events_table(job: JobInfo, events: list[EventInfo]) -> Table:
     t = Table(title=f"events of job {job.id}", title_justify="left")
     for col in ("TIME", "KIND", "WHAT", "PHASES"):
         t.add_column(col)

@@ -28,23 +28,24 @@ import contextlib
 import dataclasses
 import signal
 import time
-from typing import TYPE_CHECKING, Any, Iterator
-
-from sqlalchemy import select
-from sqlalchemy.orm import Session
+import logging
+from typing import Any, Iterator
 
 from gpuflex.config import Config
-from gpuflex.control import lifecycle, scaling
+from gpuflex.control import executor, journal, lifecycle, scaling
+from gpuflex.control.executor import Ops
+from gpuflex.control.pool import Pool
+from gpuflex.control.harvest_inputs import current_plan
+from gpuflex.control.service import JobService
+from gpuflex.db import queries
 from gpuflex.db.locks import database_lock
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
-from gpuflex.control.harvest_inputs import current_plan
 from gpuflex.policy.harvest import Grow, Plan, Requeue, Yield
 from gpuflex.policy.placement import Assignment
 from gpuflex.states import JobState, WorkerState
 
-if TYPE_CHECKING:
-    from gpuflex.control.service import JobService
+log = logging.getLogger(__name__)
 
 SHRINK_SHARE = 0.6     # of the deadline: the in-place shrink's window before SIGKILL
 KILL_MARGIN_S = 10     # after the deadline: how long a kill is still watched (to record it)
@@ -92,7 +93,7 @@ def tick_lock(config: Config) -> Iterator[str | None]:
 
 
 # ---- the tick --------------------------------------------------------------------------
-def run_tick(svc: "JobService", *, dry_run: bool = False) -> TickResult:
+def run_tick(svc: JobService, *, dry_run: bool = False) -> TickResult:
     """One tick; see the module docstring. A dry run probes and plans, records nothing and
     acts on nothing (it needs no tick lock)."""
     if dry_run:
@@ -103,7 +104,7 @@ def run_tick(svc: "JobService", *, dry_run: bool = False) -> TickResult:
         return _tick(svc, dry_run=False)
 
 
-def _tick(svc: "JobService", dry_run: bool) -> TickResult:
+def _tick(svc: JobService, dry_run: bool) -> TickResult:
     t = TickResult(time.time(), dry_run=dry_run)
     results = svc.collect_probes()
     t.hosts = {name: None if r.ok else str(r.error) for name, r in results.items()}
@@ -112,7 +113,7 @@ def _tick(svc: "JobService", dry_run: bool) -> TickResult:
         with svc.sessions() as session:
             svc.pool.sync_hosts(session)
             svc.record_probes(session, results)
-            t.plan = current_plan(svc, session, errors)
+            t.plan = current_plan(svc.ops(session), errors)
             session.rollback()
         return _done(t)
     with svc.locked() as session:
@@ -121,21 +122,23 @@ def _tick(svc: "JobService", dry_run: bool) -> TickResult:
     svc.refresh()
     pending: list[_Reclaim] = []
     with svc.locked() as session:
-        t.plan = current_plan(svc, session, errors)
+        ops = svc.ops(session)
+        t.plan = current_plan(ops, errors)
         for a in t.plan.of(Requeue):
-            t.actions += _requeue(svc, session, a)
+            t.actions += _requeue(ops, a)
         for a in t.plan.of(Yield):
-            pending.append(_start_yield(svc, session, a, t))
-    outcomes = _watch_exits(svc, [x for p in pending for x in p.leavers])
+            pending.append(_start_yield(ops, a, t))
+    outcomes = _watch_exits(svc.config, svc.pool, [x for p in pending for x in p.leavers])
     with svc.locked() as session:
+        ops = svc.ops(session)
         for p in pending:
-            t.actions += _record(svc, session, p, outcomes)
-        t.actions += _place(svc, session)
+            t.actions += _record(ops, p, outcomes)
+        t.actions += _place(ops)
         if time.time() - t.started_at > budget_s(svc.config):
             t.actions.append({"action": "grow", "ok": None, "skipped": "the tick ran out of time; "
                               "growth is left to the next tick"})
         else:
-            t.actions += _grow(svc, session, current_plan(svc, session, errors).of(Grow))
+            t.actions += _grow(ops, current_plan(ops, errors).of(Grow))
     return _done(t)
 
 
@@ -171,59 +174,58 @@ class _Reclaim:
     method: str                   # shrink | requeue
 
 
-def _leavers(svc: "JobService", job: Job, a: Yield | Requeue, kill_at: float | None = None) -> list[_Leaver]:
-    d = svc.config.harvest.reclaim_deadline_s
+def _leavers(config: Config, job: Job, a: Yield | Requeue, kill_at: float | None = None) -> list[_Leaver]:
+    d = config.harvest.reclaim_deadline_s
     kill_at = a.since + SHRINK_SHARE * d if kill_at is None else kill_at
     return [_Leaver(job.id, w.wid, w.host, tuple(w.gpus), w.pgid, w.exit_path, kill_at,
                     a.since + d + KILL_MARGIN_S)
-            for w in lifecycle.live_workers(job) if w.wid in a.wids]
+            for w in job.live_workers if w.wid in a.wids]
 
 
-def _start_yield(svc: "JobService", session: Session, a: Yield, t: TickResult) -> _Reclaim:
+def _start_yield(ops: Ops, a: Yield, t: TickResult) -> _Reclaim:
     """Ask the job to retire the workers on the owner's GPUs (in place)."""
-    job = session.get(Job, a.job)
-    leavers = _leavers(svc, job, a)
-    retire = [w.wid for w in lifecycle.live_workers(job)
-              if w.wid in a.wids and w.state != WorkerState.LEAVING.value]
+    job = queries.job(ops.session, a.job)
+    leavers = _leavers(ops.config, job, a)
+    retire = [w.wid for w in job.live_workers if w.wid in a.wids and w.state is not WorkerState.LEAVING]
     if retire:
         try:
             wait = max(0.5, leavers[0].kill_at - time.time()) if leavers else 0.5
-            scaling.retire(svc, session, job, retire, why=a.reason, wait_s=wait)
+            scaling.retire(ops, job, retire, why=a.reason, wait_s=wait)
         except GpuflexError as e:
             # the coordinator cannot take the shrink: the deadline still holds, kill now
-            _event(session, job, "reclaim-escalated", f"in-place shrink refused ({e}); killing the "
-                   f"worker(s) on the owner's GPUs", wids=list(a.wids))
-            leavers = _leavers(svc, job, a, kill_at=time.time())
+            journal.record(ops.session, job, "reclaim-escalated", f"in-place shrink refused ({e}); "
+                           f"killing the worker(s) on the owner's GPUs", wids=list(a.wids))
+            leavers = _leavers(ops.config, job, a, kill_at=time.time())
             t.actions.append({"action": "retire", "job": job.id, "wids": list(a.wids), "ok": False,
                               "error": str(e)})
     return _Reclaim(a, leavers, "shrink")
 
 
-def _requeue(svc: "JobService", session: Session, a: Requeue) -> list[dict[str, Any]]:
+def _requeue(ops: Ops, a: Requeue) -> list[dict[str, Any]]:
     """Stop the job gracefully (SIGTERM: the workers checkpoint at their step boundary),
     kill its workers on the owner's GPUs if that takes past the shrink window, and queue
     it. Runs under the lock, so no other command sees the job half stopped."""
-    job = session.get(Job, a.job)
+    job = queries.job(ops.session, a.job)
     by_host: dict[str, list[int]] = collections.defaultdict(list)
-    for w in lifecycle.live_workers(job):
+    for w in job.live_workers:
         if w.pgid:
             by_host[w.host].append(w.pgid)
     for host, pgids in by_host.items():
         try:
-            svc.pool.transport(host).signal(pgids, signal.SIGTERM)
-        except GpuflexError:
-            pass  # the watch below kills, or records the failure
-    p = _Reclaim(a, _leavers(svc, job, a), "requeue")
-    done = _record(svc, session, p, _watch_exits(svc, p.leavers))
+            ops.pool.transport(host).signal(pgids, signal.SIGTERM)
+        except GpuflexError as e:
+            log.debug("job %s: SIGTERM on %s failed (the watch kills or records it): %s", job.id, host, e)
+    p = _Reclaim(a, _leavers(ops.config, job, a), "requeue")
+    done = _record(ops, p, _watch_exits(ops.config, ops.pool, p.leavers))
     try:
-        scaling.requeue(svc, session, job, a.reason)   # stops the others (grace, then SIGKILL)
+        executor.requeue(ops, job, a.reason)   # stops the others (grace, then SIGKILL)
     except GpuflexError as e:
-        _event(session, job, "requeue-failed", str(e))
-    return done + [{"action": "requeue", "job": job.id, "ok": job.state == JobState.QUEUED.value,
+        journal.record(ops.session, job, "requeue-failed", str(e))
+    return done + [{"action": "requeue", "job": job.id, "ok": job.state is JobState.QUEUED,
                     "reason": a.reason}]
 
 
-def _watch_exits(svc: "JobService", leavers: list[_Leaver]) -> dict[tuple[int, int], _Exit]:
+def _watch_exits(config: Config, pool: Pool, leavers: list[_Leaver]) -> dict[tuple[int, int], _Exit]:
     """Wait (all hosts at once) until each leaver's process group is gone; SIGKILL the ones
     still alive at their `kill_at`; give up at their `give_up_at`."""
     by_host: dict[str, list[_Leaver]] = collections.defaultdict(list)
@@ -231,14 +233,15 @@ def _watch_exits(svc: "JobService", leavers: list[_Leaver]) -> dict[tuple[int, i
         by_host[x.host].append(x)
     if not by_host:
         return {}
-    cfgs = [svc.config.host(h) for h in by_host]
+    cfgs = [config.host(h) for h in by_host]
 
     def watch(t) -> dict[tuple[int, int], _Exit]:
         pending, out, killed = list(by_host[t.host.name]), {}, set()
         while pending:
             try:
                 states = t.status([(x.pgid, x.exit_path) for x in pending])
-            except GpuflexError:
+            except GpuflexError as e:
+                log.debug("%s: status of leavers failed (asked again): %s", t.host.name, e)
                 states = None
             now = time.time()
             for x, st in zip(pending, states or []):
@@ -249,8 +252,8 @@ def _watch_exits(svc: "JobService", leavers: list[_Leaver]) -> dict[tuple[int, i
             if due:
                 try:
                     t.signal([x.pgid for x in due], signal.SIGKILL)
-                except GpuflexError:
-                    pass
+                except GpuflexError as e:
+                    log.debug("%s: SIGKILL of leavers failed: %s", t.host.name, e)
                 killed.update((x.job, x.wid) for x in due)
                 continue
             if not pending or now >= max(x.give_up_at for x in pending):
@@ -262,7 +265,7 @@ def _watch_exits(svc: "JobService", leavers: list[_Leaver]) -> dict[tuple[int, i
 
     limit = max(x.give_up_at for x in leavers) - time.time() + 10
     outcomes: dict[tuple[int, int], _Exit] = {}
-    for name, r in svc.pool.fan_out(cfgs, watch, max(limit, 1)).items():
+    for name, r in pool.fan_out(cfgs, watch, max(limit, 1)).items():
         if r.ok:
             outcomes.update(r.value)
         else:
@@ -270,23 +273,22 @@ def _watch_exits(svc: "JobService", leavers: list[_Leaver]) -> dict[tuple[int, i
     return outcomes
 
 
-def _record(svc: "JobService", session: Session, p: _Reclaim,
-            outcomes: dict[tuple[int, int], _Exit]) -> list[dict[str, Any]]:
+def _record(ops: Ops, p: _Reclaim, outcomes: dict[tuple[int, int], _Exit]) -> list[dict[str, Any]]:
     """End the leavers in the DB (at the moment they were seen gone) and write one
     "reclaim" event per reclaimed GPU."""
-    job = session.get(Job, p.action.job)
+    job = queries.job(ops.session, p.action.job)
     workers = {w.wid: w for w in job.workers}
     for x in p.leavers:
         o, w = outcomes.get((x.job, x.wid)), workers[x.wid]
-        if o is None or o.gone_at is None or WorkerState(w.state).final:
+        if o is None or o.gone_at is None or w.state.final:
             continue
         if o.killed and o.returncode is None:
             state = WorkerState.STOPPED
         else:
             state = {0: WorkerState.EXITED, None: WorkerState.LOST}.get(o.returncode, WorkerState.FAILED)
-        lifecycle.end_worker(session, job, w, state, o.returncode)
+        journal.end_worker(ops.session, job, w, state, o.returncode)
         w.ended_at = o.gone_at
-    deadline = svc.config.harvest.reclaim_deadline_s
+    deadline = ops.config.harvest.reclaim_deadline_s
     out = []
     for host, gpu in p.action.gpus:
         mine = [outcomes.get((x.job, x.wid), _Exit(None, None, False)) for x in p.leavers
@@ -300,42 +302,36 @@ def _record(svc: "JobService", session: Session, p: _Reclaim,
                 "wids": [x.wid for x in p.leavers if x.host == host and gpu in x.gpus],
                 "within_deadline": ok and latency <= deadline}
         took = f"in {latency:.2f} s" if ok else "FAILED: a worker is still alive"
-        _event(session, job, "reclaim", f"{host}:{gpu} given back to its owner {took} ({method}; "
-                                        f"deadline {deadline:g} s)", **data)
+        journal.record(ops.session, job, "reclaim", f"{host}:{gpu} given back to its owner {took} "
+                                                    f"({method}; deadline {deadline:g} s)", **data)
         out.append({"action": "reclaim", "job": job.id, "ok": ok, **data})
     return out
 
 
 # ---- placing and growing ---------------------------------------------------------------
-def _place(svc: "JobService", session: Session) -> list[dict[str, Any]]:
-    queued = list(session.scalars(select(Job).where(Job.state == JobState.QUEUED.value)))
-    lifecycle.place_queued(svc, session)
+def _place(ops: Ops) -> list[dict[str, Any]]:
+    queued = queries.jobs(ops.session, [JobState.QUEUED])
+    lifecycle.place_queued(ops)
     return [{"action": "place", "job": j.id, "ok": True,
-             "gpus": [[w.host, d] for w in lifecycle.live_workers(j) for d in w.gpus]}
-            for j in queued if j.state != JobState.QUEUED.value]
+             "gpus": [[w.host, d] for w in j.live_workers for d in w.gpus]}
+            for j in queued if j.state is not JobState.QUEUED]
 
 
-def _grow(svc: "JobService", session: Session, grows: list[Grow]) -> list[dict[str, Any]]:
+def _grow(ops: Ops, grows: list[Grow]) -> list[dict[str, Any]]:
     by_job: dict[int, list[Grow]] = collections.defaultdict(list)
     for g in grows:
         by_job[g.job].append(g)
     out = []
     for job_id, gs in by_job.items():
-        job = session.get(Job, job_id)
+        job = queries.job(ops.session, job_id)
         where = [[g.host, d] for g in gs for d in g.devices]
         text = ", ".join(f"{h}:{d}" for h, d in where)
         try:
-            new = scaling.grow(svc, session, job, [Assignment(g.host, g.devices) for g in gs],
+            new = scaling.grow(ops, job, [Assignment(g.host, g.devices) for g in gs],
                                why=f"harvesting idle {text}")
             out.append({"action": "grow", "job": job_id, "ok": True, "gpus": where,
                         "wids": [w.wid for w in new]})
         except GpuflexError as e:
-            _event(session, job, "harvest-failed", f"could not grow onto {text}: {e}")
+            journal.record(ops.session, job, "harvest-failed", f"could not grow onto {text}: {e}")
             out.append({"action": "grow", "job": job_id, "ok": False, "gpus": where, "error": str(e)})
     return out
-
-
-def _event(session: Session, job: Job, kind: str, message: str, **data) -> None:
-    from gpuflex.control.service import record
-
-    record(session, job, kind, message, **data)

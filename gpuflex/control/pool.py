@@ -2,35 +2,36 @@
 
 from __future__ import annotations
 
+import time
 from typing import Callable, TypeVar
 
-import time
-
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config, HostConfig
-from gpuflex.db.models import Gpu, Host, Job, Worker
+from gpuflex.db import queries
+from gpuflex.db.models import Gpu, Host
 from gpuflex.hosts.fanout import Result, fan_out
 from gpuflex.hosts.transport import Transport, make_transport
+from gpuflex.policy.harvest import probe_max_age_s
 from gpuflex.policy.placement import HostFree
-from gpuflex.states import JobState, WorkerState
-
 
 T = TypeVar("T")
+TransportFactory = Callable[[HostConfig], Transport]
 
 
 class Pool:
-    """Hosts from the config with one transport each (opened on first use)."""
+    """Hosts from the config with one transport each, made by `transports` on first use
+    (the registry-backed `make_transport` unless a test or benchmark gives fakes)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, transports: TransportFactory = make_transport) -> None:
         self.config = config
+        self.make_transport = transports
         self._transports: dict[str, Transport] = {}
 
     def transport(self, host: str | HostConfig) -> Transport:
         cfg = host if isinstance(host, HostConfig) else self.config.host(host)
         if cfg.name not in self._transports:
-            self._transports[cfg.name] = make_transport(cfg)
+            self._transports[cfg.name] = self.make_transport(cfg)
         return self._transports[cfg.name]
 
     def fan_out(self, hosts: list[HostConfig], fn: Callable[[Transport], T],
@@ -47,7 +48,7 @@ class Pool:
 
     def sync_hosts(self, session: Session) -> None:
         """Mirror the configured hosts (and the slots of CPU hosts) into the DB."""
-        existing = {h.name: h for h in session.scalars(select(Host))}
+        existing = {h.name: h for h in queries.hosts(session)}
         for cfg in self.config.hosts:
             host = existing.get(cfg.name)
             if host is None:
@@ -69,26 +70,14 @@ class Pool:
                         host.gpus.remove(g)
         session.flush()
 
-    def held_devices(self, session: Session) -> dict[str, set[int]]:
-        """Devices held by workers that are not final, per host."""
-        held: dict[str, set[int]] = {}
-        rows = session.execute(
-            select(Worker.host, Worker.gpus, Worker.state).join(Job)
-            .where(Job.state.in_([JobState.RUNNING.value, JobState.SCALING.value]))
-        )
-        for host, gpus, state in rows:
-            if not WorkerState(state).final:
-                held.setdefault(host, set()).update(gpus)
-        return held
-
     def free(self, session: Session) -> list[HostFree]:
         """Free devices per host: configured devices minus held ones (GPU hosts: the probed
         GPUs that are usable now)."""
-        held = self.held_devices(session)
+        held = queries.held_devices(session)
         now = time.time()
         out = []
         for cfg in self.config.hosts:
-            host = session.scalar(select(Host).where(Host.name == cfg.name))
+            host = queries.host(session, cfg.name)
             if host is None or host.reachable is False:
                 continue
             taken = held.get(cfg.name, set())
@@ -109,4 +98,4 @@ class Pool:
     @property
     def probe_max_age_s(self) -> float:
         """How old a GPU host's last probe may be for its verdicts to still place work."""
-        return max(3 * self.config.harvest.interval_s, 300.0)
+        return probe_max_age_s(self.config.harvest)

@@ -16,10 +16,10 @@ import statistics
 import time
 from typing import Any
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpuflex.db.models import Event, Gpu, Host, Job, Worker
+from gpuflex.db import queries
+from gpuflex.db.models import Job
 from gpuflex.errors import UsageError
 
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -58,8 +58,8 @@ def _overlap(start: float, end: float | None, since: float, until: float) -> flo
 def build(session: Session, since: float, until: float | None = None) -> dict[str, Any]:
     """The report as a JSON-able dict (see the module docstring for what counts)."""
     until = time.time() if until is None else until
-    owners = {h.name: h.owner for h in session.scalars(select(Host)) if h.owner}
-    slot_hosts = set(session.scalars(select(Host.name).join(Gpu).where(Gpu.kind == "slot")))
+    owners = {h.name: h.owner for h in queries.hosts(session) if h.owner}
+    slot_hosts = queries.slot_host_names(session)
     rows: dict[tuple[str, str, int], dict[str, Any]] = {}
 
     def row(host: str, job: Job) -> dict[str, Any]:
@@ -69,15 +69,14 @@ def build(session: Session, since: float, until: float | None = None) -> dict[st
                          "gpu_hours": 0.0, "reclaims": 0, "latencies": []}
         return rows[key]
 
-    for w, j in session.execute(select(Worker, Job).join(Job).where(Worker.host.in_(list(owners)))):
+    for w, j in queries.workers_on(session, owners):
         if w.host in slot_hosts:
             continue
         secs = _overlap(w.started_at, w.ended_at, since, until) * len(w.gpus)
         if secs > 0:
             row(w.host, j)["gpu_hours"] += secs / 3600
     reclaims = []
-    for e, j in session.execute(select(Event, Job).join(Job).where(
-            Event.kind == "reclaim", Event.time >= since, Event.time <= until).order_by(Event.time)):
+    for e, j in queries.events_of_kind(session, "reclaim", since, until):
         d = e.data or {}
         reclaims.append({"time": e.time, "job": j.id, **{k: d.get(k) for k in
                          ("host", "gpu", "latency_s", "deadline_s", "method", "within_deadline")}})

@@ -1,8 +1,11 @@
 """The job service: every CLI command is a thin wrapper over one of these methods.
 
-A service owns a session factory and a pool. Mutating operations run under a file lock
-beside the database, so concurrent gpuflex commands (and cron ticks) do not place the
-same job twice.
+A service owns a session factory and a pool. Mutating operations run under the
+database's "ops" lock (gpuflex.db.locks), so concurrent gpuflex commands (and cron ticks)
+do not place the same job twice. The work itself is done below it: placing and
+reconciling in gpuflex.control.lifecycle, resizing in gpuflex.control.scaling, the
+actions in gpuflex.control.executor, each given an `Ops` (config, pool, session).
+Reads come back as plain records (gpuflex.control.views) for the CLI to render.
 """
 
 from __future__ import annotations
@@ -12,20 +15,21 @@ import dataclasses
 import os
 import re
 import secrets
-import time
-from typing import Iterator
+from typing import Any, Iterator
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config
-from gpuflex.control import lifecycle, scaling
+from gpuflex.control import executor, journal, lifecycle, report, scaling, views
+from gpuflex.control.executor import Ops
 from gpuflex.control.launch import local_user
 from gpuflex.control.pool import Pool
+from gpuflex.db import queries
 from gpuflex.db.engine import open_database
 from gpuflex.db.locks import database_lock
-from gpuflex.db.models import Event, Job
+from gpuflex.db.models import Job
 from gpuflex.errors import UnknownJobError, UsageError
+from gpuflex.hosts.probe import collect_probes, record_probes
 from gpuflex.states import JobState
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -84,10 +88,14 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 
 class JobService:
-    def __init__(self, config: Config, sessions: sessionmaker[Session] | None = None) -> None:
+    """The commands. `pool` defaults to one over the registry's transports; tests and
+    benchmarks give one with a fake transport factory."""
+
+    def __init__(self, config: Config, sessions: sessionmaker[Session] | None = None,
+                 pool: Pool | None = None) -> None:
         self.config = config
         self.sessions = sessions or open_database(config.database_url)
-        self.pool = Pool(config)
+        self.pool = pool or Pool(config)
         self.progress: dict[int, dict] = {}  # job id -> the coordinator's last progress report
 
     def close(self) -> None:
@@ -99,32 +107,49 @@ class JobService:
         with database_lock(self.config.database_url, "ops").held(), self.sessions.begin() as session:
             yield session
 
+    def ops(self, session: Session) -> Ops:
+        """What the actions need, for the transaction of `session`."""
+        return Ops(self.config, self.pool, session)
+
     # ---- reads -------------------------------------------------------------------
     def get(self, session: Session, ref: str | int) -> Job:
         """A job by id or name (the newest of that name); UnknownJobError otherwise."""
         text = str(ref).strip()
         job = None
         if text.isdigit():
-            job = session.get(Job, int(text))
+            job = queries.job(session, int(text))
         elif _NAME.match(text):
-            job = session.scalar(select(Job).where(Job.name == text).order_by(Job.id.desc()).limit(1))
+            job = queries.newest_job_named(session, text)
         if job is None:
             raise UnknownJobError(text)
         return job
 
-    def list(self, session: Session) -> list[Job]:
-        return list(session.scalars(select(Job).order_by(Job.id)))
+    def job(self, ref: str | int, *, events: bool = True) -> views.JobInfo:
+        """One job with its workers (and its events), as a plain record."""
+        with self.sessions() as session:
+            return views.job_info(self.get(session, ref), events=events)
+
+    def jobs(self) -> list[views.JobInfo]:
+        """Every job with its workers, by id."""
+        with self.sessions() as session:
+            return [views.job_info(j) for j in queries.jobs(session)]
+
+    def hosts(self) -> list[dict[str, Any]]:
+        """Hosts, their devices, the last probe's figures and who holds each device."""
+        with self.sessions() as session:
+            return views.pool_view(self.config, session)
+
+    def report(self, since: float) -> dict[str, Any]:
+        """`gpuflex report` from `since` until now (gpuflex.control.report)."""
+        with self.sessions() as session:
+            return report.build(session, since)
 
     # ---- the periodic work every command does first ----------------------------
     def collect_probes(self):
         """Probe the GPU hosts (not CPU-slot hosts) in parallel, outside the lock."""
-        from gpuflex.hosts.probe import collect_probes
-
         return collect_probes(self.pool)
 
     def record_probes(self, session: Session, results) -> None:
-        from gpuflex.hosts.probe import record_probes
-
         record_probes(self.pool, session, results, self.config.harvest)
 
     def refresh(self, probe: bool = False) -> None:
@@ -132,13 +157,15 @@ class JobService:
         jobs that now fit."""
         results = self.collect_probes() if probe else {}
         with self.locked() as session:
+            ops = self.ops(session)
             self.pool.sync_hosts(session)
             self.record_probes(session, results)
-            for job in session.scalars(select(Job).where(
-                    Job.state.in_([JobState.RUNNING.value, JobState.SCALING.value]))):
-                lifecycle.reconcile(self, session, job)
+            for job in queries.jobs(session, queries.ACTIVE):
+                status = lifecycle.reconcile(ops, job)
+                if status is not None and status.get("progress"):
+                    self.progress[job.id] = status["progress"]
             session.flush()
-            lifecycle.place_queued(self, session)
+            lifecycle.place_queued(ops)
 
     # ---- commands ----------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> int:
@@ -149,44 +176,31 @@ class JobService:
             self.record_probes(session, results)
             job = Job(
                 token=secrets.token_hex(6), name=req.name or os.path.basename(req.argv[0]),
-                state=JobState.QUEUED.value, argv=list(req.argv), workdir=workdir, env=dict(req.env),
+                state=JobState.QUEUED, argv=list(req.argv), workdir=workdir, env=dict(req.env),
                 min_workers=req.min_workers, max_workers=req.max_workers,
                 gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
                 user=local_user(),
             )
             session.add(job)
             session.flush()
-            record(session, job, "submitted", f"submitted: {' '.join(job.argv)}",
-                   workers=f"{job.min_workers}:{job.max_workers}")
-            lifecycle.place_queued(self, session)
+            journal.record(session, job, "submitted", f"submitted: {' '.join(job.argv)}",
+                           workers=f"{job.min_workers}:{job.max_workers}")
+            lifecycle.place_queued(self.ops(session))
             return job.id
 
-    def cancel(self, ref: str) -> Job:
+    def cancel(self, ref: str) -> views.JobInfo:
         with self.locked() as session:
             job = self.get(session, ref)
-            if JobState(job.state).final:
+            if job.state.final:
                 raise UsageError(f"job {job.id} is already {job.state}; nothing to cancel.")
-            lifecycle.stop_job(self, session, job, JobState.CANCELLED, "cancelled by user")
-            lifecycle.place_queued(self, session)
-            return job
+            ops = self.ops(session)
+            executor.stop_job(ops, job, JobState.CANCELLED, "cancelled by user")
+            lifecycle.place_queued(ops)
+            return views.job_info(job)
 
-    def scale(self, ref: str, n: int) -> Job:
+    def scale(self, ref: str, n: int) -> views.JobInfo:
         results = self.collect_probes()
         with self.locked() as session:
             self.record_probes(session, results)
             job = self.get(session, ref)
-            return scaling.scale(self, session, job, n)
-
-
-def record(session: Session, job: Job, kind: str, message: str, **data) -> Event:
-    ev = Event(job=job, time=time.time(), kind=kind, message=message, data=data)
-    session.add(ev)
-    return ev
-
-
-def set_state(session: Session, job: Job, target: JobState, message: str, **data) -> None:
-    JobState(job.state).check_transition(target)
-    job.state = target.value
-    if target.final:
-        job.ended_at = time.time()
-    record(session, job, "state", f"{target.value}: {message}", state=target.value, **data)
+            return views.job_info(scaling.scale(self.ops(session), job, n))

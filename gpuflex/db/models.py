@@ -110,6 +110,16 @@ class Job(Base):
     events: Mapped[list["Event"]] = relationship(back_populates="job", cascade="all, delete-orphan",
                                                  order_by="Event.id")
 
+    @property
+    def live_workers(self) -> list["Worker"]:
+        """Workers whose process has not ended."""
+        return [w for w in self.workers if not w.state.final]
+
+    @property
+    def members(self) -> list["Worker"]:
+        """Workers meant to be in the job now: alive and not retiring."""
+        return [w for w in self.live_workers if w.state is not WorkerState.LEAVING]
+
     @validates("state")
     def _valid_job_state(self, _key: str, value: JobState | str) -> JobState:
         return JobState(value)

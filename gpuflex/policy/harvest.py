@@ -29,9 +29,10 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 from gpuflex.config import HarvestSettings
 from gpuflex.policy.placement import Assignment, HostFree, place
+from gpuflex.states import JobState, WorkerState
 
 GpuRef = tuple[str, int]          # (host, device index)
-ACTIVE = ("running", "scaling")
+ACTIVE = (JobState.RUNNING, JobState.SCALING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +40,13 @@ class WorkerView:
     wid: int
     host: str
     gpus: tuple[int, ...]
-    state: str = "running"        # starting | running | leaving (live workers only)
+    state: WorkerState = WorkerState.RUNNING   # starting | running | leaving (live workers only)
 
 
 @dataclasses.dataclass(frozen=True)
 class JobView:
     id: int
-    state: str                    # queued | running | scaling
+    state: JobState               # queued | running | scaling
     min_workers: int
     max_workers: int
     gpus_per_worker: int = 1
@@ -63,7 +64,7 @@ class JobView:
     @property
     def members(self) -> tuple[WorkerView, ...]:
         """Workers meant to stay: alive and not retiring."""
-        return tuple(w for w in self.workers if w.state != "leaving")
+        return tuple(w for w in self.workers if w.state != WorkerState.LEAVING)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,11 +159,17 @@ class Plan:
 
 
 # ---- the plan -------------------------------------------------------------------------
+def probe_max_age_s(settings: HarvestSettings) -> float:
+    """How old a GPU's last probe may be for its verdict to still place or grow work:
+    three ticks, and never under five minutes (a cron tick may be late)."""
+    return max(3 * settings.interval_s, 300.0)
+
+
 def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSettings, now: float, *,
          host_errors: Mapping[str, str] | None = None, max_probe_age_s: float | None = None) -> Plan:
     """What one tick should do; see the module docstring for the rules and their order."""
     host_errors = dict(host_errors or {})
-    max_age = max_probe_age_s if max_probe_age_s is not None else max(3 * settings.interval_s, 300.0)
+    max_age = max_probe_age_s if max_probe_age_s is not None else probe_max_age_s(settings)
     actions: list[Action] = [HostDown(h, e) for h, e in sorted(host_errors.items())]
 
     def seen(g: GpuView) -> bool:
@@ -196,8 +203,8 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
         refs = tuple(sorted(set().union(*reclaimed[j.id].values())))
         stay = [w for w in j.members if w.wid not in wids]
         where = ", ".join(f"{h}:{i}" for h, i in refs)
-        stateful = any(w.state == "running" for w in j.members if w.wid in wids)
-        if len(stay) < j.min_workers or (stateful and not any(w.state == "running" for w in stay)):
+        stateful = any(w.state == WorkerState.RUNNING for w in j.members if w.wid in wids)
+        if len(stay) < j.min_workers or (stateful and not any(w.state == WorkerState.RUNNING for w in stay)):
             requeued.add(j.id)
             keeps = f"{len(stay)} worker(s) would stay, below MIN {j.min_workers}" \
                 if len(stay) < j.min_workers else "no remaining worker holds the training state"
@@ -223,7 +230,7 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
     slot_hosts = {g.host for g in gpus if g.kind == "slot"}
 
     # -- queued jobs, as place_queued will start them --
-    for j in sorted((j for j in jobs if j.state == "queued"), key=lambda j: (-j.priority, j.id)):
+    for j in sorted((j for j in jobs if j.state == JobState.QUEUED), key=lambda j: (-j.priority, j.id)):
         offer = [HostFree(h, tuple(d), slots=h in slot_hosts) for h, d in sorted(free.items())]
         p = place(offer, j.min_workers, max(j.target_workers or j.max_workers, j.min_workers),
                   j.gpus_per_worker)

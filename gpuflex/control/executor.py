@@ -1,0 +1,212 @@
+"""The executor: the control side's actions on real processes, and the lifecycle policy's
+decisions written down.
+
+Every action gets an `Ops`: the config, the pool's transports and the session of the
+transaction it runs in; nothing else of the service. What happened is written through
+gpuflex.control.journal.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import posixpath
+import time
+
+from sqlalchemy.orm import Session
+
+from gpuflex.config import Config
+from gpuflex.control import journal
+from gpuflex.control import launch as L
+from gpuflex.control.observe import coordinator_request
+from gpuflex.control.pool import Pool
+from gpuflex.db.models import Job, Worker
+from gpuflex.errors import TransportError
+from gpuflex.policy import lifecycle as P
+from gpuflex.policy.placement import Assignment
+from gpuflex.states import JobState, WorkerState
+
+log = logging.getLogger(__name__)
+
+POKE_TIMEOUT_S = 2.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Ops:
+    """What an action needs: the config, the pool (transports), the current transaction."""
+
+    config: Config
+    pool: Pool
+    session: Session
+
+
+# ---- starting -------------------------------------------------------------------------------
+def start_job(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
+    """Start the coordinator on the first host, then one worker per assignment."""
+    first = ops.config.host(assignments[0].host)
+    t = ops.pool.transport(first)
+    job.started_at = time.time()   # the current run: workers started before it are history
+    job.store_host = first.name
+    job.store_addr = L.store_address(first)
+    job.store_port = L.free_port(t)
+    if job.checkpoint_dir is None:
+        job.checkpoint_dir = posixpath.join(L.job_dir(first, job), "checkpoints")
+    next_wid = max((w.wid for w in job.workers), default=-1) + 1
+    wids = list(range(next_wid, next_wid + len(assignments)))
+    spawned = t.spawn(L.coordinator_spec(ops.config, first, job, job.store_port, wids))
+    job.store_pgid = spawned.pgid
+    for rank, (wid, a) in enumerate(zip(wids, assignments)):
+        spawn_worker(ops, job, wid, a, rank, len(assignments))
+    job.generation = 0
+    job.world_size = len(assignments)
+    job.target_workers = len(assignments)
+    job.queue_reason = None
+    journal.set_state(ops.session, job, JobState.RUNNING,
+                      f"{len(assignments)} worker(s) on {', '.join(sorted({a.host for a in assignments}))}",
+                      world_size=len(assignments))
+
+
+def spawn_worker(ops: Ops, job: Job, wid: int, a: Assignment, rank: int, world: int) -> Worker:
+    host = ops.config.host(a.host)
+    log_path, exit_path = L.worker_paths(host, job, wid)
+    # initial workers get their launch rank; newcomers get one when their generation forms
+    w = Worker(job=job, wid=wid, rank=rank if job.state is JobState.QUEUED else None, host=a.host,
+               gpus=list(a.devices), state=WorkerState.STARTING, log_path=log_path, exit_path=exit_path,
+               control_path=L.worker_socket(job, wid))
+    ops.session.add(w)
+    spawned = ops.pool.transport(host).spawn(L.worker_spec(ops.config, host, job, w, rank, world))
+    w.pid, w.pgid = spawned.pid, spawned.pgid
+    return w
+
+
+# ---- resizing -------------------------------------------------------------------------------
+def ask_membership(ops: Ops, job: Job, message: str, wait_s: float = 30) -> None:
+    """Send the job's members (live, not leaving) to its coordinator as the desired set,
+    poke the workers, and mark the job SCALING."""
+    desired = sorted(w.wid for w in job.members)
+    ops.session.flush()
+    coordinator_request(ops.config, ops.pool, job, {"op": "resize", "members": desired}, wait_s=wait_s)
+    poke_workers(ops, job)
+    job.target_workers = len(desired)
+    if job.state is not JobState.SCALING:
+        journal.set_state(ops.session, job, JobState.SCALING, f"{message} requested",
+                          target_workers=len(desired))
+    else:
+        journal.record(ops.session, job, "scale-request", f"{message} requested", target_workers=len(desired))
+
+
+def poke_workers(ops: Ops, job: Job) -> None:
+    """Tell running workers to look at the store now instead of at their next poll.
+
+    All hosts at once, each host's workers in turn; the first failure on a host skips the
+    rest there (a poke only hastens what the workers' 0.1 s store poll finds anyway)."""
+    by_host: dict[str, list[str]] = collections.defaultdict(list)
+    for w in job.members:
+        if w.state is WorkerState.RUNNING and w.control_path:
+            by_host[w.host].append(w.control_path)
+    hosts = [ops.config.host(h) for h in by_host]
+
+    def poke(t) -> None:
+        for path in by_host[t.host.name]:
+            try:
+                t.control_request(path, {"op": "resize"}, timeout=POKE_TIMEOUT_S)
+            except (TransportError, ValueError) as e:
+                log.debug("job %s: poke of %s on %s failed (the rest there skipped): %s",
+                          job.id, path, t.host.name, e)
+                return
+
+    limit = max((h.connect_timeout_s + len(by_host[h.name]) * (POKE_TIMEOUT_S + h.connect_timeout_s)
+                 for h in hosts), default=0) + 1
+    ops.pool.fan_out(hosts, poke, limit)
+
+
+# ---- stopping -------------------------------------------------------------------------------
+def stop_processes(ops: Ops, job: Job) -> None:
+    """SIGTERM every live worker (grace, then SIGKILL), all hosts at once, then the coordinator."""
+    by_host: dict[str, list[Worker]] = collections.defaultdict(list)
+    for w in job.live_workers:
+        if w.pgid:
+            by_host[w.host].append(w)
+    grace = ops.config.jobs.cancel_grace_s
+    hosts = [ops.config.host(h) for h in by_host]
+
+    def stop_host(t):
+        workers = by_host[t.host.name]
+        t.stop([w.pgid for w in workers], grace)
+        return t.status([(w.pgid, w.exit_path) for w in workers])
+
+    limit = grace + max((h.connect_timeout_s + 2 * h.command_timeout_s for h in hosts), default=0) + 5
+    for name, result in ops.pool.fan_out(hosts, stop_host, limit).items():
+        if not result.ok:
+            journal.record(ops.session, job, "host-unreachable", str(result.error), host=name)
+            continue
+        for w, st in zip(by_host[name], result.value):
+            rc = st.returncode
+            journal.end_worker(ops.session, job, w, WorkerState.EXITED if rc == 0 else WorkerState.STOPPED, rc)
+    for w in job.live_workers:  # never spawned, or host unreachable
+        journal.end_worker(ops.session, job, w, WorkerState.LOST, None)
+    stop_coordinator(ops, job)
+
+
+def stop_coordinator(ops: Ops, job: Job) -> None:
+    if job.store_pgid is None:
+        return
+    try:
+        ops.pool.transport(job.store_host).stop([job.store_pgid], 5)
+    except TransportError as e:
+        log.debug("job %s: cannot stop the coordinator (tried again next time): %s", job.id, e)
+        return
+    job.store_pgid = None
+
+
+def stop_job(ops: Ops, job: Job, target: JobState, why: str) -> None:
+    stop_processes(ops, job)
+    journal.set_state(ops.session, job, target, why)
+
+
+def requeue(ops: Ops, job: Job, why: str) -> None:
+    """Stop the job gracefully (the workers checkpoint at their step boundary) and queue it;
+    it restarts from that checkpoint when it fits again."""
+    stop_processes(ops, job)
+    job.restarts += 1
+    journal.set_state(ops.session, job, JobState.QUEUED, why, restarts=job.restarts)
+
+
+# ---- the lifecycle policy's decisions -------------------------------------------------------
+def apply(ops: Ops, job: Job, actions: list[P.Action]) -> None:
+    """Write what gpuflex.policy.lifecycle.decide said, in its order."""
+    workers = {w.wid: w for w in job.workers}
+    for a in actions:
+        if isinstance(a, P.EndWorker):
+            journal.end_worker(ops.session, job, workers[a.wid], a.state, a.exit_code, ended_at=a.ended_at)
+        elif isinstance(a, P.Note):
+            journal.note_once(ops.session, job, a.kind, a.message, **a.data)
+        elif isinstance(a, P.Adopt):
+            adopt(job, a.generation, list(a.members))
+        elif isinstance(a, P.Record):
+            journal.record(ops.session, job, a.kind, a.message, **a.data)
+        elif isinstance(a, P.SetState):
+            journal.set_state(ops.session, job, a.target, a.message)
+        elif isinstance(a, P.Requeue):
+            requeue(ops, job, a.reason)
+        elif isinstance(a, P.Finish):
+            stop_coordinator(ops, job)
+            job.exit_code, job.exit_reason = a.exit_code, a.reason
+            journal.set_state(ops.session, job, a.state, a.reason, exit_code=a.exit_code)
+        else:
+            raise TypeError(f"not a lifecycle action: {a!r}")
+
+
+def adopt(job: Job, generation: int, members: list[int]) -> None:
+    """The coordinator's generation: members get their ranks (a starting one is running
+    now), everyone else has none."""
+    job.generation, job.world_size = generation, len(members)
+    for w in job.workers:
+        if w.wid in members:
+            w.rank = members.index(w.wid)
+            w.generation = generation
+            if w.state is WorkerState.STARTING:
+                w.state = WorkerState.RUNNING
+        else:
+            w.rank = None

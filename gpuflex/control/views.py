@@ -1,0 +1,140 @@
+"""Plain records of what the database holds, for the CLI to render (it imports no models).
+
+Built inside the service's session from the model objects; each field is what the CLI's
+JSON (the contract) and tables show.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from gpuflex.config import Config
+from gpuflex.db import queries
+from gpuflex.db.models import Event, Gpu, Job, Worker
+from gpuflex.states import JobState, WorkerState
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerInfo:
+    wid: int
+    rank: int | None
+    host: str
+    gpus: tuple[int, ...]
+    pid: int | None
+    state: WorkerState
+    generation: int
+    exit_code: int | None
+    log_path: str
+    control_path: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EventInfo:
+    id: int
+    job_id: int
+    time: float
+    kind: str
+    message: str
+    data: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class JobInfo:
+    id: int
+    name: str
+    state: JobState
+    user: str
+    argv: tuple[str, ...]
+    workdir: str
+    env: dict[str, str]
+    min_workers: int
+    max_workers: int
+    target_workers: int | None
+    world_size: int
+    generation: int
+    gpus_per_worker: int
+    priority: int
+    harvest: bool
+    restarts: int
+    queue_reason: str | None
+    exit_code: int | None
+    exit_reason: str | None
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    workers: tuple[WorkerInfo, ...]
+    events: tuple[EventInfo, ...] = ()   # only when asked for
+
+
+def worker_info(w: Worker) -> WorkerInfo:
+    return WorkerInfo(w.wid, w.rank, w.host, tuple(w.gpus), w.pid, w.state, w.generation, w.exit_code,
+                      w.log_path, w.control_path)
+
+
+def event_info(e: Event) -> EventInfo:
+    return EventInfo(e.id, e.job_id, e.time, e.kind, e.message, e.data)
+
+
+def job_info(job: Job, *, events: bool = False) -> JobInfo:
+    return JobInfo(
+        id=job.id, name=job.name, state=job.state, user=job.user, argv=tuple(job.argv),
+        workdir=job.workdir, env=dict(job.env), min_workers=job.min_workers,
+        max_workers=job.max_workers, target_workers=job.target_workers, world_size=job.world_size,
+        generation=job.generation, gpus_per_worker=job.gpus_per_worker, priority=job.priority,
+        harvest=job.harvest, restarts=job.restarts, queue_reason=job.queue_reason,
+        exit_code=job.exit_code, exit_reason=job.exit_reason, created_at=job.created_at,
+        started_at=job.started_at, ended_at=job.ended_at,
+        workers=tuple(worker_info(w) for w in job.workers),
+        events=tuple(event_info(e) for e in job.events) if events else ())
+
+
+def pool_view(config: Config, session: Session) -> list[dict]:
+    """Hosts with their devices, the last probe's figures and who holds each device."""
+    workers = queries.live_workers_by_device(session)
+    samples = queries.latest_samples(session)
+    configured = {c.name for c in config.hosts}
+    out = []
+    for h in queries.hosts(session):
+        if h.name not in configured:
+            continue
+        devices = []
+        for g in h.gpus:
+            job_worker = workers.get((h.name, g.index))
+            sample = samples.get((h.name, g.index))
+            foreign = list(sample.foreign_pids) if sample is not None and g.kind == "gpu" else []
+            devices.append({
+                "index": g.index, "kind": g.kind, "uuid": g.uuid, "model": g.model,
+                "utilization_pct": g.utilization_pct, "memory_used_mib": g.memory_used_mib,
+                "memory_total_mib": g.memory_total_mib, "verdict": g.verdict,
+                "idle_streak": g.idle_streak,
+                "job": job_worker[0].id if job_worker else None,
+                "rank": job_worker[1].rank if job_worker else None,
+                "foreign": foreign,
+                "zombie": g.verdict == "zombie",
+                "holder": _holder(job_worker, foreign) or _zombie(g),
+            })
+        out.append({
+            "name": h.name, "address": h.address, "owner": h.owner, "reachable": h.reachable,
+            "error": h.last_error, "last_probe_at": h.last_probe_at, "devices": devices,
+        })
+    return out
+
+
+def _zombie(g: Gpu) -> str | None:
+    """Memory in use with no process listed: say so, it is why the GPU is not idle."""
+    if g.verdict != "zombie":
+        return None
+    return f"zombie memory ({g.memory_used_mib:.0f} MiB used, no process listed)"
+
+
+def _holder(job_worker: tuple[Job, Worker] | None, foreign: list[dict]) -> str | None:
+    parts = []
+    if job_worker is not None:
+        j, w = job_worker
+        parts.append(f"job {j.id} rank {w.rank if w.rank is not None else '?'} (w{w.wid})")
+    for p in foreign:
+        parts.append(f"pid {p['pid']} ({p.get('user') or 'unknown user'})")
+    return ", ".join(parts) or None

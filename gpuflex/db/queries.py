@@ -1,0 +1,105 @@
+"""The one door to the database: every query the control side and the CLI's service make.
+
+Each function takes the session of the caller's transaction (so it sees, and is part of,
+what that transaction wrote) and returns model objects or plain values.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from gpuflex.db.models import Event, Gpu, GpuSample, Host, Job, Worker
+from gpuflex.states import JobState
+
+ACTIVE = (JobState.RUNNING, JobState.SCALING)
+NOT_FINAL = (JobState.QUEUED, JobState.RUNNING, JobState.SCALING)
+
+
+# ---- jobs ---------------------------------------------------------------------------------
+def job(session: Session, job_id: int) -> Job | None:
+    return session.get(Job, job_id)
+
+
+def newest_job_named(session: Session, name: str) -> Job | None:
+    return session.scalar(select(Job).where(Job.name == name).order_by(Job.id.desc()).limit(1))
+
+
+def jobs(session: Session, states: Iterable[JobState] | None = None) -> list[Job]:
+    """Jobs by id, all or those in `states`."""
+    q = select(Job).order_by(Job.id)
+    if states is not None:
+        q = q.where(Job.state.in_(list(states)))
+    return list(session.scalars(q))
+
+
+def queued_jobs(session: Session) -> list[Job]:
+    """Queued jobs in the order they are placed: higher priority first, then older."""
+    return list(session.scalars(select(Job).where(Job.state == JobState.QUEUED)
+                                .order_by(Job.priority.desc(), Job.id)))
+
+
+# ---- workers ------------------------------------------------------------------------------
+def held_devices(session: Session) -> dict[str, set[int]]:
+    """Devices held by live workers of running jobs, per host."""
+    held: dict[str, set[int]] = {}
+    rows = session.execute(select(Worker.host, Worker.gpus, Worker.state).join(Job)
+                           .where(Job.state.in_(ACTIVE)))
+    for host, gpus, state in rows:
+        if not state.final:
+            held.setdefault(host, set()).update(gpus)
+    return held
+
+
+def live_workers_by_device(session: Session) -> dict[tuple[str, int], tuple[Job, Worker]]:
+    """(host, device) -> the job and live worker holding it."""
+    out: dict[tuple[str, int], tuple[Job, Worker]] = {}
+    for w, j in session.execute(select(Worker, Job).join(Job)):
+        if not w.state.final:
+            for d in w.gpus:
+                out[(w.host, d)] = (j, w)
+    return out
+
+
+def workers_on(session: Session, hosts: Iterable[str]) -> list[tuple[Worker, Job]]:
+    """Every worker ever run on `hosts`, with its job."""
+    return list(session.execute(select(Worker, Job).join(Job).where(Worker.host.in_(list(hosts)))))
+
+
+# ---- hosts and devices --------------------------------------------------------------------
+def hosts(session: Session) -> list[Host]:
+    """Every host mirrored from the config, by name."""
+    return list(session.scalars(select(Host).order_by(Host.name)))
+
+
+def host(session: Session, name: str) -> Host | None:
+    return session.scalar(select(Host).where(Host.name == name))
+
+
+def slot_host_names(session: Session) -> set[str]:
+    """Hosts whose devices are CPU slots."""
+    return set(session.scalars(select(Host.name).join(Gpu).where(Gpu.kind == "slot")))
+
+
+def latest_samples(session: Session) -> dict[tuple[str, int], GpuSample]:
+    """The newest probe sample of every GPU, by (host, index)."""
+    newest = select(func.max(GpuSample.id)).group_by(GpuSample.host, GpuSample.gpu_index)
+    return {(s.host, s.gpu_index): s
+            for s in session.scalars(select(GpuSample).where(GpuSample.id.in_(newest)))}
+
+
+def foreign_history(session: Session, host_name: str, index: int, limit: int) -> list[tuple[float, list]]:
+    """(time, foreign processes) of one GPU's newest `limit` samples, newest first."""
+    return [(when, pids) for when, pids in session.execute(
+        select(GpuSample.time, GpuSample.foreign_pids)
+        .where(GpuSample.host == host_name, GpuSample.gpu_index == index)
+        .order_by(GpuSample.time.desc(), GpuSample.id.desc()).limit(limit))]
+
+
+# ---- events -------------------------------------------------------------------------------
+def events_of_kind(session: Session, kind: str, since: float, until: float) -> list[tuple[Event, Job]]:
+    """Events of `kind` in [since, until], oldest first, with their jobs."""
+    return list(session.execute(select(Event, Job).join(Job).where(
+        Event.kind == kind, Event.time >= since, Event.time <= until).order_by(Event.time)))
