@@ -98,23 +98,24 @@ def test_undoing_a_step_restores_the_logs_also_across_an_epoch_edge(monkeypatch)
                      num_samples=8, global_batch_size=2, epochs=3, track_samples=True)
 
     def confirm():
-        run._confirm_step(run.sampler.global_batch(run.step)[2].tolist(), now=float(run.step))
+        run.state.confirm_step(run.sampler.global_batch(run.step)[2].tolist(), now=float(run.step),
+                               world_size=run.world_size)
 
     for _ in range(3):   # steps 0-2 of epoch 0 (4 steps an epoch)
         confirm()
-        run._commit()
+        run.state.commit()
     before = ({e: list(v) for e, v in run.samples.items()}, list(run.step_log), run.step)
     confirm()   # the last step of epoch 0 ...
     confirm()   # ... and the first of epoch 1, then a failure: both undone
     assert set(run.samples) == {0, 1} and len(run.samples[0]) == 8
-    run._undo_step()
+    run.state.undo_step()
     assert ({e: list(v) for e, v in run.samples.items()}, run.step_log, run.step) == before
     for _ in range(5):   # past the edge, then undo a step inside epoch 1
         confirm()
-        run._commit()
+        run.state.commit()
     kept = {e: list(v) for e, v in run.samples.items()}
     confirm()
-    run._undo_step()
+    run.state.undo_step()
     assert run.samples == kept and run.step == 8 and sorted(run.samples[0]) == list(range(8))
 
 

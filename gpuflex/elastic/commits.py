@@ -1,5 +1,6 @@
-"""`ElasticRun`'s state handling: the per-step light commit and its undo, the state tree a
-newcomer receives, and the on-disk checkpoint (see runtime.py and state.py)."""
+"""The training state a run owns: the registered objects, the step and the logs, with the
+per-step light commit and its undo, the state tree a newcomer receives, and the on-disk
+checkpoint (see runtime.py and state.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,47 @@ from typing import Any
 
 import torch
 
-from gpuflex.elastic.state import (LightCommit, copy_value, load_checkpoint, rng_state,
+from gpuflex.elastic.sampler import ElasticSampler
+from gpuflex.elastic.state import (LightCommit, Registry, copy_value, load_checkpoint, rng_state,
                                    save_checkpoint, set_rng_state)
 
 log = logging.getLogger(__name__)
 
+CHECKPOINT_FILE = "checkpoint.pt"
 
-class StateMixin:
-    """Methods of ElasticRun that read or write its training state."""
+
+class TrainingState:
+    """The step, the logs (step log, sample ids per epoch) and the registered objects, and
+    what is done with them at step boundaries and formations."""
+
+    def __init__(self, *, registry: Registry, model: torch.nn.Module, sampler: ElasticSampler,
+                 distributed: bool, checkpoint_dir: str | None) -> None:
+        self.registry, self.model, self.sampler = registry, model, sampler
+        self.distributed = distributed
+        self.checkpoint_dir = checkpoint_dir
+        self.samples: dict[int, list[int]] = {}
+        self.step_log: list[list[float]] = []
+        self.step = 0
+        self.has_state = not distributed   # a newcomer gets it at its first formation
+        self.last_checkpoint = time.monotonic()
+        self._light: LightCommit | None = None
+        self._buffer_slots: list[tuple[torch.nn.Module, str]] | None = None
+
+    @property
+    def epoch(self) -> int:
+        return min(self.step // self.sampler.steps_per_epoch, self.sampler.epochs)
+
+    @property
+    def position(self) -> int:
+        """Samples consumed so far: where the sampler stands."""
+        return self.step * self.sampler.global_batch_size
+
+    def confirm_step(self, ids: list[int] | None, now: float, world_size: int) -> None:
+        """The step just done is agreed: log it (and its samples) and count it."""
+        if ids is not None:
+            self.samples.setdefault(self.epoch, []).extend(ids)
+        self.step_log.append([self.step, now, world_size])
+        self.step += 1
 
     def capture(self) -> dict[str, Any]:
         return {"objects": self.registry.capture(), "rng": rng_state(), "step": self.step}
@@ -29,7 +63,7 @@ class StateMixin:
         return {"step_log": len(self.step_log), "epoch": self.epoch,
                 "samples": len(self.samples.get(self.epoch, ()))}
 
-    def _commit(self) -> None:
+    def commit(self) -> None:
         """The light commit of every step boundary (parameters and optimizer state need none)."""
         if self.distributed:
             if self._buffer_slots is None:   # where the buffers live (`.to()` replaces them)
@@ -39,7 +73,8 @@ class StateMixin:
                                       [m._buffers[n].detach().clone() for m, n in self._buffer_slots],
                                       self._lens())
 
-    def _undo_step(self) -> None:
+    def undo_step(self) -> None:
+        """Back to the last light commit: the step whose collective failed leaves no trace."""
         c = self._light
         if c is None:
             return
@@ -71,19 +106,19 @@ class StateMixin:
         self.step_log = [list(x) for x in logs["step_log"]]
         self.samples = {int(e): list(v) for e, v in logs["samples"].items()}
 
-    def _checkpoint(self) -> None:
+    def checkpoint(self, rank: int, world_size: int) -> None:
         """Rank 0 writes the live (just committed) state to disk, atomically."""
-        if self.checkpoint_dir and self.rank == 0:
-            save_checkpoint(os.path.join(self.checkpoint_dir, "checkpoint.pt"),
+        if self.checkpoint_dir and rank == 0:
+            save_checkpoint(os.path.join(self.checkpoint_dir, CHECKPOINT_FILE),
                             {"state": self.capture(), "logs": self.logs_payload(),
-                             "time": time.time(), "world_size": self.world_size})
-            self._last_ckpt = time.monotonic()
+                             "time": time.time(), "world_size": world_size})
+            self.last_checkpoint = time.monotonic()
 
     def load_disk_checkpoint(self) -> bool:
-        ck = load_checkpoint(os.path.join(self.checkpoint_dir, "checkpoint.pt")) if self.checkpoint_dir else None
+        path = os.path.join(self.checkpoint_dir, CHECKPOINT_FILE) if self.checkpoint_dir else None
+        ck = load_checkpoint(path) if path else None
         if ck is not None:
             self.apply_tree(ck["state"])
             self.load_logs(ck["logs"])
             log.info("gpuflex: resumed from checkpoint at step %d", self.step)
         return ck is not None
-

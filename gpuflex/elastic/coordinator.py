@@ -39,7 +39,7 @@ from gpuflex.elastic import keys
 from gpuflex.elastic.control import ControlServer
 from gpuflex.elastic.logs import ensure_handler
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("gpuflex.elastic.coordinator")   # not __name__: run as __main__
 
 TICK_S = 0.05
 IDLE_TICK_S = 0.5   # full reads of a settled job: heartbeat staleness and progress

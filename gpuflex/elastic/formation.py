@@ -10,69 +10,88 @@ the agreement after it failed); a member that is ahead sends its state to the ot
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from gpuflex.elastic import keys
-from gpuflex.elastic.rendezvous import Evicted, Leaving, Superseded
+from gpuflex.elastic.collectives import Collectives
+from gpuflex.elastic.commits import TrainingState
+from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, Superseded
+from gpuflex.elastic.signals import StepSignals
 from gpuflex.elastic.state import FlatState, TensorRef, checksum_tensors, flatten, layout_of, unflatten
 
-if TYPE_CHECKING:
-    from gpuflex.elastic.runtime import ElasticRun
-
 log = logging.getLogger(__name__)
+
 
 class StateMismatch(Exception):
     pass
 
 
+@dataclasses.dataclass(frozen=True)
+class Formed:
+    """A generation this worker formed: its place in it, and what forming it took."""
+
+    generation: int
+    rank: int
+    world_size: int
+    members: tuple[int, ...]
+    kind: str
+    at: float                        # when the formation ended (time.time())
+    copied: int                      # bytes of state this rank sent or received
+    timings: dict[str, Any] | None   # rank 0's per-phase timings, published after the first step
+
+
 class Formation:
-    def __init__(self, run: "ElasticRun") -> None:
-        self.run = run
-        self.rdzv = run.rdzv
+    """Joins this worker to generations: `enter`, `switch` and `recover` each return the
+    generation formed (None: a stop was requested while waiting for one) or raise
+    Leaving or Evicted."""
+
+    def __init__(self, *, wid: int, rdzv: Rendezvous, group: Collectives, state: TrainingState,
+                 signals: StepSignals, timeout_s: float) -> None:
+        self.wid, self.rdzv, self.group, self.state = wid, rdzv, group, state
+        self.signals, self.timeout_s = signals, timeout_s
         self.marks: list[tuple[str, float]] = []   # when each part of the last state copy ended
         self.checksum_s = 0.0
 
     def log(self, msg: str) -> None:
-        log.info("gpuflex[w%d]: %s", self.run.wid, msg)
+        log.info("gpuflex[w%d]: %s", self.wid, msg)
 
     # ---- the three entries ------------------------------------------------------------------
-    def recover(self, why: str) -> None:
-        g = self.run.generation
+    def recover(self, g: int, why: str) -> Formed | None:
+        """A collective of generation g failed: report it and join the next generation."""
         self.log(f"collective failed in generation {g}: {why}")
         failed_at = time.time()
         self.rdzv.report_fail(g, why)
         self._destroy()
-        self.enter(after=g, was_member=True, failed_at=failed_at)
+        return self.enter(after=g, was_member=True, failed_at=failed_at)
 
-    def switch(self, g: int, agreed_at: float) -> None:
+    def switch(self, g: int, agreed_at: float, agree_s: float) -> Formed | None:
+        """The members agreed (in `agree_s`) to switch to generation g."""
         info = self.rdzv.generation(g)
-        if self.run.wid not in info["members"]:
-            self._leave(g)
-            return
+        if self.wid not in info["members"]:
+            return self._leave(g)
         try:
-            self._form(info, detect_from=info["created"], agreed_at=agreed_at)
+            return self._form(info, detect_from=info["created"], agreed_at=agreed_at, agree_s=agree_s)
         except (Superseded, StateMismatch):
-            self.enter(after=g, was_member=True, failed_at=None)
+            return self.enter(after=g, was_member=True, failed_at=None)
         except (RuntimeError, TimeoutError, ValueError) as e:
             self._formation_failed(g, e)
-            self.enter(after=g, was_member=True, failed_at=time.time())
+            return self.enter(after=g, was_member=True, failed_at=time.time())
 
-    def enter(self, after: int, was_member: bool, failed_at: float | None) -> None:
+    def enter(self, after: int, was_member: bool, failed_at: float | None) -> Formed | None:
         """Wait for the next generation that includes this worker and form it."""
         while True:
-            info = self.rdzv.wait_for_generation(after, was_member, self.run._stop_requested.is_set)
+            info = self.rdzv.wait_for_generation(after, was_member, self.signals.stop_requested)
             if info is None:
-                self.run.stopped = True
-                return
+                return None
             g = info["generation"]
             try:
-                self._form(info, detect_from=failed_at, agreed_at=None)
-                return
+                return self._form(info, detect_from=failed_at, agreed_at=None, agree_s=0.0)
             except Superseded:
                 after = g
             except StateMismatch as e:
@@ -82,12 +101,12 @@ class Formation:
             except (RuntimeError, TimeoutError, ValueError) as e:
                 self._formation_failed(g, e)
                 after, failed_at = g, time.time()
-            was_member = was_member or self.run.has_state
+            was_member = was_member or self.state.has_state
 
     # ---- pieces -------------------------------------------------------------------------------
     def _destroy(self) -> None:
         try:
-            self.run.destroy_process_group()
+            self.group.close()
         except (RuntimeError, ValueError):
             pass
 
@@ -96,59 +115,61 @@ class Formation:
         self.rdzv.report_fail(g, f"formation: {e}")
         self._destroy()
 
-    def _leave(self, g: int) -> None:
+    def _leave(self, g: int) -> Formed | None:
         self._destroy()
         ok = self.rdzv.wait_verdict(g, lambda: False)
         if ok:
-            self.rdzv.set(keys.left(self.run.wid), "1")
+            self.rdzv.set(keys.left(self.wid), "1")
             raise Leaving(g)
         self.log(f"generation {g} was rolled back; rejoining")
-        self.enter(after=g, was_member=True, failed_at=None)
+        return self.enter(after=g, was_member=True, failed_at=None)
 
-    def _form(self, info: dict[str, Any], *, detect_from: float | None, agreed_at: float | None) -> None:
-        run = self.run
+    def _form(self, info: dict[str, Any], *, detect_from: float | None, agreed_at: float | None,
+              agree_s: float) -> Formed:
+        state = self.state
         g, members = info["generation"], info["members"]
-        rank, world = members.index(run.wid), len(members)
+        rank, world = members.index(self.wid), len(members)
         t0 = time.time()
-        self.rdzv.barrier(g, members, timeout_s=2 * run.pg_timeout_s)
+        self.rdzv.barrier(g, members, timeout_s=2 * self.timeout_s)
         tb = time.time()
-        run.init_process_group(g, rank, world)
+        self.group.open(self.rdzv.store, g, rank, world)
         t1 = time.time()
         self.marks = []
-        had_state = run.has_state
+        had_state = state.has_state
         copied = self._sync_state(rank, world)
         t2 = time.time()
         self._verify(g, rank, received=copied > 0 and not had_state)
         t3 = time.time()
-        run.rank, run.world_size, run.generation = rank, world, g
         self.rdzv.watch_after(g)
-        run._formed_at = t3
+        timings = None
         if rank == 0:
             self.rdzv.set(keys.verdict(g), '{"ok": true}')
             start = agreed_at if agreed_at is not None else t0
-            run._pending_timings = {
+            timings = {
                 "generation": g, "kind": info["kind"], "world_size": world,
                 "detect": max(0.0, (agreed_at or t0) - detect_from) if detect_from else 0.0,
-                "agree": run._last_agree_s if agreed_at is not None else 0.0,
+                "agree": agree_s if agreed_at is not None else 0.0,
                 "rebuild": t1 - t0, "copy": t2 - t1, "verify": t3 - t2,
-                "pause": t3 - start, "bytes": copied, "step": run.step,
+                "pause": t3 - start, "bytes": copied, "step": state.step,
             }
         marks = " ".join(f"{k} {v - t1:.3f}" for k, v in self.marks)
-        self.log(f"generation {g}: rank {rank} of {world} at step {run.step} "
+        self.log(f"generation {g}: rank {rank} of {world} at step {state.step} "
                  f"(barrier {tb - t0:.3f}s, process group {t1 - tb:.3f}s, copy {t2 - t1:.3f}s [{marks}], "
                  f"verify {t3 - t2:.3f}s [checksum {self.checksum_s:.3f}s], {copied} bytes)")
+        return Formed(generation=g, rank=rank, world_size=world, members=tuple(members), kind=info["kind"],
+                      at=t3, copied=copied, timings=timings)
 
     def _sync_state(self, rank: int, world: int) -> int:
         """Bring every member to the newest state any holds: the lowest rank holding it sends
         it to the members without it. Returns the bytes this rank sent or received."""
-        run = self.run
+        state, group = self.state, self.group
         vec = torch.zeros(world, dtype=torch.int64)
-        vec[rank] = run.step + 1 if run.has_state else 0
-        steps = [int(x) - 1 for x in self._all_reduce(vec)]
+        vec[rank] = state.step + 1 if state.has_state else 0
+        steps = [int(x) - 1 for x in group.all_reduce(vec)]
         if all(s < 0 for s in steps):             # nobody has state: a fresh (re)start
             if rank == 0:
-                run.load_disk_checkpoint()
-                run.has_state = True
+                state.load_disk_checkpoint()
+                state.has_state = True
             have = [r == 0 for r in range(world)]
         else:
             have = [s == max(steps) for s in steps]
@@ -157,16 +178,16 @@ class Formation:
         src = have.index(True)
         header: list[Any] = [None]
         if rank == src:   # the live tensors go out as they are: no packing copy
-            skeleton, tensors = flatten(run.capture())
+            skeleton, tensors = flatten(state.capture())
             tensors = [t.detach().contiguous() for t in tensors]
-            header = [{"skeleton": skeleton, "layout": layout_of(tensors), "logs": run.logs_payload()}]
+            header = [{"skeleton": skeleton, "layout": layout_of(tensors), "logs": state.logs_payload()}]
         self.marks.append(("have", time.time()))
-        dist.broadcast_object_list(header, src=src, device=run.device if run.backend == "nccl" else None)
+        group.broadcast_objects(header, src=src)
         self.marks.append(("header", time.time()))
         h = header[0]
         receivers = [r for r in range(world) if not have[r]]
         if rank == src:   # point to point: members that already hold the state do nothing
-            self._send([t for t in tensors if t.numel()], receivers)
+            group.send([t for t in tensors if t.numel()], receivers)
             return sum(t.numel() * t.element_size() for t in tensors)
         if have[rank]:
             return 0
@@ -175,7 +196,7 @@ class Formation:
         # optimizer state, RNG) into one fresh buffer per dtype. A member that holds an
         # older state keeps it intact until the transfer is complete.
         layout = h["layout"]
-        in_place = {} if run.has_state else _model_targets(run, h["skeleton"], layout)
+        in_place = {} if state.has_state else _model_targets(state.model, h["skeleton"], layout)
         rest = [i for i in range(len(layout)) if i not in in_place]
         flat = FlatState(tuple(layout[i] for i in rest))
         views: list[torch.Tensor] = [torch.empty(0)] * len(layout)
@@ -184,25 +205,26 @@ class Formation:
         for i, t in in_place.items():
             views[i] = t
         self.marks.append(("alloc", time.time()))
-        self._recv([v for v in views if v.numel()], src)
+        group.recv([v for v in views if v.numel()], src)
         self.marks.append(("recv", time.time()))
         model_done = bool(in_place) and len(in_place) == len(_model_refs(h["skeleton"]))
-        run.apply_tree(unflatten(h["skeleton"], views), skip=("model",) if model_done else ())
+        state.apply_tree(unflatten(h["skeleton"], views), skip=("model",) if model_done else ())
         self.marks.append(("apply", time.time()))
-        run.load_logs(h["logs"])
-        run.has_state = True
-        run._commit()
+        state.load_logs(h["logs"])
+        state.has_state = True
+        state.commit()
         return sum(v.numel() * v.element_size() for v in views)
 
     def _verify(self, g: int, rank: int, received: bool) -> None:
         """All members compare a checksum of their live state, step and data position."""
-        _, tensors = flatten(self.run.capture()["objects"])
+        state = self.state
+        _, tensors = flatten(state.capture()["objects"])
         tv = time.time()
         crc = checksum_tensors(tensors)
         self.checksum_s = time.time() - tv
-        pos = self.run.step * self.run.sampler.global_batch_size
-        vec = torch.tensor([crc, self.run.step, pos, -crc, -self.run.step, -pos], dtype=torch.int64)
-        vec = self._all_reduce(vec, dist.ReduceOp.MAX)
+        pos = state.position
+        vec = torch.tensor([crc, state.step, pos, -crc, -state.step, -pos], dtype=torch.int64)
+        vec = self.group.all_reduce(vec, dist.ReduceOp.MAX)
         if vec[:3].tolist() != (-vec[3:]).tolist():
             if rank == 0:
                 self.rdzv.set(keys.verdict(g), '{"ok": false, "reason": "state checksum mismatch"}')
@@ -210,43 +232,16 @@ class Formation:
             self._destroy()
             raise StateMismatch(g, received)
 
-    def _all_reduce(self, vec: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        if self.run.backend == "nccl":
-            dev = vec.to(self.run.device)
-            dist.all_reduce(dev, op=op)
-            return dev.cpu()
-        dist.all_reduce(vec, op=op)
-        return vec
-
-    def _send(self, bufs: list[torch.Tensor], peers: list[int]) -> None:
-        staged = [self._staged(b) for b in bufs]
-        for work in [dist.isend(b, dst=r) for b in staged for r in peers]:
-            work.wait()
-
-    def _recv(self, bufs: list[torch.Tensor], src: int) -> None:
-        staged = [self._staged(b) for b in bufs]
-        for work in [dist.irecv(b, src=src) for b in staged]:   # all posted at once, in send order
-            work.wait()
-        for buf, st in zip(bufs, staged):
-            if st is not buf:
-                buf.copy_(st.cpu())
-
-    def _staged(self, buf: torch.Tensor) -> torch.Tensor:
-        """nccl moves only GPU tensors: CPU parts of the state (RNG) travel through the GPU."""
-        if self.run.backend == "nccl" and buf.device.type == "cpu":
-            return buf.to(self.run.device)
-        return buf
-
 
 def _model_refs(skeleton: Any) -> dict[str, Any]:
     refs = skeleton.get("objects", {}).get("model", {})
     return refs if isinstance(refs, dict) else {}
 
 
-def _model_targets(run: "ElasticRun", skeleton: Any, layout: tuple) -> dict[int, torch.Tensor]:
+def _model_targets(model: torch.nn.Module, skeleton: Any, layout: tuple) -> dict[int, torch.Tensor]:
     """{index in the sent tensor list: the newcomer's own tensor that entry can land in}:
     the model's parameters and buffers, where name, dtype, device and shape agree."""
-    own = run.model.state_dict()
+    own = model.state_dict()
     out = {}
     for name, ref in _model_refs(skeleton).items():
         t = own.get(name)

@@ -12,32 +12,19 @@ busy host where the exchange takes ~0.3 ms.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from gpuflex.elastic import agreement, env
-
-if TYPE_CHECKING:
-    from gpuflex.elastic.runtime import ElasticRun
+from gpuflex.elastic import env
+from gpuflex.elastic.agreement import Agreement
+from gpuflex.elastic.collectives import Collectives
 
 DIRECT_BYTES = 1 << 20   # gradients this large are all-reduced in place, launched during backward
 # (below it a copy into the packed buffer costs less than one more collective: gloo over
 # TCP pays ~0.3 ms per call; DDP's first bucket is 1 MiB for the same reason).
 # GPUFLEX_DIRECT_BYTES in a worker's environment overrides it.
-
-
-_SUM = dist.AllreduceOptions()   # read, never changed: the process group copies it into each work
-_SUM.reduceOp = dist.ReduceOp.SUM
-
-
-def all_reduce_async(run: "ElasticRun", tensor: torch.Tensor) -> dist.Work:
-    """`dist.all_reduce(tensor, async_op=True)` straight on the process group, as DDP's
-    reducer calls it from C++: the Python wrapper's checks and logging cost ~50 us a call
-    on 2 CPU cores, a few percent of a small model's step."""
-    return run.pg.allreduce([tensor], _SUM)
-
 
 EXCHANGE_BYTES = 512 << 10   # the packed buffer is exchanged when its size x (world - 1) is at most this
 # (gloo only; benchmarks/gloo_sum.py, 2 ranks: 8 KiB 0.28 vs 0.67 ms all-reduce, 256 KiB
@@ -69,14 +56,23 @@ def sum_exchanged(buf: torch.Tensor, rows: torch.Tensor, rank: int) -> None:
         buf.add_(rows[r])
 
 
+def drop_grads(model: torch.nn.Module) -> None:
+    """After a failed all-reduce: with no gradient, optimizer.step() leaves every
+    parameter (and its optimizer state) as it was; the light state is undone at the
+    boundary, so the failed step leaves no trace."""
+    for p in model.parameters():
+        p.grad = None
+
+
 class GradPlan:
     """Which gradients are reduced in place and which are packed, made once for the run
     (like DDP's buckets, fixed at construction: the set of parameters that require grad
     is fixed for the run), and the in-place all-reduces launched so far in this step."""
 
-    def __init__(self, run: "ElasticRun") -> None:
-        self.run = run
-        self.params = params = [p for p in run.model.parameters() if p.requires_grad]
+    def __init__(self, model: torch.nn.Module, group: Collectives, agreement: Agreement,
+                 num_samples: int) -> None:
+        self.model, self.group, self.agreement = model, group, agreement
+        self.params = params = [p for p in model.parameters() if p.requires_grad]
         dtype = params[0].dtype
         limit = direct_bytes()
         big = {i for i, p in enumerate(params) if p.numel() * p.element_size() >= limit and p.dtype == dtype}
@@ -84,8 +80,8 @@ class GradPlan:
         self.direct = sorted(big, reverse=True)
         self.packed = [i for i in range(len(params)) if i not in big]
         self.n = sum(params[i].numel() for i in self.packed)
-        self.fuse = dtype in (torch.float32, torch.float64) and run.sampler.num_samples < 2 ** 24
-        self.flat = torch.empty(self.n + (agreement.size(run) if self.fuse else 0), dtype=dtype,
+        self.fuse = dtype in (torch.float32, torch.float64) and num_samples < 2 ** 24
+        self.flat = torch.empty(self.n + (agreement.size if self.fuse else 0), dtype=dtype,
                                 device=params[0].device)
         self.views, off = [], 0
         for i in self.packed:
@@ -100,23 +96,28 @@ class GradPlan:
         self._armed = False
         for i in self.direct:
             params[i].register_post_accumulate_grad_hook(functools.partial(self._accumulated, i))
+        group.on_close(self.forget_works)
+
+    def forget_works(self) -> None:
+        """The group is going: its finished works would keep gloo's context alive."""
+        self.works = []
 
     def arm(self) -> None:
         """Called just before the step's backward: launch from the hooks during it."""
         self.works, self._ready = [], set()
-        self._armed = self.run.world_size > 1 and self.run._broken is None
+        self._armed = self.group.world_size > 1 and self.group.failure is None
 
     def _accumulated(self, i: int, _param: torch.Tensor) -> None:
         if self._armed:
             self._ready.add(i)
             self._launch(lambda j: j in self._ready)
 
-    def _launch(self, ready) -> bool:
+    def _launch(self, ready: Callable[[int], bool]) -> bool:
         """Launch the next in-place all-reduces of the fixed order while `ready` says so;
-        False if a launch failed (a dead peer: noted by `_collective`)."""
+        False if a launch failed (a dead peer: noted by the group)."""
         while len(self.works) < len(self.direct) and ready(self.direct[len(self.works)]):
             grad = self.params[self.direct[len(self.works)]].grad
-            if not self.run._collective(lambda: self.works.append(all_reduce_async(self.run, grad))):
+            if not self.group.call(lambda: self.works.append(self.group.all_reduce_async(grad))):
                 self._armed = False
                 return False
         return True
@@ -125,18 +126,18 @@ class GradPlan:
         """Whether the packed buffer is summed by the exchange this step (gloo, small)."""
         flat = self.flat
         return (flat.device.type == "cpu" and flat.numel() > 0
-                and flat.numel() * flat.element_size() * (self.run.world_size - 1) <= self.exchange_bytes)
+                and flat.numel() * flat.element_size() * (self.group.world_size - 1) <= self.exchange_bytes)
 
     def launch_exchange(self) -> None:
         """The packed buffer's exchange, its rows made for this world size."""
-        run, flat = self.run, self.flat
-        if self.rows is None or self.rows.shape[0] != run.world_size:
-            self.rows = torch.empty(run.world_size, flat.numel(), dtype=flat.dtype)
-        self.works += exchange(run.pg, run.rank, flat, self.rows)
+        group, flat = self.group, self.flat
+        if self.rows is None or self.rows.shape[0] != group.world_size:
+            self.rows = torch.empty(group.world_size, flat.numel(), dtype=flat.dtype)
+        self.works += exchange(group.pg, group.rank, flat, self.rows)
 
     def launch_all_reduce(self) -> None:
         """The packed buffer's all-reduce."""
-        self.works.append(all_reduce_async(self.run, self.flat))
+        self.works.append(self.group.all_reduce_async(self.flat))
 
     def launch_rest(self) -> bool:
         """After backward: the hooks stop, and the in-place all-reduces not yet launched
@@ -144,38 +145,35 @@ class GradPlan:
         self._armed = False
         return self._launch(lambda j: True)
 
-
-def reduce_gradients(run: "ElasticRun") -> None:
-    """Sum every gradient over the members: the in-place all-reduces not launched during
-    backward (a gradient that came late, or not at all) follow in the fixed order, then the
-    packed small ones with the agreement (its integers stay exact in float32/float64), by
-    all-reduce or by the exchange; then all are waited for. `ElasticRun.backward` has made
-    the plan and armed it."""
-    plan = run._grad_plan
-    params = plan.params
-    for p in params:
-        if p.grad is None:   # a parameter the loss did not reach: its gradient is zero
-            p.grad = torch.zeros_like(p)
-    small = [params[i].grad for i in plan.packed]
-    if small:
-        torch._foreach_copy_(plan.views, small)
-    if plan.fuse:
-        plan.flat[plan.n:].copy_(agreement.build(run, done_step=True))
-    if not plan.launch_rest():
-        run._drop_grads()
-        return
-    exchanged = plan.exchanges()
-    launch = plan.launch_exchange if exchanged else plan.launch_all_reduce
-    if plan.flat.numel() and not run._collective(launch):
-        run._drop_grads()
-        return
-    if not run._collective(lambda: [w.wait() for w in plan.works]):
-        run._drop_grads()
-        return
-    if exchanged:
-        sum_exchanged(plan.flat, plan.rows, run.rank)
-    if plan.fuse:
-        run._vote = agreement.parse(run, plan.flat[plan.n:])
-        run._last_agree_s = 0.0
-    if small:
-        torch._foreach_copy_(small, plan.views)
+    def reduce(self) -> None:
+        """Sum every gradient over the members: the in-place all-reduces not launched during
+        backward (a gradient that came late, or not at all) follow in the fixed order, then
+        the packed small ones with the agreement (its integers stay exact in
+        float32/float64), by all-reduce or by the exchange; then all are waited for. The
+        caller has armed the plan before backward. A failure leaves every gradient unset."""
+        params, group = self.params, self.group
+        for p in params:
+            if p.grad is None:   # a parameter the loss did not reach: its gradient is zero
+                p.grad = torch.zeros_like(p)
+        small = [params[i].grad for i in self.packed]
+        if small:
+            torch._foreach_copy_(self.views, small)
+        if self.fuse:
+            self.flat[self.n:].copy_(self.agreement.build(done_step=True))
+        if not self.launch_rest():
+            drop_grads(self.model)
+            return
+        exchanged = self.exchanges()
+        launch = self.launch_exchange if exchanged else self.launch_all_reduce
+        if self.flat.numel() and not group.call(launch):
+            drop_grads(self.model)
+            return
+        if not group.call(lambda: [w.wait() for w in self.works]):
+            drop_grads(self.model)
+            return
+        if exchanged:
+            sum_exchanged(self.flat, self.rows, group.rank)
+        if self.fuse:
+            self.agreement.summed(self.flat[self.n:])
+        if small:
+            torch._foreach_copy_(small, self.views)

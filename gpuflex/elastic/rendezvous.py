@@ -79,6 +79,20 @@ class Rendezvous:
         except (RuntimeError, OSError, StoreLost):
             self.lost.set()
 
+    def newer_generation(self, current: int, poked: bool) -> int:
+        """Rank 0 at a step boundary: the latest generation if it is newer than `current`,
+        else 0. The store is asked only when the watch saw one or a poke came, so a settled
+        step makes no store call."""
+        if not (poked or self.newer.is_set()):
+            return 0
+        self.newer.clear()   # the watch looks again if this one is not newer after all
+        latest = self.latest()
+        return latest if latest > current else 0
+
+    def post_progress(self, status: str) -> None:
+        """Rank 0's status for `gpuflex status`: the heartbeat thread sends it."""
+        self.progress = status
+
     def watch_after(self, g: int) -> None:
         """Generation g is the current one: watch for g+1."""
         self.watching = g

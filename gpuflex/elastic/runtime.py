@@ -25,39 +25,44 @@ state any of them holds (see formation.py).
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
+import json
 import logging
 import os
 import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
-from gpuflex.elastic import agreement, keys
+from gpuflex.elastic import keys
+from gpuflex.elastic.agreement import Agreement
+from gpuflex.elastic.collectives import Collectives
+from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.env import WorkerEnv
-from gpuflex.elastic.gradients import GradPlan, reduce_gradients
-from gpuflex.elastic.formation import Formation
+from gpuflex.elastic.formation import Formation, Formed
+from gpuflex.elastic.gradients import GradPlan, drop_grads
 from gpuflex.elastic.keys import EVICTED_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.loader import ElasticLoader
 from gpuflex.elastic.logs import ensure_handler
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
+from gpuflex.elastic.signals import StepSignals
 from gpuflex.elastic.state import Registry
-from gpuflex.elastic.commits import StateMixin
-from gpuflex.elastic.worker_control import report_progress, start_control
-
-if TYPE_CHECKING:
-    from gpuflex.elastic.loader import ElasticLoader
-    from gpuflex.elastic.state import LightCommit
+from gpuflex.elastic.worker_control import Progress, start_control
 
 log = logging.getLogger(__name__)
 
 
-class ElasticRun(StateMixin):
-    """Drives an elastic data-parallel training loop; see the module docstring."""
+class ElasticRun:
+    """Drives an elastic data-parallel training loop; see the module docstring.
+
+    Its parts: `signals` (stop, checkpoint and poke requests), `state` (the step, the logs,
+    the registered objects, commits and checkpoints), `group` (the process group and its
+    failures), `agreement` (the step-boundary vote), the gradient plan, and, under gpuflex,
+    `rdzv` (the job store) and `formation` (joining generations)."""
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  num_samples: int, global_batch_size: int, epochs: int, seed: int = 0,
@@ -74,9 +79,6 @@ class ElasticRun(StateMixin):
         for name, obj in (extra or {}).items():
             self.registry.add(f"extra.{name}", obj)
         self.track_samples = track_samples
-        self.samples: dict[int, list[int]] = {}
-        self.step_log: list[list[float]] = []
-        self.step = 0
         self.stopped = False
         env = self.env = WorkerEnv.from_environ()
         self.wid = env.worker_id
@@ -86,34 +88,26 @@ class ElasticRun(StateMixin):
         self.pg_timeout_s = env.pg_timeout_s
         self.rank, self.world_size, self.generation = 0, 1, 0
         self.device = self._pick_device()
-        self.backend = "nccl" if self.device.type == "cuda" else "gloo"
-        self.has_state = not self.distributed   # a newcomer gets it at its first formation
-        self._light: LightCommit | None = None
+        self.state = TrainingState(registry=self.registry, model=model, sampler=self.sampler,
+                                   distributed=self.distributed, checkpoint_dir=self.checkpoint_dir)
+        self.signals = StepSignals()
+        self.group = Collectives(self.device, self.pg_timeout_s)
+        self.agreement = Agreement(batch_size=global_batch_size, track_samples=track_samples,
+                                   signals=self.signals, group=self.group, switch_to=self._switch_to)
+        self.progress = Progress(global_batch_size, self.status)
         self.rdzv: Rendezvous | None = None
         self.formation: Formation | None = None
-        self._broken: str | None = None       # a collective failed during this step
-        self._stop_requested = threading.Event()
-        self._checkpoint_requested = threading.Event()
-        self._poke = threading.Event()         # look at the store's latest generation now
-        self._last_ckpt = time.monotonic()
-        self._last_progress = 0.0
+        self.batch: Batch | None = None       # the step being trained now
         self._last_loss: torch.Tensor | None = None
-        self._step_ids: torch.Tensor | None = None
         self._step_started: float | None = None
         self._started = False
-        self.batch: Batch | None = None       # the step being trained now
-        self._last_agree_s = 0.0
-        self._vote: tuple | None = None      # the agreement, when it rode on the gradients
         self._store_lost: StoreLost | None = None
-        self._buffer_slots: list[tuple[torch.nn.Module, str]] | None = None
-        self._grad_plan: GradPlan | None = None   # gradients.reduce_gradients' buffer and views
-        self.pg: dist.ProcessGroup | None = None   # this generation's, from init_process_group
-        self._rate = 0.0
+        self._grad_plan: GradPlan | None = None
         self._pending_timings: dict[str, Any] | None = None
         self._formed_at: float | None = None   # the end of the last formation, until its first step
         self._control = None
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: self._stop_requested.set())
+            signal.signal(signal.SIGTERM, lambda *_: self.signals.request_stop())
 
     # ---- public properties ---------------------------------------------------------------
     @property
@@ -121,12 +115,33 @@ class ElasticRun(StateMixin):
         return self.rank == 0
 
     @property
+    def step(self) -> int:
+        return self.state.step
+
+    @property
     def epoch(self) -> int:
-        return min(self.step // self.sampler.steps_per_epoch, self.sampler.epochs)
+        return self.state.epoch
+
+    @property
+    def step_log(self) -> list[list[float]]:
+        return self.state.step_log
+
+    @property
+    def samples(self) -> dict[int, list[int]]:
+        return self.state.samples
 
     @property
     def distributed(self) -> bool:
         return self.store_address is not None
+
+    @property
+    def backend(self) -> str:
+        return self.group.backend
+
+    @property
+    def pg(self) -> dist.ProcessGroup | None:
+        """This generation's process group."""
+        return self.group.pg
 
     def _pick_device(self) -> torch.device:
         if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "-1"):
@@ -153,11 +168,12 @@ class ElasticRun(StateMixin):
         finally:
             self._close()
 
-    def loader(self, dataset: Any, collate_fn: Any = None) -> "ElasticLoader":
+    def loader(self, dataset: Any, collate_fn: Any = None) -> ElasticLoader:
         """Batches of `dataset` for this rank's share of each step of the current epoch."""
-        from gpuflex.elastic.loader import ElasticLoader
+        return ElasticLoader(self._epoch_steps, self.sampler.steps_per_epoch, dataset, collate_fn)
 
-        return ElasticLoader(self, dataset, collate_fn)
+    def _epoch_steps(self) -> Iterator[Batch]:
+        return self._steps(epoch=self.epoch)
 
     def _steps(self, epoch: int | None) -> Iterator[Batch]:
         with self._guard():
@@ -166,9 +182,9 @@ class ElasticRun(StateMixin):
             # formation (survivors return from the switch into the same spot), so the
             # collectives line up; the boundary comes after each step.
             while self._more() and (epoch is None or self.epoch == epoch):
-                batch = self.sampler.batch(self.step, self.rank, self.world_size)
+                batch = self.sampler.batch(self.state.step, self.rank, self.world_size)
                 self.batch = batch
-                self._step_ids = batch.indices if self.track_samples else None
+                self.agreement.begin_step(batch)
                 self._step_started = time.time()
                 yield batch
                 if not self._boundary():
@@ -204,7 +220,7 @@ class ElasticRun(StateMixin):
         batch = self.batch
         if self.world_size > 1:   # the large gradients' all-reduces start during backward
             if self._grad_plan is None:
-                self._grad_plan = GradPlan(self)
+                self._grad_plan = self._make_grad_plan()
             self._grad_plan.arm()
         if batch is not None and len(batch.indices) == 0:   # more ranks than samples this step
             for p in self.model.parameters():
@@ -213,122 +229,128 @@ class ElasticRun(StateMixin):
             weight = batch.weight if batch is not None else 1.0
             (loss * weight if weight != 1.0 else loss).backward()
         self._last_loss = loss.detach()
-        if self.world_size > 1 and self._broken is not None:
-            self._drop_grads()
+        if self.world_size > 1 and self.group.failure is not None:
+            drop_grads(self.model)
         elif self.world_size > 1:
             try:
-                reduce_gradients(self)
+                self._grad_plan.reduce()
             except StoreLost as e:   # raised at the boundary, where the runtime exits cleanly
-                self._drop_grads()
+                drop_grads(self.model)
                 self._store_lost = e
 
-    def _drop_grads(self) -> None:
-        """After a failed all-reduce: with no gradient, optimizer.step() leaves every
-        parameter (and its optimizer state) as it was; the light state is undone at the
-        boundary, so the failed step leaves no trace."""
-        for p in self.model.parameters():
-            p.grad = None
+    def _make_grad_plan(self) -> GradPlan:
+        return GradPlan(self.model, self.group, self.agreement, self.sampler.num_samples)
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> bool:
         """A user collective that a dead peer cannot crash; False if it failed."""
         if self.world_size == 1:
             return True
-        return self._collective(dist.all_reduce, tensor, op=op) if self._broken is None else False
-
-    def _collective(self, fn, *args, **kwargs) -> bool:
-        try:
-            fn(*args, **kwargs)
-            return True
-        except (RuntimeError, ValueError) as e:   # DistBackendError is a RuntimeError
-            self._broken = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
-            return False
+        return self.group.call(dist.all_reduce, tensor, op=op) if self.group.failure is None else False
 
     # ---- start, boundary, switch ---------------------------------------------------------------
     def _start(self) -> None:
         if self.distributed or not logging.getLogger().handlers:   # a worker's log, or a plain script
             ensure_handler(sys.stderr)
         if not self.distributed:
-            self.load_disk_checkpoint()
+            self.state.load_disk_checkpoint()
             return
-        self._control = start_control(self, self.env.control)
+        self._control = start_control(self.env.control, self.signals, self.status, self._request_members)
         self.rdzv = Rendezvous(self.store_address, self.wid, timeout_s=max(60.0, self.pg_timeout_s))
-        self.formation = Formation(self)
+        self.formation = Formation(wid=self.wid, rdzv=self.rdzv, group=self.group, state=self.state,
+                                   signals=self.signals, timeout_s=self.pg_timeout_s)
         self._warm_up()
         self.rdzv.set(keys.ready(self.wid), str(time.time()))
-        self.formation.enter(after=0, was_member=False, failed_at=None)
+        self._joined(self.formation.enter(after=0, was_member=False, failed_at=None))
 
     def _warm_up(self) -> None:
         """Before a newcomer says it is ready: its gradient buffer, allocated and touched, so
         its first step in the job does not pay for it while the others wait."""
         if any(p.requires_grad for p in self.model.parameters()):
-            self._grad_plan = GradPlan(self)   # and its hooks
+            self._grad_plan = self._make_grad_plan()   # and its hooks
             self._grad_plan.flat.zero_()
+
+    def _request_members(self, members: list[int]) -> None:
+        """A control socket's resize with members: for the coordinator to validate."""
+        if self.rdzv is None:
+            raise ValueError("not connected to the job store yet")
+        self.rdzv.set(keys.DESIRED_REQUEST, json.dumps(members))
+
+    def _switch_to(self) -> int:
+        """Rank 0's part of the agreement: a newer generation to switch to, or 0."""
+        if self.rank != 0 or self.rdzv is None:
+            return 0
+        return self.rdzv.newer_generation(self.generation, self.signals.take_poke())
+
+    def _joined(self, formed: Formed | None) -> None:
+        """A formation ended: in a new generation, or (None) stopped while waiting for one."""
+        if formed is None:
+            self.stopped = True
+            return
+        self.rank, self.world_size, self.generation = formed.rank, formed.world_size, formed.generation
+        self._formed_at = formed.at
+        self._pending_timings = formed.timings
 
     def _boundary(self) -> bool:
         """Confirm the step just done, then agree on what happens next. False: stop."""
         now = time.time()
         done_step = self._step_started is not None
+        state = self.state
         if self._store_lost is not None:
             raise self._store_lost
         if self.rdzv is not None and self.rdzv.lost.is_set():   # seen by the heartbeat thread
             raise StoreLost("the job store stopped answering heartbeats")
         self._step_started = None
-        if self._broken is not None:   # this step's gradient all-reduce failed: undo it
-            why, self._broken = self._broken, None
-            self._undo_step()
-            self.formation.recover(why)
+        why = self.group.take_failure()
+        if why is not None:   # this step's gradient all-reduce failed: undo it
+            state.undo_step()
+            self._joined(self.formation.recover(self.generation, why))
             return self._more()
-        flags, self._vote = self._vote or agreement.agree(self, done_step), None
+        flags = self.agreement.agree(done_step)
         if flags is None:   # the agreement failed, after this rank completed its step
-            why, self._broken = self._broken, None
+            why = self.group.take_failure()
             if done_step:
-                ids = self.sampler.global_batch(self.step)[2].tolist() if self.track_samples else None
-                self._confirm_step(ids, now)
-            self._commit()
-            self.formation.recover(why)
+                ids = self.sampler.global_batch(state.step)[2].tolist() if self.track_samples else None
+                state.confirm_step(ids, now, self.world_size)
+            state.commit()
+            self._joined(self.formation.recover(self.generation, why))
             return self._more()
         switch_to, stop, ckpt, ids = flags
         if done_step:
-            self._confirm_step(ids, now)
-        self._commit()
+            state.confirm_step(ids, now, self.world_size)
+        state.commit()
         if self._formed_at is not None and done_step:
             first, self._formed_at = now - self._formed_at, None
             self.formation.log(f"first step of generation {self.generation}: {first:.3f}s")
             if self._pending_timings is not None:   # rank 0
                 self._pending_timings["first_step"] = first
-                self.rdzv.set(keys.timings(self.generation), _json(self._pending_timings))
+                self.rdzv.set(keys.timings(self.generation), json.dumps(self._pending_timings))
                 self._pending_timings = None
         if stop:
             self.stopped = True
-            self._checkpoint()
+            state.checkpoint(self.rank, self.world_size)
             return False
-        if self.step >= self.sampler.total_steps:
-            self._checkpoint()
+        if state.step >= self.sampler.total_steps:
+            state.checkpoint(self.rank, self.world_size)
             if self.rdzv is not None and self.rank == 0:
                 self.rdzv.set(keys.FINISHED, "1")
             return False
-        if self.rank == 0 and (ckpt or time.monotonic() - self._last_ckpt >= self.checkpoint_interval_s):
-            self._checkpoint()
-        report_progress(self)
+        if self.rank == 0 and (ckpt or time.monotonic() - state.last_checkpoint >= self.checkpoint_interval_s):
+            state.checkpoint(self.rank, self.world_size)
+        if self.rank == 0 and self.rdzv is not None:
+            self.progress.report(state.step_log, self.rdzv)
         if switch_to > self.generation:
-            self.formation.switch(switch_to, agreed_at=now)
+            self._joined(self.formation.switch(switch_to, agreed_at=now, agree_s=self.agreement.last_s))
             return self._more()
         return True
 
     def _more(self) -> bool:
-        return self.step < self.sampler.total_steps and not self.stopped
-
-    def _confirm_step(self, ids: list[int] | None, now: float) -> None:
-        if ids is not None:
-            self.samples.setdefault(self.epoch, []).extend(ids)
-        self.step_log.append([self.step, now, self.world_size])
-        self.step += 1
+        return self.state.step < self.sampler.total_steps and not self.stopped
 
     def status(self) -> dict[str, Any]:
         loss = self._last_loss
         return {"wid": self.wid, "rank": self.rank, "world_size": self.world_size,
                 "generation": self.generation, "step": self.step, "epoch": self.epoch,
-                "samples_per_s": round(self._rate, 2),
+                "samples_per_s": round(self.progress.rate, 2),
                 "loss": None if loss is None else float(loss),
                 "time": time.time()}
 
@@ -348,26 +370,5 @@ class ElasticRun(StateMixin):
         self.destroy_process_group()
 
     def destroy_process_group(self) -> None:
-        """Drop this generation's group, the runtime's reference included: with none left,
-        gloo joins its threads here. A group that outlives this (referenced at exit) keeps
-        threads that may free a finished work while the interpreter finalizes, and torch
-        2.13 then aborts the process (see tests/test_examples.py)."""
-        self.pg = None
-        if self._grad_plan is not None:
-            self._grad_plan.works = []   # finished; they would keep gloo's context alive
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-    def init_process_group(self, g: int, rank: int, world: int) -> None:
-        self.destroy_process_group()
-        store = dist.PrefixStore(keys.pg_prefix(g), self.rdzv.store)
-        dist.init_process_group(self.backend, store=store, rank=rank, world_size=world,
-                                timeout=dt.timedelta(seconds=self.pg_timeout_s))
-        self.pg = dist.group.WORLD
-
-
-def _json(data: Any) -> str:
-    import json
-
-    return json.dumps(data)
-
+        """Drop this generation's group (see Collectives.close)."""
+        self.group.close()

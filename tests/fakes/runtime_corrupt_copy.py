@@ -18,7 +18,7 @@ import sys
 import torch
 
 from gpuflex.elastic import env
-from gpuflex.elastic.commits import StateMixin
+from gpuflex.elastic.commits import TrainingState
 
 
 def corrupt_after_applying(apply_tree):
@@ -32,6 +32,6 @@ def corrupt_after_applying(apply_tree):
 if __name__ == "__main__":
     target, script = sys.argv[1], sys.argv[2]
     if os.environ.get(env.WORKER_ID) == target:
-        StateMixin.apply_tree = corrupt_after_applying(StateMixin.apply_tree)
+        TrainingState.apply_tree = corrupt_after_applying(TrainingState.apply_tree)
     sys.argv = [script, *sys.argv[3:]]
     runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,112 @@
+"""This generation's process group, and the note of a collective that failed on it.
+
+A collective that fails (a dead peer) must not crash the training loop: `call` turns the
+error into a note, `failure`, that the runtime handles at the next step boundary (the
+survivors report it and wait for the coordinator's next generation). The formation's own
+collectives (state sync, verification) raise instead: a formation that breaks is retried
+as a whole.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from gpuflex.elastic import keys
+
+_SUM = dist.AllreduceOptions()   # read, never changed: the process group copies it into each work
+_SUM.reduceOp = dist.ReduceOp.SUM
+
+
+class Collectives:
+    """The process group of the generation being formed or run, with its rank and size."""
+
+    def __init__(self, device: torch.device, timeout_s: float) -> None:
+        self.device = device
+        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.timeout_s = timeout_s
+        self.pg: dist.ProcessGroup | None = None
+        self.rank, self.world_size = 0, 1
+        self.failure: str | None = None   # a collective failed during this step
+        self._on_close: list[Callable[[], None]] = []
+
+    # ---- the group's life ---------------------------------------------------------------
+    def on_close(self, fn: Callable[[], None]) -> None:
+        """Call `fn` whenever the group is destroyed, first: it drops references to the
+        group's works (finished works keep gloo's context alive)."""
+        self._on_close.append(fn)
+
+    def open(self, store: dist.Store, g: int, rank: int, world: int) -> None:
+        """Generation g's group, over the job store under g's own prefix."""
+        self.close()
+        dist.init_process_group(self.backend, store=dist.PrefixStore(keys.pg_prefix(g), store),
+                                rank=rank, world_size=world, timeout=dt.timedelta(seconds=self.timeout_s))
+        self.pg = dist.group.WORLD
+        self.rank, self.world_size = rank, world
+
+    def close(self) -> None:
+        """Drop the group, the runtime's references included: with none left, gloo joins its
+        threads here. A group that outlives this (referenced at exit) keeps threads that may
+        free a finished work while the interpreter finalizes, and torch 2.13 then aborts the
+        process (see tests/test_examples.py)."""
+        self.pg = None
+        for fn in self._on_close:
+            fn()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ---- collectives during steps: a failure is noted, not raised ------------------------
+    def call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """Run a collective (or launches of some); False, with the failure noted, if it failed."""
+        try:
+            fn(*args, **kwargs)
+            return True
+        except (RuntimeError, ValueError) as e:   # DistBackendError is a RuntimeError
+            self.failure = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            return False
+
+    def take_failure(self) -> str | None:
+        """The failure noted in this step, if any, cleared for the next."""
+        why, self.failure = self.failure, None
+        return why
+
+    def all_reduce_async(self, tensor: torch.Tensor) -> dist.Work:
+        """`dist.all_reduce(tensor, async_op=True)` straight on the process group, as DDP's
+        reducer calls it from C++: the Python wrapper's checks and logging cost ~50 us a call
+        on 2 CPU cores, a few percent of a small model's step."""
+        return self.pg.allreduce([tensor], _SUM)
+
+    # ---- the formation's collectives: errors propagate -------------------------------------
+    def all_reduce(self, vec: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+        """The reduced copy of a CPU tensor (through the GPU on nccl)."""
+        if self.backend == "nccl":
+            dev = vec.to(self.device)
+            dist.all_reduce(dev, op=op)
+            return dev.cpu()
+        dist.all_reduce(vec, op=op)
+        return vec
+
+    def broadcast_objects(self, objects: list[Any], src: int) -> None:
+        dist.broadcast_object_list(objects, src=src, device=self.device if self.backend == "nccl" else None)
+
+    def send(self, bufs: list[torch.Tensor], peers: list[int]) -> None:
+        staged = [self._staged(b) for b in bufs]
+        for work in [dist.isend(b, dst=r) for b in staged for r in peers]:
+            work.wait()
+
+    def recv(self, bufs: list[torch.Tensor], src: int) -> None:
+        staged = [self._staged(b) for b in bufs]
+        for work in [dist.irecv(b, src=src) for b in staged]:   # all posted at once, in send order
+            work.wait()
+        for buf, st in zip(bufs, staged):
+            if st is not buf:
+                buf.copy_(st.cpu())
+
+    def _staged(self, buf: torch.Tensor) -> torch.Tensor:
+        """nccl moves only GPU tensors: CPU parts of the state (RNG) travel through the GPU."""
+        if self.backend == "nccl" and buf.device.type == "cpu":
+            return buf.to(self.device)
+        return buf
