@@ -1,221 +1,51 @@
 """The job coordinator: serves the job's TCPStore and is the only writer of generations.
 
 gpuflex starts one per job on its first host (`python -m gpuflex.elastic.coordinator`),
-apart from the workers, so a worker crash never takes the store down. Each tick it reads
-heartbeats, failure reports, readiness and the desired membership, and decides:
-
-- recover: a member of the current generation reported a failure or stopped beating;
-  once every member has reported, gone stale or finished, the reporters (plus ready
-  newcomers) form the next generation;
-- rollback: the newest generation's state did not verify; the previous members
-  (leavers included, they wait for the verdict) form the next one and the newcomers are
-  rejected;
-- resize: the desired membership differs and every newcomer is ready.
-
-Its control socket answers `status` and `resize` (the desired membership).
-
-Every tick reads one key, the events counter that workers bump after each write the
-coordinator acts on. The full read (a dozen keys per member) runs when that counter moved,
-while anything is pending (a formation, a resize, a failure), and every IDLE_TICK_S in a
-settled job, for heartbeats and progress; a settled job thus costs the coordinator almost
-no CPU beside the workers it shares a host with.
+apart from the workers, so a worker crash never takes the store down. Every TICK_S it lets
+the generation logic (generations.py) look at the store; its control socket answers
+`status` and `resize` (the desired membership). A lock keeps the ticks and the socket's
+threads apart.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import logging
 import signal
 import sys
 import threading
-import time
 from typing import Any
 
 from torch.distributed import TCPStore
 
-from gpuflex.elastic import keys
 from gpuflex.elastic.control import ControlServer
+from gpuflex.elastic.generations import Generations
 from gpuflex.elastic.logs import ensure_handler
 
 log = logging.getLogger("gpuflex.elastic.coordinator")   # not __name__: run as __main__
 
 TICK_S = 0.05
-IDLE_TICK_S = 0.5   # full reads of a settled job: heartbeat staleness and progress
 
 
 class Coordinator:
-    def __init__(self, store: TCPStore, initial: list[int], hb_timeout_s: float,
-                 start_timeout_s: float = 600) -> None:
-        self.store = store
-        self.hb_timeout_s = hb_timeout_s
-        self.start_timeout_s = start_timeout_s
+    """The generation logic behind a lock, with the control socket's ops."""
+
+    def __init__(self, generations: Generations) -> None:
+        self.generations = generations
         self.lock = threading.Lock()
-        self.desired: list[int] = list(initial)
-        self.generation = 0
-        self.members: list[int] = []
-        self.history: list[dict[str, Any]] = []
-        self.rejected: set[int] = set()
-        self.known: set[int] = set(initial)   # every worker id ever wanted
-        self.released: set[int] = set()
-        self.ever_members: set[int] = set()
-        self.finished = False
-        self.started = time.time()
-        self._hb_seen: dict[int, tuple[str, float]] = {}
-        self.progress: dict[str, Any] | None = None
-        self._events = -1
-        self._busy = True          # something is pending: read everything every tick
-        self._last_full = 0.0
-        store.set(keys.DESIRED, json.dumps(self.desired))
-
-    # ---- store helpers -------------------------------------------------------------
-    def has(self, key: str) -> bool:
-        return self.store.check([key])
-
-    def get_json(self, key: str) -> Any:
-        return json.loads(self.store.get(key)) if self.has(key) else None
-
-    def alive(self, wid: int) -> bool:
-        """A worker is alive while its heartbeat counter keeps changing."""
-        key = keys.hb(wid)
-        now = time.monotonic()
-        if not self.has(key):
-            return False
-        value = self.store.get(key).decode()
-        prev = self._hb_seen.get(wid)
-        if prev is None or prev[0] != value:
-            self._hb_seen[wid] = (value, now)
-            return True
-        return now - prev[1] < self.hb_timeout_s
-
-    def gone(self, wid: int) -> bool:
-        return self.has(keys.done(wid)) or self.has(keys.left(wid))
-
-    # ---- decisions -----------------------------------------------------------------
-    def publish(self, members: list[int], kind: str, message: str) -> None:
-        g = self.generation + 1
-        rec = {"generation": g, "kind": kind, "members": members, "prev": self.members,
-               "created": time.time(), "message": message}
-        self.store.set(keys.members(g), json.dumps(rec))
-        self.store.set(keys.LATEST, str(g))
-        self.generation, self.members = g, list(members)
-        self.ever_members |= set(members)
-        self.history.append({**rec, "verified": False, "ok": None, "timings": None})
-        log.info("generation %d (%s): members %s - %s", g, kind, members, message)
 
     def tick(self) -> None:
         with self.lock:
-            events = self.store.add(keys.EVENTS, 0)
-            now = time.monotonic()
-            if events == self._events and not self._busy and now - self._last_full < IDLE_TICK_S:
-                return
-            self._events, self._last_full = events, now
-            self._busy = True
-            self._tick()
+            self.generations.tick()
 
-    def _tick(self) -> None:
-        if self.has(keys.PROGRESS):
-            self.progress = json.loads(self.store.get(keys.PROGRESS))
-        if self.has(keys.DESIRED_REQUEST):
-            req = self.store.get(keys.DESIRED_REQUEST).decode()
-            if req != getattr(self, "_last_request", None):
-                self._last_request = req
-                self.desired = sorted(set(json.loads(req)))
-                self.known |= set(self.desired)
-                self.store.set(keys.DESIRED, json.dumps(self.desired))
-        if self.has(keys.FINISHED):
-            self.finished = True
-        if self.finished:
-            self._busy = False
-            return
-        for w in self.known - set(self.desired) - self.ever_members - self.released:
-            self.released.add(w)   # wanted once, never joined, no longer wanted
-            self.store.set(keys.released(w), "1")
-        desired_new = [w for w in self.desired
-                       if w not in self.ever_members and w not in self.rejected]
-        ready_new = [w for w in desired_new if self.has(keys.ready(w)) and self.alive(w)]
-        if self.generation == 0:
-            waited = time.time() - self.started
-            if len(ready_new) == len(desired_new) or (ready_new and waited > self.start_timeout_s):
-                self.publish(ready_new, "initial", f"{len(ready_new)} worker(s) ready")
-            return
-        g, cur = self.generation, self.history[-1]
-        self._read_verdict(g, cur)
-        for h in self.history[:-1]:
-            if h["timings"] is None and self.has(keys.timings(h["generation"])):
-                h["timings"] = self.get_json(keys.timings(h["generation"]))
-        failed = [w for w in self.members if self.has(keys.fail(g, w))]
-        stale = [w for w in self.members if not self.gone(w) and not self.alive(w)]
-        if cur["ok"] is False:
-            self._rollback(cur)
-            return
-        if failed or stale:
-            undecided = [w for w in self.members
-                         if w not in failed and w not in stale and not self.gone(w)]
-            if undecided:
-                return  # the others will see the failure at their next collective
-            survivors = [w for w in failed if w not in stale]
-            joiners = [w for w in ready_new if w not in survivors]
-            keep = [w for w in survivors if w in self.desired] or survivors
-            if keep or joiners:
-                lost = [w for w in self.members if w not in survivors]
-                self.desired = [w for w in self.desired if w not in lost]
-                self.store.set(keys.DESIRED, json.dumps(self.desired))
-                self.publish(keep + joiners, "recover", f"lost worker(s) {lost}")
-            return
-        if not cur["verified"]:
-            return
-        if self.desired != sorted(self.members) and set(desired_new) == set(ready_new):
-            keep = [w for w in self.members if w in self.desired]
-            if keep:
-                self.publish(keep + sorted(ready_new), "resize",
-                             f"resize {len(self.members)} -> {len(keep) + len(ready_new)}")
-        elif self.desired == sorted(self.members):
-            self._busy = False   # settled: full reads only every IDLE_TICK_S
-
-    def _read_verdict(self, g: int, cur: dict[str, Any]) -> None:
-        if cur["ok"] is None and self.has(keys.verdict(g)):
-            v = self.get_json(keys.verdict(g))
-            cur["ok"] = bool(v.get("ok"))
-            cur["verified"] = cur["ok"]
-            if not cur["ok"]:
-                cur["message"] += f"; rolled back: {v.get('reason')}"
-        if cur["timings"] is None and self.has(keys.timings(g)):
-            cur["timings"] = self.get_json(keys.timings(g))
-
-    def _rollback(self, cur: dict[str, Any]) -> None:
-        newcomers = [w for w in cur["members"] if w not in cur["prev"]]
-        for w in newcomers:
-            self.rejected.add(w)
-            self.store.set(keys.rejected(w), "1")
-        back = [w for w in cur["prev"] if self.alive(w) and not self.has(keys.done(w))]
-        self.desired = sorted(back)
-        self.store.set(keys.DESIRED, json.dumps(self.desired))
-        cur["ok"] = False
-        cur["verified"] = True  # decided, so it is reported
-        self.publish(back, "rollback", f"state check failed; back to {back}")
-
-    # ---- control socket -------------------------------------------------------------
     def op_status(self, _msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            cur = self.history[-1] if self.history else None
-            settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired)
-            return {"generation": self.generation, "members": self.members, "desired": self.desired,
-                    "settled": settled, "finished": self.finished, "progress": self.progress,
-                    "history": [dict(h, verified=h["verified"] and (h["timings"] is not None or h is not cur))
-                                for h in self.history]}
+            return self.generations.status()
 
     def op_resize(self, msg: dict[str, Any]) -> dict[str, Any]:
-        wanted = msg["members"]
-        if not isinstance(wanted, list) or not wanted or not all(isinstance(w, int) for w in wanted):
-            raise ValueError("members must be a non-empty list of worker ids")
         with self.lock:
-            self.desired = sorted(set(wanted))
-            self.known |= set(self.desired)
-            self.store.set(keys.DESIRED, json.dumps(self.desired))
-            self._busy = True
-            return {"desired": self.desired}
+            return {"desired": self.generations.resize(msg["members"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -231,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False,
                      timeout=dt.timedelta(seconds=30))
-    coord = Coordinator(store, [int(w) for w in args.members.split(",") if w],
-                        hb_timeout_s=args.heartbeat_timeout)
+    coord = Coordinator(Generations(store, [int(w) for w in args.members.split(",") if w],
+                                    hb_timeout_s=args.heartbeat_timeout))
     server = ControlServer(args.control, {"status": coord.op_status, "resize": coord.op_resize})
     log.info("coordinator listening on port %d, control %s", args.port, args.control)
     try:
