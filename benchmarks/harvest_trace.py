@@ -3,8 +3,8 @@ idle GPU-time harvested and the reclaim latencies.
 
     .venv/bin/python benchmarks/harvest_trace.py [--hours 8] [--scale 0.25] [--hosts 8] [--deadline 5]
 
-The seam is the Transport (gpuflex.control.pool.make_transport is replaced): each host is a
-FakeHost that answers nvidia-smi (from the trace at the current time, plus our workers' own
+The seam is the Transport, given through the pool's factory: each host is a
+FakeHost (tests/fakes/hosts.py) that answers nvidia-smi (from the trace at the current time, plus our workers' own
 processes), `ps`, the hostops process operations (spawn, status, signal, stop) and the
 control sockets of a simulated coordinator and workers. Above it everything is the real
 code: nvidia-smi parsing, verdicts and idle streaks, the SQLite DB, JobService.refresh
@@ -23,28 +23,23 @@ from __future__ import annotations
 
 import argparse
 import random
-import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sqlalchemy import select  # noqa: E402
-
-import gpuflex.control.pool as pool_module  # noqa: E402
 from gpuflex.config import parse_config  # noqa: E402
 from gpuflex.control.harvest import run_tick  # noqa: E402
+from gpuflex.control.pool import Pool  # noqa: E402
 from gpuflex.control.service import JobService, SubmitRequest  # noqa: E402
-from gpuflex.db.models import Event, Worker  # noqa: E402
-from gpuflex.hosts.transport import CommandResult, Transport  # noqa: E402
+from gpuflex.db import queries  # noqa: E402
+from tests.fakes.hosts import FakeHost, World  # noqa: E402
 
-WARMUP_S = 2.0
-LEAVE_S = (0.3, 1.5)
+WARMUP_S = 2.0           # a newcomer's warm-up (import, build the model)
+LEAVE_S = (0.3, 1.5)     # a retired worker leaves this long after the switch (uniform)
 GPUS_PER_HOST = 2
 
 
@@ -68,161 +63,6 @@ def make_trace(rng: random.Random, gpus: list[tuple[str, int]], minutes: float) 
 
 def idle_intervals(periods, t0: float, scale: float) -> list[tuple[float, float]]:
     return [(t0 + a * scale, t0 + b * scale) for a, b, busy in periods if not busy]
-
-
-# ---- the simulated hosts -----------------------------------------------------------------
-class Proc:
-    def __init__(self, pid: int, host: str, spec: dict, now: float) -> None:
-        env, argv = spec.get("env") or {}, spec["argv"]
-        self.pid, self.pgid, self.host, self.exit_path = pid + 1, pid, host, spec["exit_path"]
-        self.coordinator = "gpuflex.elastic.coordinator" in argv
-        self.token = argv[argv.index("--control") + 1].split("gpuflex-")[1].split("/")[0] \
-            if self.coordinator else env["GPUFLEX_JOB_TOKEN"]
-        self.wid = None if self.coordinator else int(env["GPUFLEX_WORKER_ID"])
-        self.gpus = [int(d) for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
-        self.ready_at = now + WARMUP_S
-        self.alive, self.exit, self.leave_at, self.hang = True, None, None, False
-        self.initial = [int(w) for w in argv[argv.index("--members") + 1].split(",")] if self.coordinator else []
-
-
-class Job:
-    """The coordinator's view: desired set, members, generation (resize when newcomers are
-    ready, recover when a member died)."""
-
-    def __init__(self, initial: list[int]) -> None:
-        self.desired, self.members, self.generation = list(initial), [], 0
-
-
-class World:
-    def __init__(self, trace: dict, t0: float, scale: float, owners: dict[str, str], rng: random.Random,
-                 hang: float) -> None:
-        self.trace, self.t0, self.scale, self.owners, self.rng, self.hang = trace, t0, scale, owners, rng, hang
-        self.lock = threading.RLock()
-        self.procs: dict[int, Proc] = {}
-        self.jobs: dict[str, Job] = {}
-        self.next_pid = 100_000
-        self.blocked: set[tuple[str, int]] = set()
-
-    def owner_busy(self, ref: tuple[str, int], now: float) -> bool:
-        if ref in self.blocked:
-            return True
-        m = (now - self.t0) / self.scale
-        return any(a <= m < b and busy for a, b, busy in self.trace.get(ref, ()))
-
-    def end(self, p: Proc, rc: int | None, now: float) -> None:
-        p.alive = False
-        p.exit = None if rc is None else {"returncode": rc, "ended_at": now}
-
-    def advance(self, now: float) -> None:
-        for p in self.procs.values():
-            if p.alive and p.leave_at is not None and now >= p.leave_at:
-                self.end(p, 0, now)
-        for token, job in self.jobs.items():
-            workers = {p.wid: p for p in self.procs.values() if p.token == token and not p.coordinator}
-            want = [w for w in job.desired if w in workers and workers[w].alive]
-            if any(not workers[w].alive for w in job.members):   # recover without the dead
-                job.members = [w for w in want if w in job.members or workers[w].ready_at <= now]
-                job.desired, job.generation = want, job.generation + 1
-            elif sorted(want) != sorted(job.members) and all(workers[w].ready_at <= now for w in want):
-                for w in job.members:
-                    p = workers[w]
-                    if p.alive and w not in want:  # a leaver: exits after the switch, unless it hangs
-                        p.hang = self.rng.random() < self.hang
-                        p.leave_at = None if p.hang else now + self.rng.uniform(*LEAVE_S)
-                job.members, job.desired, job.generation = want, want, job.generation + 1
-
-    def spawn(self, host: str, spec: dict) -> dict:
-        now = time.time()
-        self.next_pid += 2
-        p = Proc(self.next_pid, host, spec, now)
-        self.procs[p.pgid] = p
-        if p.coordinator:
-            self.jobs[p.token] = Job(p.initial)
-        return {"pid": p.pid, "pgid": p.pgid}
-
-    def signal(self, pgids: list[int], signum: int) -> list[bool]:
-        now, out = time.time(), []
-        for g in pgids:
-            p = self.procs.get(g)
-            out.append(bool(p and p.alive))
-            if not (p and p.alive):
-                continue
-            if signum == signal.SIGKILL or p.coordinator:
-                self.end(p, None if signum == signal.SIGKILL else 0, now)
-            else:  # the runtime's SIGTERM: the whole job stops at its next step boundary
-                for q in self.procs.values():
-                    if q.token == p.token and not q.coordinator and q.alive and not q.hang:
-                        q.leave_at = min(q.leave_at or now + 0.2, now + 0.2)
-        return out
-
-
-class FakeHost(Transport):
-    def __init__(self, cfg, world: World) -> None:
-        super().__init__(cfg)
-        self.w = world
-
-    def run(self, argv: list[str], *, input: str | None = None, timeout: float | None = None) -> CommandResult:
-        with self.w.lock:
-            now = time.time()
-            self.w.advance(now)
-            name = self.host.name
-            ours = [p for p in self.w.procs.values() if p.host == name and p.alive and p.gpus]
-            if argv[0] == "nvidia-smi" and argv[1].startswith("--query-gpu"):
-                rows = []
-                for i in range(GPUS_PER_HOST):
-                    owner, mine = self.w.owner_busy((name, i), now), any(i in p.gpus for p in ours)
-                    util, mem = (90 if owner else 0) + (5 if mine else 0), (20000 if owner else 0) + (4000 if mine else 0)
-                    rows.append(f"{i}, GPU-{name}-{i}, NVIDIA H100 80GB HBM3, {min(util, 100)}, {mem}, 81559")
-                return CommandResult(0, "\n".join(rows) + "\n", "")
-            if argv[0] == "nvidia-smi":
-                rows = [f"GPU-{name}-{i}, {900_000 + i}, 20000" for i in range(GPUS_PER_HOST)
-                        if self.w.owner_busy((name, i), now)]
-                rows += [f"GPU-{name}-{d}, {p.pid}, 4000" for p in ours for d in p.gpus]
-                return CommandResult(0, "\n".join(rows) + "\n", "")
-            if argv[0] == "ps":
-                out = []
-                for pid in map(int, argv[-1].split(",")):
-                    if pid >= 900_000:
-                        out.append(f"{pid} {pid} {self.w.owners.get(name, 'someone')}")
-                    elif pid - 1 in self.w.procs and self.w.procs[pid - 1].alive:
-                        out.append(f"{pid} {pid - 1} train")
-                return CommandResult(0 if out else 1, "\n".join(out) + "\n", "")
-            return CommandResult(0, "29500\n", "")   # the free-port probe
-
-    def hostop(self, op: str, request: dict[str, Any], extra_timeout_s: float = 0.0) -> Any:
-        if op == "stop":
-            self.hostop("signal", {"pgids": request["pgids"], "signal": signal.SIGTERM})
-            end = time.time() + request["grace_s"]
-            while time.time() < end and any(s["alive"] for s in self.hostop("status", {"items": [
-                    {"pgid": g, "exit_path": ""} for g in request["pgids"]]})):
-                time.sleep(0.05)
-            self.hostop("signal", {"pgids": request["pgids"], "signal": signal.SIGKILL})
-            return ["terminated"] * len(request["pgids"])
-        with self.w.lock:
-            self.w.advance(time.time())
-            if op == "spawn":
-                return self.w.spawn(self.host.name, request)
-            if op == "signal":
-                return self.w.signal(request["pgids"], request["signal"])
-            if op == "status":
-                out = []
-                for item in request["items"]:
-                    p = self.w.procs.get(item["pgid"]) if item["pgid"] else None
-                    out.append({"alive": bool(p and p.alive), "exit": p.exit if p else None})
-                return out
-        raise ValueError(op)
-
-    def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-        with self.w.lock:
-            self.w.advance(time.time())
-            if not path.endswith("coord.sock"):
-                return {"ok": True}
-            job = self.w.jobs[path.split("gpuflex-")[1].split("/")[0]]
-            if message.get("op") == "resize":
-                job.desired = list(message["members"])
-                return {"ok": True}
-            return {"ok": True, "generation": job.generation, "members": list(job.members), "history": [],
-                    "settled": sorted(job.members) == sorted(job.desired), "progress": None}
 
 
 # ---- the run ----------------------------------------------------------------------------
@@ -251,9 +91,9 @@ def main() -> None:
     minutes = args.hours * 60
     owned = [(h, i) for h in owners for i in range(GPUS_PER_HOST)]
     trace = make_trace(rng, owned, minutes)
-    world = World(trace, time.time() + 1e9, args.scale, owners, rng, args.hang)  # trace not started yet
-    pool_module.make_transport = lambda host: FakeHost(host, world)
-    svc = JobService(cfg)
+    world = World(trace, time.time() + 1e9, args.scale, owners, rng, args.hang,  # trace not started yet
+                  warmup_s=WARMUP_S, leave_s=LEAVE_S, gpus_per_host=GPUS_PER_HOST)
+    svc = JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
     req = dict(argv=["python3", "train.py"], min_workers=1, max_workers=8, harvest=True, workdir=str(tmp))
     world.blocked = set(owned) | {("pool", 1)}      # one pool GPU per job to start with;
     svc.submit(SubmitRequest(name="a", **req))     # owned GPUs count as busy until the trace starts
@@ -272,8 +112,8 @@ def main() -> None:
         time.sleep(max(0.0, began + args.scale - time.time()))
     with svc.sessions() as s:
         held = [(w.host, list(w.gpus), w.started_at, w.ended_at or end)
-                for w in s.scalars(select(Worker)) if w.host in owners]
-        reclaims = [e.data for e in s.scalars(select(Event).where(Event.kind == "reclaim"))]
+                for w, _ in queries.workers_on(s, owners)]
+        reclaims = [e.data for e, _ in queries.events_of_kind(s, "reclaim", 0, time.time())]
     idle_total = harvested = 0.0
     for ref, periods in trace.items():
         for iv in idle_intervals(periods, t0, args.scale):

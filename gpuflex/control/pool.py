@@ -11,12 +11,11 @@ from gpuflex.config import Config, HostConfig
 from gpuflex.db import queries
 from gpuflex.db.models import Gpu, Host
 from gpuflex.hosts.fanout import Result, fan_out
-from gpuflex.hosts.transport import Transport, make_transport
+from gpuflex.hosts.transport import Transport, TransportFactory, make_transport
 from gpuflex.policy.harvest import probe_max_age_s
 from gpuflex.policy.placement import HostFree
 
 T = TypeVar("T")
-TransportFactory = Callable[[HostConfig], Transport]
 
 
 class Pool:

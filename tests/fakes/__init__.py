@@ -1,0 +1,1 @@
+"""Fakes for tests and benchmarks: simulated hosts (hosts.py), a fake nvidia-smi, runtime hooks."""

@@ -1,0 +1,130 @@
+"""The lifecycle policy as tables: (job, what was observed) -> what reconcile writes. No I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuflex.elastic.keys import STORE_LOST_EXIT
+from gpuflex.policy.lifecycle import (Adopt, EndWorker, Finish, JobFacts, Note, Observation, ProcSeen,
+                                      Record, Requeue, SetState, WorkerFacts, decide, outcome)
+from gpuflex.states import JobState as J
+from gpuflex.states import WorkerState as W
+
+ALIVE = ProcSeen(alive=True)
+
+
+def gone(rc: int | None, ended_at: float | None = 5.0) -> ProcSeen:
+    """A group that ended: with an exit record of `rc`, or (None) without one."""
+    return ProcSeen(alive=False, returncode=rc, ended_at=ended_at, exited=rc is not None)
+
+
+def job(*workers: WorkerFacts, state: J = J.RUNNING, gen: int = 1, world: int | None = None,
+        min_workers: int = 1, recorded: frozenset[int] = frozenset()) -> JobFacts:
+    return JobFacts(id=7, state=state, min_workers=min_workers, workers=tuple(workers), generation=gen,
+                    world_size=len(workers) if world is None else world, started_at=100.0, recorded=recorded)
+
+
+def w(wid: int, host: str = "a", state: W = W.RUNNING, gen: int = 1, rc: int | None = None,
+      started_at: float = 100.0) -> WorkerFacts:
+    return WorkerFacts(wid, host, state, gen, started_at, rc)
+
+
+def coord(gen: int, members: list[int], settled: bool = True, history: list | None = None) -> dict:
+    return {"ok": True, "generation": gen, "members": members, "settled": settled, "history": history or []}
+
+
+@pytest.mark.parametrize("seen,end", [
+    (gone(0), EndWorker(1, W.EXITED, 0, 5.0)),
+    (gone(3), EndWorker(1, W.FAILED, 3, 5.0)),
+    (gone(None), EndWorker(1, W.LOST, None, None)),
+], ids=["exit-0", "exit-3", "no-exit-record"])
+def test_a_worker_whose_group_is_gone_ends_by_its_exit_record(seen, end):
+    facts = job(w(0), w(1))
+    actions = decide(facts, Observation({0: ALIVE, 1: seen}, coordinator=coord(1, [0, 1])))
+    assert actions[0] == end
+    assert [a for a in actions if isinstance(a, EndWorker)] == [end]
+
+
+def test_live_workers_and_a_settled_coordinator_change_nothing():
+    facts = job(w(0), w(1))
+    assert decide(facts, Observation({0: ALIVE, 1: ALIVE}, coordinator=coord(1, [0, 1]))) == \
+        [Adopt(1, (0, 1))]
+
+
+def test_a_new_generation_is_adopted_recorded_once_and_ends_the_scaling():
+    hist = [{"kind": "initial", "generation": 1, "verified": True, "message": "formed"},
+            {"kind": "resize", "generation": 2, "verified": True, "timings": {"total": 0.1}},
+            {"kind": "resize", "generation": 3, "verified": False}]
+    facts = job(w(0), w(1), w(2, state=W.STARTING, gen=0), state=J.SCALING, recorded=frozenset({1}))
+    actions = decide(facts, Observation({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=coord(2, [0, 1, 2], history=hist)))
+    assert actions == [
+        Adopt(2, (0, 1, 2)),
+        Record("scale", "generation 2: scale", {"generation_kind": "resize", "generation": 2, "verified": True,
+                                                 "timings": {"total": 0.1}}),
+        SetState(J.RUNNING, "world size 3 at generation 2"),
+    ]
+
+
+def test_an_older_generation_than_recorded_is_not_adopted():
+    facts = job(w(0), gen=4)
+    assert decide(facts, Observation({0: ALIVE}, coordinator=coord(3, [0]))) == []
+
+
+def test_an_unreachable_host_is_noted_and_its_workers_lost_once_the_job_went_on_without_them():
+    facts = job(w(0, "a"), w(1, "b"), w(2, "b", state=W.STARTING, gen=0))
+    seen = Observation({0: ALIVE}, unreachable={"b": "b: connection refused"}, coordinator=coord(2, [0]))
+    assert decide(facts, seen) == [
+        Note("host-unreachable", "b: connection refused", {"host": "b"}),
+        Adopt(2, (0,)),
+        EndWorker(1, W.LOST),          # left behind by generation 2; the starting newcomer is kept
+    ]
+
+
+def test_an_unreachable_host_whose_workers_are_still_members_loses_nobody():
+    facts = job(w(0, "a"), w(1, "b"))
+    seen = Observation({0: ALIVE}, unreachable={"b": "down"}, coordinator=coord(1, [0, 1]))
+    assert not [a for a in decide(facts, seen) if isinstance(a, EndWorker)]
+
+
+def test_a_silent_coordinator_that_is_gone_is_noted_as_a_lost_store():
+    facts = job(w(0))
+    assert decide(facts, Observation({0: ALIVE}, coordinator=None, coordinator_alive=False)) == \
+        [Note("store-lost", "the job's coordinator (store) is gone")]
+    assert decide(facts, Observation({0: ALIVE}, coordinator=None, coordinator_alive=True)) == []
+
+
+def test_a_settled_job_below_its_minimum_is_requeued():
+    facts = job(w(0), w(1), min_workers=2)
+    actions = decide(facts, Observation({0: ALIVE, 1: gone(None)}, coordinator=coord(2, [0])))
+    assert actions[-1] == Requeue("fell to 1 worker(s), below its minimum of 2; restarting from its "
+                                  "checkpoint when it fits")
+    unsettled = decide(facts, Observation({0: ALIVE, 1: gone(None)}, coordinator=coord(2, [0], settled=False)))
+    assert not [a for a in unsettled if isinstance(a, Requeue)]
+
+
+@pytest.mark.parametrize("workers,expected", [
+    ([w(0, state=W.EXITED, rc=0), w(1, state=W.EXITED, rc=0)],
+     Finish(J.SUCCEEDED, 0, "all workers exited 0")),
+    ([w(0, state=W.EXITED, rc=0), w(1, state=W.FAILED, rc=3)],
+     Finish(J.FAILED, 3, "worker 1 failed (exit code 3)")),
+    ([w(0, state=W.LOST), w(1, state=W.EXITED, rc=0)],
+     Finish(J.FAILED, -9, "worker 0 lost (exit code None)")),
+    ([w(0, state=W.FAILED, rc=STORE_LOST_EXIT), w(1, state=W.FAILED, rc=STORE_LOST_EXIT)],
+     Requeue("the job store was lost; restarting from the last checkpoint")),
+    # a leaver of an earlier generation that failed does not fail the job
+    ([w(0, state=W.FAILED, rc=1, gen=1), w(1, state=W.EXITED, rc=0, gen=2)],
+     Finish(J.SUCCEEDED, 0, "all workers exited 0")),
+    # workers of an earlier run (before the job's started_at) are history
+    ([w(0, state=W.FAILED, rc=STORE_LOST_EXIT, gen=2, started_at=50.0), w(1, state=W.EXITED, rc=0, gen=2)],
+     Finish(J.SUCCEEDED, 0, "all workers exited 0")),
+], ids=["all-0", "one-failed", "one-lost", "store-lost", "old-leaver", "earlier-run"])
+def test_the_outcome_is_judged_by_the_last_generation_of_the_current_run(workers, expected):
+    assert outcome(job(*workers), workers, generation=2 if any(x.generation == 2 for x in workers) else 1) \
+        == expected
+
+
+def test_the_last_worker_ending_finishes_the_job_in_the_same_reconcile():
+    facts = job(w(0, state=W.EXITED, rc=0), w(1))
+    actions = decide(facts, Observation({1: gone(0)}, coordinator=coord(1, [0, 1])))
+    assert actions == [EndWorker(1, W.EXITED, 0, 5.0), Adopt(1, (0, 1)),
+                       Finish(J.SUCCEEDED, 0, "all workers exited 0")]
