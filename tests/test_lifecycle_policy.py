@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpuflex.elastic.keys import STORE_LOST_EXIT
-from gpuflex.policy.lifecycle import (Adopt, EndWorker, Finish, JobFacts, Note, Observation, ProcSeen,
+from gpuflex.policy.lifecycle import (Adopt, EndWorker, Finish, JobFacts, Observation, ProcSeen,
                                       Record, Requeue, SetState, WorkerFacts, decide, outcome)
 from gpuflex.states import JobState as J
 from gpuflex.states import WorkerState as W
@@ -74,7 +74,7 @@ def test_an_unreachable_host_is_noted_and_its_workers_lost_once_the_job_went_on_
     facts = job(w(0, "a"), w(1, "b"), w(2, "b", state=W.STARTING, gen=0))
     seen = Observation({0: ALIVE}, unreachable={"b": "b: connection refused"}, coordinator=coord(2, [0]))
     assert decide(facts, seen) == [
-        Note("host-unreachable", "b: connection refused", {"host": "b"}),
+        Record("host-unreachable", "b: connection refused", {"host": "b"}, once=True),
         Adopt(2, (0,)),
         EndWorker(1, W.LOST),          # left behind by generation 2; the starting newcomer is kept
     ]
@@ -89,7 +89,7 @@ def test_an_unreachable_host_whose_workers_are_still_members_loses_nobody():
 def test_a_silent_coordinator_that_is_gone_is_noted_as_a_lost_store():
     facts = job(w(0))
     assert decide(facts, Observation({0: ALIVE}, coordinator=None, coordinator_alive=False)) == \
-        [Note("store-lost", "the job's coordinator (store) is gone")]
+        [Record("store-lost", "the job's coordinator (store) is gone", once=True)]
     assert decide(facts, Observation({0: ALIVE}, coordinator=None, coordinator_alive=True)) == []
 
 

@@ -21,7 +21,10 @@ def _root(
     ctx: typer.Context,
     config: str = typer.Option(None, "--config", "-c", envvar="GPUFLEX_CONFIG",
                                help="Path to gpuflex.toml (else ./gpuflex.toml, ~/.config/gpuflex/gpuflex.toml, built-in)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help="Log what gpuflex does and the errors it carries on from (to stderr)."),
 ) -> None:
+    common.setup_logging(verbose)
     ctx.obj = common.Context(config_path=config)
 
 

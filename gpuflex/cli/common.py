@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import signal
 import sys
 import time
@@ -20,6 +21,32 @@ from gpuflex.errors import GpuflexError
 
 console = Console(highlight=False, soft_wrap=True)
 err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+class _Stderr(logging.StreamHandler):
+    """A handler that writes to sys.stderr as it is at each message (tests swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+_HANDLER = _Stderr()
+_HANDLER.setFormatter(logging.Formatter("gpuflex: %(message)s"))
+
+
+def setup_logging(verbose: bool) -> None:
+    """The library logs to the "gpuflex" logger and chooses no handler; the CLI does: one
+    line per message on stderr, warnings and worse unless --verbose (then debug too:
+    transport errors that were skipped, failed pokes, ...)."""
+    logger = logging.getLogger("gpuflex")
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    if _HANDLER not in logger.handlers:
+        logger.addHandler(_HANDLER)
 
 
 @dataclasses.dataclass

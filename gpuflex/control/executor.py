@@ -180,12 +180,10 @@ def apply(ops: Ops, job: Job, actions: list[P.Action]) -> None:
     for a in actions:
         if isinstance(a, P.EndWorker):
             journal.end_worker(ops.session, job, workers[a.wid], a.state, a.exit_code, ended_at=a.ended_at)
-        elif isinstance(a, P.Note):
-            journal.note_once(ops.session, job, a.kind, a.message, **a.data)
         elif isinstance(a, P.Adopt):
             adopt(job, a.generation, list(a.members))
         elif isinstance(a, P.Record):
-            journal.record(ops.session, job, a.kind, a.message, **a.data)
+            (journal.note_once if a.once else journal.record)(ops.session, job, a.kind, a.message, **a.data)
         elif isinstance(a, P.SetState):
             journal.set_state(ops.session, job, a.target, a.message)
         elif isinstance(a, P.Requeue):

@@ -6,14 +6,14 @@ gpuflex.control.executor writes it. In order:
 
 1. EndWorker for each live worker whose process group is gone: EXITED (exit record 0),
    FAILED (another code), LOST (no exit record: SIGKILLed, or its host rebooted). A host
-   that did not answer gets a Note ("host-unreachable", once while it stays so).
+   that did not answer is recorded ("host-unreachable", once while it stays so).
 2. From the coordinator's status (when it answered): Adopt its generation and members
    (ranks; starting workers it has seen become running), Record each newly verified
    generation of its history ("formed", "scale", "fault" with the phase timings), and
    RUNNING once a scaling job has settled.
 3. A live worker on an unreachable host that the job has gone on without (not in a newer
    generation's members, and not a newcomer still starting) is LOST.
-4. While workers live: a Note ("store-lost") when the coordinator neither answers nor
+4. While workers live: "store-lost" (once) when the coordinator neither answers nor
    runs; Requeue when the job settled below its MIN.
 5. Once no worker lives: Requeue (restart from the last checkpoint) when the last
    generation's members exited with STORE_LOST_EXIT, else Finish: SUCCEEDED when they all
@@ -89,15 +89,6 @@ class EndWorker:
 
 
 @dataclasses.dataclass(frozen=True)
-class Note:
-    """An event, unless the job's last event already says the same."""
-
-    kind: str
-    message: str
-    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(frozen=True)
 class Adopt:
     """The coordinator's generation and members (in rank order) into the job's record."""
 
@@ -107,9 +98,13 @@ class Adopt:
 
 @dataclasses.dataclass(frozen=True)
 class Record:
+    """An event; with `once`, not when the job's last event already says the same (a
+    host that stays unreachable is noted once, not at every command)."""
+
     kind: str
     message: str
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    once: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +129,7 @@ class Finish:
     reason: str
 
 
-Action = Union[EndWorker, Note, Adopt, Record, SetState, Requeue, Finish]
+Action = Union[EndWorker, Adopt, Record, SetState, Requeue, Finish]
 
 
 # ---- the decision -------------------------------------------------------------------------
@@ -153,7 +148,7 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
     hosts = list(dict.fromkeys(w.host for w in live()))
     for host in hosts:
         if host in seen.unreachable:
-            actions.append(Note("host-unreachable", seen.unreachable[host], {"host": host}))
+            actions.append(Record("host-unreachable", seen.unreachable[host], {"host": host}, once=True))
             continue
         for w in [w for w in live() if w.host == host]:
             p = seen.procs.get(w.wid)
@@ -193,7 +188,7 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
                     end(w, WorkerState.LOST, None)
     if live():
         if coord is None and not seen.coordinator_alive:
-            actions.append(Note("store-lost", "the job's coordinator (store) is gone"))
+            actions.append(Record("store-lost", "the job's coordinator (store) is gone", once=True))
         elif coord is not None and coord.get("settled") and world_size < job.min_workers:
             actions.append(Requeue(f"fell to {world_size} worker(s), below its minimum of "
                                    f"{job.min_workers}; restarting from its checkpoint when it fits"))

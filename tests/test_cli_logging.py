@@ -1,0 +1,41 @@
+"""The CLI chooses the library's log handler: one `gpuflex: message` line on stderr,
+warnings unless --verbose, debug too with it."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from typer.testing import CliRunner
+
+from gpuflex.cli import app
+from gpuflex.cli.common import setup_logging
+
+
+@pytest.fixture(autouse=True)
+def restore_level():
+    logger = logging.getLogger("gpuflex")
+    level = logger.level
+    yield
+    logger.setLevel(level)
+
+
+@pytest.mark.parametrize("verbose,shown", [(False, ["gpuflex: a warning"]),
+                                           (True, ["gpuflex: a skipped poke", "gpuflex: a warning"])])
+def test_messages_are_one_prefixed_line_on_stderr_and_debug_needs_verbose(capsys, verbose, shown):
+    setup_logging(verbose)
+    setup_logging(verbose)          # a second command in one process adds no second handler
+    log = logging.getLogger("gpuflex.control.executor")
+    log.debug("a skipped poke")
+    log.warning("a warning")
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == shown
+
+
+@pytest.mark.parametrize("flag", ["--verbose", "-v"])
+def test_the_global_verbose_option_turns_on_debug(home, config_path, flag):
+    r = CliRunner().invoke(app, ["--config", str(config_path), flag, "status", "--json"])
+    assert r.exit_code == 0, r.output
+    assert logging.getLogger("gpuflex").level == logging.DEBUG
+    r = CliRunner().invoke(app, ["--config", str(config_path), "status", "--json"])
+    assert r.exit_code == 0 and logging.getLogger("gpuflex").level == logging.WARNING
