@@ -1,5 +1,8 @@
 """`SSHTransport`: a remote host reached with paramiko.
 
+Registered as the transport kind "ssh": `make_transport` imports this module for the
+first host whose address is not "local", so paramiko is loaded only where SSH is used.
+
 Security: key authentication only (the configured `identity_file`, else the agent and
 the default keys), and the server's host key must already be in the host's
 `known_hosts` (paramiko.RejectPolicy: an unknown key is refused; pinning a new host is
