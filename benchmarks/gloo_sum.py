@@ -51,7 +51,7 @@ def worker(rank: int, world: int, port: int, sizes: list[int], out: dict) -> Non
         def allreduce():
             pg.allreduce([buf], opts).wait()
 
-        def exchange():   # as gradients.reduce_gradients runs it
+        def exchange():   # as gradients.GradPlan.reduce runs it
             for w in launch_exchange(pg, rank, buf, rows):
                 w.wait()
             sum_exchanged(buf, rows, rank)

@@ -1,6 +1,6 @@
 """The step-boundary agreement: a small sum over the members, once per step.
 
-It rides at the end of the gradient all-reduce (gradients.reduce_gradients) when it can,
+It rides at the end of the gradient all-reduce (gradients.GradPlan.reduce) when it can,
 else it is a collective of its own.
 
 The vector is [switch-to generation (from rank 0), stop, checkpoint, ids+1 of the
