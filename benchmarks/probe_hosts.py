@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpuflex.config import load_config  # noqa: E402
 from gpuflex.control.pool import Pool  # noqa: E402
 from gpuflex.db.engine import open_database  # noqa: E402
-from gpuflex.hosts.probe import collect_probes, record_probes  # noqa: E402
+from gpuflex.control.probes import record_probes  # noqa: E402
+from gpuflex.hosts.probe import collect_probes  # noqa: E402
 from tests.sshbed import find_sshd, start_bed, write_config  # noqa: E402
 
 SIZES = (1, 4, 16)

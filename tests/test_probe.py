@@ -16,11 +16,13 @@ from typer.testing import CliRunner
 
 from gpuflex.cli import app
 from gpuflex.config import HarvestSettings, HostConfig, load_config
+from gpuflex.control.probes import record_failure, record_probe
 from gpuflex.db.engine import open_database
 from gpuflex.db.models import Gpu, GpuSample as SampleRow, Host
 from gpuflex.hosts.probe import (ComputeApp, GpuSample, HostProbe, ProbeError, parse_apps, parse_gpus,
-                                 parse_number, probe_host, record_failure, record_probe, verdict)
+                                 parse_number, probe_host)
 from gpuflex.hosts.transport import LocalTransport
+from gpuflex.policy.gpus import verdict
 from tests.sshbed import FAKE_SMI, host_toml, ssh_bed, ssh_hosts, write_config  # noqa: F401 (fixtures)
 
 SAMPLES = Path(__file__).parent / "fakes" / "samples"

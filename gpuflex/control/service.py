@@ -29,7 +29,8 @@ from gpuflex.db.engine import open_database
 from gpuflex.db.locks import database_lock
 from gpuflex.db.models import Job
 from gpuflex.errors import UnknownJobError, UsageError
-from gpuflex.hosts.probe import collect_probes, record_probes
+from gpuflex.control.probes import record_probes
+from gpuflex.hosts.probe import collect_probes
 from gpuflex.states import JobState
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from gpuflex.db.models import Event, Gpu, GpuSample, Host, Job, Worker
@@ -76,6 +76,36 @@ def hosts(session: Session) -> list[Host]:
 
 def host(session: Session, name: str) -> Host | None:
     return session.scalar(select(Host).where(Host.name == name))
+
+
+def hosts_named(session: Session, names: list[str]) -> dict[str, Host]:
+    """The hosts among `names` that are in the DB, by name."""
+    return {h.name: h for h in session.scalars(select(Host).where(Host.name.in_(names)))}
+
+
+def worker_pgids(session: Session) -> dict[str, set[int]]:
+    """Process groups gpuflex started that are still meant to live, per host: live workers
+    and coordinators of running jobs."""
+    out: dict[str, set[int]] = {}
+    for host, pgid, state in session.execute(
+            select(Worker.host, Worker.pgid, Worker.state).join(Job).where(Job.state.in_(ACTIVE))):
+        if pgid is not None and not state.final:
+            out.setdefault(host, set()).add(pgid)
+    for host, pgid in session.execute(select(Job.store_host, Job.store_pgid).where(Job.state.in_(ACTIVE))):
+        if host and pgid is not None:
+            out.setdefault(host, set()).add(pgid)
+    return out
+
+
+def prune_history(session: Session, host: str, indices: list[int], keep: int) -> None:
+    """Keep the newest `keep` probe samples of each of the host's GPUs `indices`."""
+    for i in indices:
+        cutoff = session.scalar(
+            select(GpuSample.id).where(GpuSample.host == host, GpuSample.gpu_index == i)
+            .order_by(GpuSample.time.desc(), GpuSample.id.desc()).offset(keep).limit(1))
+        if cutoff is not None:
+            session.execute(delete(GpuSample).where(
+                GpuSample.host == host, GpuSample.gpu_index == i, GpuSample.id <= cutoff))
 
 
 def slot_host_names(session: Session) -> set[str]:

@@ -1,9 +1,10 @@
-"""GPU probe: nvidia-smi CSV -> typed samples -> the `gpus` rows and a bounded history.
+"""GPU probe: nvidia-smi CSV -> typed samples.
 
 `probe_host(transport)` asks one host (two nvidia-smi queries, plus `ps` for the owners
-of compute processes); `collect_probes` asks every GPU host of the pool in parallel and
-`record_probes` records what each said, or why it could not be asked, without letting
-one dead host fail the others.
+of compute processes); `collect_probes` asks every GPU host of the pool in parallel,
+never raising for one host. What they found is judged by `gpuflex.policy.gpus` (the
+verdicts below) and written by `gpuflex.control.probes` (the `gpus` rows and a bounded
+history), without letting one dead host fail the others.
 
 Verdicts written to `Gpu.verdict` (what `Pool.free` reads):
 - "free": a GPU of a host with no `owner`, with no foreign compute process.
@@ -26,16 +27,10 @@ import logging
 import time
 from typing import Iterable
 
-from sqlalchemy import delete, func, select
-from sqlalchemy.orm import Session
-
-from gpuflex.config import HarvestSettings, HostConfig
-from gpuflex.db.models import Gpu, Host, Job, Worker
-from gpuflex.db.models import GpuSample as SampleRow
+from gpuflex.config import HostConfig
 from gpuflex.errors import TransportError
 from gpuflex.hosts.fanout import Result
 from gpuflex.hosts.transport import Transport
-from gpuflex.states import JobState, WorkerState
 
 GPU_QUERY = "index,uuid,name,utilization.gpu,memory.used,memory.total"
 APP_QUERY = "gpu_uuid,pid,used_memory"
@@ -194,118 +189,6 @@ def _check(host: HostConfig, rc: int, out: str, err: str) -> None:
     raise ProbeError(host.name, f"{host.nvidia_smi} failed (exit {rc}): {text}")
 
 
-# ---- verdicts (pure) --------------------------------------------------------------------
-def verdict(*, owner: str | None, foreign: bool, ours: bool, quiet: bool, streak: int,
-            previous: str | None, harvest: HarvestSettings, zombie: bool = False) -> tuple[str, int]:
-    """(verdict, new idle streak) for one GPU after one probe; see the module docstring."""
-    if foreign:
-        return "busy", 0
-    if zombie and not ours:
-        return "zombie", 0
-    if owner is None:
-        return "free", streak + 1 if quiet else 0
-    if ours and not quiet:
-        # our own worker keeps it busy: what it was when we took it still holds
-        return (previous if previous in ("idle", "owner") else "owner"), streak
-    streak = streak + 1 if quiet else 0
-    return ("idle" if streak >= harvest.idle_samples else "owner"), streak
-
-
-def is_quiet(g: GpuSample, harvest: HarvestSettings) -> bool:
-    """Low utilization and memory; an unknown ([N/A]) value is not proof of quiet."""
-    return (g.utilization_pct is not None and g.utilization_pct <= harvest.idle_util_pct
-            and g.memory_used_mib is not None and g.memory_used_mib <= harvest.idle_memory_mib)
-
-
-def is_zombie(g: GpuSample, apps: list[ComputeApp], harvest: HarvestSettings) -> bool:
-    """Memory in use (above idle_memory_mib) while nvidia-smi lists no compute process."""
-    return not apps and g.memory_used_mib is not None and g.memory_used_mib > harvest.idle_memory_mib
-
-
-# ---- recording ----------------------------------------------------------------------------
-def worker_pgids(session: Session) -> dict[str, set[int]]:
-    """Process groups gpuflex started that are still meant to live, per host."""
-    out: dict[str, set[int]] = {}
-    live = [JobState.RUNNING.value, JobState.SCALING.value]
-    for host, pgid, state in session.execute(
-            select(Worker.host, Worker.pgid, Worker.state).join(Job).where(Job.state.in_(live))):
-        if pgid is not None and not WorkerState(state).final:
-            out.setdefault(host, set()).add(pgid)
-    for host, pgid in session.execute(select(Job.store_host, Job.store_pgid).where(Job.state.in_(live))):
-        if host and pgid is not None:
-            out.setdefault(host, set()).add(pgid)
-    return out
-
-
-def record_probe(session: Session, host: Host, cfg: HostConfig, probe: HostProbe,
-                 harvest: HarvestSettings, ours: set[int] = frozenset(),
-                 history: int = HISTORY_PER_GPU) -> None:
-    """Write one host's probe: `gpus` rows (created, updated, removed), verdicts and samples."""
-    wanted = None if cfg.gpus == "all" else set(cfg.gpus)
-    seen = [g for g in probe.gpus if wanted is None or g.index in wanted]
-    rows = {g.index: g for g in host.gpus if g.kind == "gpu"}
-    for g in list(host.gpus):
-        if g.kind != "gpu" or g.index not in {s.index for s in seen}:
-            host.gpus.remove(g)  # gone from the bus, or not configured any more
-    for s in seen:
-        row = rows.get(s.index)
-        if row is None:
-            row = Gpu(index=s.index, kind="gpu", idle_streak=0)
-            host.gpus.append(row)
-        if row.uuid is not None and s.uuid is not None and row.uuid != s.uuid:
-            row.idle_streak, row.verdict = 0, None  # another board in this slot: start over
-        apps = [a for a in probe.apps if s.uuid is not None and a.gpu_uuid == s.uuid]
-        foreign, mine = [], False
-        for a in apps:
-            info = probe.proc(a.pid)
-            if info is not None and info.pgid in ours:
-                mine = True
-            else:  # unknown to ps (another pid namespace) counts as foreign: we cannot prove it ours
-                foreign.append({"pid": a.pid, "user": info.user if info else None,
-                                "memory_mib": a.used_memory_mib})
-        row.verdict, row.idle_streak = verdict(
-            owner=cfg.owner, foreign=bool(foreign), ours=mine, quiet=is_quiet(s, harvest),
-            streak=row.idle_streak or 0, previous=row.verdict, harvest=harvest,
-            zombie=is_zombie(s, apps, harvest))
-        row.uuid, row.model = s.uuid, s.name
-        row.utilization_pct, row.memory_used_mib, row.memory_total_mib = \
-            s.utilization_pct, s.memory_used_mib, s.memory_total_mib
-        row.updated_at = probe.time
-        session.add(SampleRow(host=host.name, gpu_index=s.index, uuid=s.uuid, time=probe.time,
-                              utilization_pct=s.utilization_pct, memory_used_mib=s.memory_used_mib,
-                              memory_total_mib=s.memory_total_mib, foreign_pids=foreign))
-    host.reachable, host.last_error, host.last_probe_at = True, None, probe.time
-    session.flush()
-    prune_history(session, host.name, [s.index for s in seen], history)
-
-
-def record_failure(host: Host, error: BaseException, now: float | None = None) -> None:
-    """The host could not be probed: unreachable (TransportError), or reachable with a
-    failing nvidia-smi (ProbeError). Its GPUs become "unknown" until the next good probe."""
-    host.reachable, host.last_error = isinstance(error, ProbeError), str(error)
-    host.last_probe_at = time.time() if now is None else now
-    for g in host.gpus:
-        if g.kind == "gpu":
-            g.verdict, g.idle_streak = "unknown", 0
-
-
-def prune_history(session: Session, host: str, indices: list[int], keep: int) -> None:
-    """Keep the newest `keep` samples of each GPU."""
-    for i in indices:
-        cutoff = session.scalar(
-            select(SampleRow.id).where(SampleRow.host == host, SampleRow.gpu_index == i)
-            .order_by(SampleRow.time.desc(), SampleRow.id.desc()).offset(keep).limit(1))
-        if cutoff is not None:
-            session.execute(delete(SampleRow).where(
-                SampleRow.host == host, SampleRow.gpu_index == i, SampleRow.id <= cutoff))
-
-
-def latest_samples(session: Session) -> dict[tuple[str, int], SampleRow]:
-    """The newest stored sample row per (host, GPU index)."""
-    newest = select(func.max(SampleRow.id)).group_by(SampleRow.host, SampleRow.gpu_index)
-    return {(s.host, s.gpu_index): s for s in session.scalars(select(SampleRow).where(SampleRow.id.in_(newest)))}
-
-
 def collect_probes(pool, timeout: float | None = None,
                    hosts: list[str] | None = None) -> dict[str, Result[HostProbe]]:
     """Ask every configured GPU host (not `cpu:N` hosts) at once; no database access, so a
@@ -316,23 +199,3 @@ def collect_probes(pool, timeout: float | None = None,
     if timeout is None:
         timeout = max(c.connect_timeout_s + 3 * c.command_timeout_s for c in cfgs)
     return pool.fan_out(cfgs, probe_host, timeout)
-
-
-def record_probes(pool, session: Session, results: dict[str, Result[HostProbe]],
-                  harvest: HarvestSettings | None = None) -> None:
-    """Write what `collect_probes` found: each host's GPUs and samples, or its error."""
-    if not results:
-        return
-    harvest = harvest or pool.config.harvest
-    pool.sync_hosts(session)
-    rows = {h.name: h for h in session.scalars(select(Host).where(Host.name.in_(list(results))))}
-    ours = worker_pgids(session)
-    for name, r in results.items():
-        if name not in rows:
-            continue  # removed from the config meanwhile
-        if r.ok:
-            record_probe(session, rows[name], pool.config.host(name), r.value, harvest, ours.get(name, set()))
-        else:
-            record_failure(rows[name], r.error)
-    session.flush()
-

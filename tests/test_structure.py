@@ -1,0 +1,192 @@
+"""The package's shape, checked from its source: layers without import cycles, the CLI away
+from the models, the runtime on torch and the standard library only, no reaching into
+another module's private names.
+
+Imports are read with `ast`, so imports inside functions and under `if TYPE_CHECKING:`
+count as much as top-level ones: a cycle through any of them still ties the modules
+together for a reader.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "gpuflex"
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {module_name(p): p for p in sorted(PKG.rglob("*.py"))}
+TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.items()}
+
+
+def imported(name: str, tree: ast.Module) -> set[str]:
+    """Every module (of any package) that `name` imports, anywhere in its source."""
+    out: set[str] = set()
+    is_pkg = MODULES[name].name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".")
+                base = base[:len(base) - node.level + (1 if is_pkg else 0)]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            for a in node.names:   # `from gpuflex.x import y` may name the submodule y
+                if f"{mod}.{a.name}" in MODULES:
+                    out.add(f"{mod}.{a.name}")
+    return out
+
+
+def edges(name: str) -> set[str]:
+    """The gpuflex modules `name` depends on. Importing `a.b.c` runs `a` and `a.b` too,
+    but a package's `__init__` that only re-exports is not counted as a dependency of
+    its own submodules (else every `gpuflex.x.y` would depend on `gpuflex.x`)."""
+    return {m for m in imported(name, TREES[name]) if m in MODULES and m != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(graph.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state:
+                found = visit(m)
+                if found:
+                    return found
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(graph):
+        if n not in state:
+            found = visit(n)
+            if found:
+                return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle_and_passes_a_dag():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_the_import_reader_sees_imports_inside_functions_and_type_checking_blocks():
+    tree = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from gpuflex.config import Config\n"
+                     "def f():\n    import gpuflex.errors\n")
+    assert {"gpuflex.config", "gpuflex.errors"} <= imported("gpuflex.states", tree)
+
+
+def test_no_import_cycles_in_the_package():
+    graph = {name: edges(name) for name in MODULES}
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_the_cli_imports_no_database_models():
+    offenders = {name: sorted(m for m in edges(name) if m == "gpuflex.db.models")
+                 for name in MODULES if name.startswith("gpuflex.cli")}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_policy_is_pure():
+    """Decisions import no database, transport, process or control code."""
+    banned = ("gpuflex.db", "gpuflex.hosts", "gpuflex.control", "gpuflex.cli", "sqlalchemy", "paramiko",
+              "subprocess", "socket")
+    bad = {}
+    for name in MODULES:
+        if name.startswith("gpuflex.policy"):
+            hits = sorted(m for m in imported(name, TREES[name]) if m.startswith(banned))
+            if hits:
+                bad[name] = hits
+    assert bad == {}
+
+
+def test_the_runtime_imports_only_torch_the_standard_library_and_itself():
+    allowed_roots = set(sys.stdlib_module_names) | {"torch", "__future__"}
+    bad = {}
+    for name in MODULES:
+        if not name.startswith("gpuflex.elastic"):
+            continue
+        for m in imported(name, TREES[name]):
+            root = m.split(".")[0]
+            if m.startswith("gpuflex.elastic") or root in allowed_roots:
+                continue
+            if m.startswith("numpy"):   # read only if the script imported it (its RNG state)
+                continue
+            bad.setdefault(name, []).append(m)
+    assert bad == {}
+
+
+def test_the_store_protocol_and_worker_environment_are_imported_without_torch():
+    import subprocess
+
+    code = ("import sys, gpuflex.elastic.keys, gpuflex.elastic.env, gpuflex.control.launch; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def private_definitions() -> dict[str, set[str]]:
+    """Underscore names defined in each module: functions, classes, and attributes set on
+    `self` or at class level."""
+    defs: dict[str, set[str]] = {}
+    for name, tree in TREES.items():
+        found = defs.setdefault(name, set())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) \
+                    and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                found.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                found.add(node.id)
+    return {k: {n for n in v if n.startswith("_") and not n.startswith("__")} for k, v in defs.items()}
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    defs = private_definitions()
+    owners: dict[str, set[str]] = {}
+    for mod, names in defs.items():
+        for n in names:
+            owners.setdefault(n, set()).add(mod)
+    bad = []
+    for name, tree in TREES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__") and node.module \
+                            and node.module.startswith("gpuflex"):
+                        bad.append(f"{name} imports {node.module}.{a.name}")
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__"):
+                if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                    continue
+                mods = owners.get(node.attr, set())
+                if mods and name not in mods:
+                    bad.append(f"{name}:{node.lineno} uses .{node.attr} (defined in {', '.join(sorted(mods))})")
+    assert bad == []
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_modules_stay_readable_in_size(name):
+    lines = MODULES[name].read_text().count("\n")
+    assert lines <= 420, f"{name} has {lines} lines"
