@@ -8,6 +8,7 @@ import socket
 
 from gpuflex.config import Config, HostConfig
 from gpuflex.db.models import Job, Worker
+from gpuflex.elastic import env as env_contract
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.hosts.transport import SpawnSpec, Transport
 
@@ -53,7 +54,7 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               "--port", str(port), "--members", ",".join(map(str, members)),
               "--control", coordinator_socket(job),
               "--heartbeat-timeout", str(config.jobs.heartbeat_timeout_s)],
-        cwd=d, env={"PYTHONUNBUFFERED": "1"},
+        cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_SECRET: job.secret},
         log=posixpath.join(d, "coordinator.log"),
         exit_path=posixpath.join(d, "coordinator.exit"),
     )
@@ -62,7 +63,7 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
 def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank: int, world: int) -> SpawnSpec:
     d = job_dir(host, job)
     contract = WorkerEnv(
-        worker_id=worker.wid, job_id=job.id, job_token=job.token,
+        worker_id=worker.wid, job_id=job.id, job_token=job.token, job_secret=job.secret,
         store=f"{job.store_addr}:{job.store_port}", control=worker_socket(job, worker.wid),
         checkpoint_dir=job.checkpoint_dir or posixpath.join(d, "checkpoints"),
         checkpoint_interval_s=config.jobs.checkpoint_interval_s, pg_timeout_s=config.jobs.pg_timeout_s,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import secrets
 import time
 from typing import Any
 
@@ -79,6 +80,10 @@ class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     token: Mapped[str] = mapped_column(String(32), unique=True)
+    # the key of the HMAC over what the job's members write to its store (workers and
+    # coordinator get it in their environment, never on a command line); a secret: never
+    # shown
+    secret: Mapped[str] = mapped_column(String(64), default=lambda: secrets.token_hex(32))
     name: Mapped[str] = mapped_column(String(128))
     state: Mapped[JobState] = mapped_column(StateType(JobState, 16), index=True)
     argv: Mapped[list[str]] = mapped_column(JSON)

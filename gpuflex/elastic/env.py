@@ -14,6 +14,9 @@ from typing import Mapping
 
 JOB_ID = "GPUFLEX_JOB_ID"
 JOB_TOKEN = "GPUFLEX_JOB_TOKEN"
+# The key of the HMAC over what the job's members write to its store. Given only in the
+# environment (readable by the job's owner alone, unlike a command line).
+JOB_SECRET = "GPUFLEX_JOB_SECRET"
 WORKER_ID = "GPUFLEX_WORKER_ID"
 STORE = "GPUFLEX_STORE"                      # host:port of the job's TCPStore; unset = standalone
 CONTROL = "GPUFLEX_CONTROL"                  # the worker's unix control socket
@@ -37,6 +40,7 @@ class WorkerEnv:
     store: str | None = None
     job_id: int | None = None
     job_token: str | None = None
+    job_secret: str | None = dataclasses.field(default=None, repr=False)
     control: str | None = None
     checkpoint_dir: str | None = None
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
@@ -60,7 +64,8 @@ class WorkerEnv:
             # torch-style variables for scripts that only read these
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
         }
-        for name, value in ((JOB_ID, self.job_id), (JOB_TOKEN, self.job_token), (STORE, self.store),
+        for name, value in ((JOB_ID, self.job_id), (JOB_TOKEN, self.job_token),
+                            (JOB_SECRET, self.job_secret), (STORE, self.store),
                             (CONTROL, self.control), (CHECKPOINT_DIR, self.checkpoint_dir)):
             if value is not None:
                 env[name] = str(value)
@@ -86,6 +91,7 @@ class WorkerEnv:
             store=env.get(STORE) or None,
             job_id=int(job_id) if job_id else None,
             job_token=env.get(JOB_TOKEN),
+            job_secret=env.get(JOB_SECRET) or None,
             control=env.get(CONTROL) or None,
             checkpoint_dir=env.get(CHECKPOINT_DIR) or None,
             checkpoint_interval_s=float(env.get(CHECKPOINT_INTERVAL_S, DEFAULT_CHECKPOINT_INTERVAL_S)),
