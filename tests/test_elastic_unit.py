@@ -15,6 +15,7 @@ from gpuflex.elastic.control import MAX_LINE, ControlServer
 from gpuflex.elastic.sampler import ElasticSampler, split
 from gpuflex.elastic.state import (Registry, checksum_tensors, flatten, load_checkpoint,
                                    save_checkpoint, unflatten)
+from gpuflex.hosts.relay import unix_exchange
 
 
 @pytest.mark.parametrize("total,world", [(64, 1), (64, 3), (7, 4), (3, 5), (0, 2)])
@@ -167,17 +168,7 @@ def server(tmp_path):
 
 
 def talk(path: str, payload: bytes, timeout: float = 5) -> dict:
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(timeout)
-        s.connect(path)
-        s.sendall(payload)
-        buf = b""
-        while not buf.endswith(b"\n"):
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-    return json.loads(buf)
+    return json.loads(unix_exchange(path, payload, timeout))
 
 
 def test_control_socket_is_0600_in_a_0700_directory(server):

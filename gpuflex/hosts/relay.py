@@ -20,16 +20,17 @@ from typing import Any
 MAX_CONTROL_REPLY = 1 << 20
 
 
-def unix_request(path: str, message: dict[str, Any], timeout: float) -> dict[str, Any]:
-    """Send one JSON line to a unix socket and read one JSON line back.
+def unix_exchange(path: str, payload: bytes, timeout: float) -> bytes:
+    """Send `payload` to a unix socket and read back one line (up to its newline, or to
+    the server's close).
 
     Raises OSError (no socket, refused, timed out, closed without a reply, a reply over
-    1 MiB) or ValueError (the reply is not JSON).
+    1 MiB).
     """
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        s.sendall(json.dumps(message).encode() + b"\n")
+        s.sendall(payload)
         buf = b""
         while not buf.endswith(b"\n"):
             chunk = s.recv(65536)
@@ -40,7 +41,15 @@ def unix_request(path: str, message: dict[str, Any], timeout: float) -> dict[str
                 raise OSError("reply too large")
     if not buf:
         raise OSError("connection closed without a reply")
-    return json.loads(buf)
+    return buf
+
+
+def unix_request(path: str, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Send one JSON line to a unix socket and read one JSON line back.
+
+    Raises OSError (as `unix_exchange`) or ValueError (the reply is not JSON).
+    """
+    return json.loads(unix_exchange(path, json.dumps(message).encode() + b"\n", timeout))
 
 
 def relay(path: str, line: str, timeout: float) -> dict:
