@@ -50,6 +50,7 @@ def start_job(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
     job.store_host = first.name
     job.store_addr = L.store_address(first)
     job.store_port = L.free_port(t)
+    job.socket_dir = L.new_socket_dir()   # fresh each run: a name seen before cannot be squatted
     if job.checkpoint_dir is None:
         job.checkpoint_dir = posixpath.join(L.job_dir(first, job), "checkpoints")
     next_wid = max((w.wid for w in job.workers), default=-1) + 1
@@ -147,6 +148,7 @@ def stop_processes(ops: Ops, job: Job) -> None:
     for w in job.live_workers:  # never spawned, or host unreachable
         journal.end_worker(ops.session, job, w, WorkerState.LOST, None)
     stop_coordinator(ops, job)
+    remove_socket_dirs(ops, job)
 
 
 def stop_coordinator(ops: Ops, job: Job) -> None:
@@ -158,6 +160,19 @@ def stop_coordinator(ops: Ops, job: Job) -> None:
         log.debug("job %s: cannot stop the coordinator (tried again next time): %s", job.id, e)
         return
     job.store_pgid = None
+
+
+def remove_socket_dirs(ops: Ops, job: Job) -> None:
+    """Remove the ended run's control-socket directory on every host it used (the sockets
+    of killed processes with it); a host that cannot be reached keeps it."""
+    if job.socket_dir is None:
+        return
+    names = sorted({w.host for w in job.workers} | ({job.store_host} if job.store_host else set()))
+    hosts = [ops.config.host(n) for n in names if any(h.name == n for h in ops.config.hosts)]
+    limit = max((h.connect_timeout_s + h.command_timeout_s for h in hosts), default=0) + 5
+    for name, result in ops.pool.fan_out(hosts, lambda t: t.cleanup([job.socket_dir]), limit).items():
+        if not result.ok:
+            log.debug("job %s: cannot remove its socket directory on %s: %s", job.id, name, result.error)
 
 
 def stop_job(ops: Ops, job: Job, target: JobState, why: str) -> None:
@@ -190,6 +205,7 @@ def apply(ops: Ops, job: Job, actions: list[P.Action]) -> None:
             requeue(ops, job, a.reason)
         elif isinstance(a, P.Finish):
             stop_coordinator(ops, job)
+            remove_socket_dirs(ops, job)
             job.exit_code, job.exit_reason = a.exit_code, a.reason
             journal.set_state(ops.session, job, a.state, a.reason, exit_code=a.exit_code)
         else:

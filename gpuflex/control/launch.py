@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import secrets
 import socket
 
 from gpuflex.config import Config, HostConfig
@@ -13,14 +14,25 @@ from gpuflex.elastic.env import WorkerEnv
 from gpuflex.hosts.transport import SpawnSpec, Transport
 
 SOCKET_ROOT = "/tmp"  # unix socket paths must stay short (108 bytes)
+SOCKET_PREFIX = "gpuflex-"
 
 
 def job_dir(host: HostConfig, job: Job) -> str:
     return posixpath.join(host.workdir, "jobs", job.token)
 
 
+def new_socket_dir() -> str:
+    """A fresh control-socket directory name for one run of a job: 128 random bits, so no
+    other user can create it first (/tmp is shared); kept only in the (private) database."""
+    return posixpath.join(SOCKET_ROOT, SOCKET_PREFIX + secrets.token_hex(16))
+
+
 def socket_dir(job: Job) -> str:
-    return posixpath.join(SOCKET_ROOT, f"gpuflex-{job.token}")
+    """The current run's socket directory (each host's hostops creates it 0700 before
+    the run's first process there starts; the executor removes it when the run ends)."""
+    if job.socket_dir is None:
+        raise ValueError(f"job {job.id} has not been started: it has no socket directory")
+    return job.socket_dir
 
 
 def coordinator_socket(job: Job) -> str:
@@ -54,9 +66,11 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               "--port", str(port), "--members", ",".join(map(str, members)),
               "--control", coordinator_socket(job),
               "--heartbeat-timeout", str(config.jobs.heartbeat_timeout_s)],
-        cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_SECRET: job.secret},
+        cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_TOKEN: job.token,
+                     env_contract.JOB_SECRET: job.secret},
         log=posixpath.join(d, "coordinator.log"),
         exit_path=posixpath.join(d, "coordinator.exit"),
+        private_dirs=[d], socket_dir=socket_dir(job),
     )
 
 
@@ -73,7 +87,8 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
     env = dict(job.env)
     env.update(contract.to_env())
     return SpawnSpec(argv=list(job.argv), cwd=job.workdir, env=env,
-                     log=worker.log_path, exit_path=worker.exit_path)
+                     log=worker.log_path, exit_path=worker.exit_path,
+                     private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job))
 
 
 def worker_paths(host: HostConfig, job: Job, wid: int) -> tuple[str, str]:

@@ -13,13 +13,15 @@ from sqlalchemy.orm import Session, sessionmaker
 from gpuflex.db.locks import database_lock
 from gpuflex.db.url import sqlite_path
 from gpuflex.errors import DatabaseError
+from gpuflex.hosts.private import private_dir, tighten_file
 
 MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
 _HINT = "Set [database] url in gpuflex.toml to a writable SQLite file (sqlite:///path/gpuflex.db)."
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for `url`; for SQLite the directory is created and WAL + busy timeout set.
+    """An engine for `url`; for SQLite the file is made private (see `private_database`)
+    and WAL + busy timeout set.
 
     Raises DatabaseError when the file cannot be created or opened.
     """
@@ -28,14 +30,7 @@ def make_engine(url: str) -> Engine:
     except sa.exc.ArgumentError as e:
         raise DatabaseError(f"not a usable database URL {url!r}: {e}.", hint=_HINT) from None
     if path is not None:
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except FileExistsError:  # something on the way is a file, not a directory
-            raise DatabaseError(f"cannot create the database directory {path.parent}: "
-                                f"a file of that name is in the way.", hint=_HINT) from None
-        except OSError as e:
-            raise DatabaseError(f"cannot create the database directory {path.parent}: {e.strerror}.",
-                                hint=_HINT) from None
+        private_database(path)
         if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise DatabaseError(f"the database {path} is not writable.", hint=_HINT)
         url = sa.engine.make_url(url).set(database=str(path)).render_as_string(hide_password=False)
@@ -48,6 +43,36 @@ def make_engine(url: str) -> Engine:
     if path is not None:
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def private_database(path: Path) -> None:
+    """The SQLite file at `path`, its owner's alone: missing directories are created 0700,
+    a missing file 0600 (SQLite gives its -wal and -shm files the file's mode), and our
+    files left by an older gpuflex lose their group and other bits. A directory that
+    exists is left as the user made it. Several users sharing one database is not
+    supported yet.
+
+    Raises DatabaseError when the directory or the file cannot be created.
+    """
+    try:
+        private_dir(str(path.parent), claim=False)
+    except (FileExistsError, NotADirectoryError):  # something on the way is a file
+        raise DatabaseError(f"cannot create the database directory {path.parent}: "
+                            f"a file of that name is in the way.", hint=_HINT) from None
+    except OSError as e:
+        raise DatabaseError(f"cannot create the database directory {path.parent}: {e.strerror or e}.",
+                            hint=_HINT) from None
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        pass
+    except OSError:
+        pass   # not writable: said below, in the words users know
+    for suffix in ("", "-wal", "-shm", "-journal"):
+        try:
+            tighten_file(f"{path}{suffix}")
+        except OSError:
+            pass
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

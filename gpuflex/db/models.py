@@ -104,6 +104,9 @@ class Job(Base):
     store_port: Mapped[int | None] = mapped_column(Integer)
     store_pgid: Mapped[int | None] = mapped_column(Integer)
     checkpoint_dir: Mapped[str | None] = mapped_column(Text)
+    # the current run's control-socket directory on each host (a fresh random name per
+    # run, see gpuflex.control.launch.new_socket_dir); None before the first start
+    socket_dir: Mapped[str | None] = mapped_column(String(255))
     restarts: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)

@@ -19,8 +19,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any, Iterator
+
+from gpuflex.hosts.private import exclusive_dir, open_private, private_dir, remove_own_dir
 
 log = logging.getLogger(__name__)
 
@@ -29,20 +30,30 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
     """Start `spec["argv"]` detached; returns {"pid": worker pid, "pgid": group id}.
 
     spec: argv, cwd, env (added to this environment), log (stdout+stderr appended),
-    exit_path (JSON exit record written when the worker ends).
+    exit_path (JSON exit record written when the worker ends), private_dirs and
+    socket_dir (see gpuflex.hosts.transport.SpawnSpec). gpuflex's own directories are
+    0700 and its files 0600 (gpuflex.hosts.private), set explicitly: the worker's umask,
+    which its own outputs follow, is left alone. Raises NotPrivate (an OSError) when one
+    of them is another user's or a symlink.
     """
-    for key in ("log", "exit_path"):
-        Path(os.path.expanduser(spec[key])).parent.mkdir(parents=True, exist_ok=True)
+    log_path = os.path.expanduser(spec["log"])
+    exit_path = os.path.expanduser(spec["exit_path"])
+    for d in [os.path.dirname(log_path), os.path.dirname(exit_path), *(spec.get("private_dirs") or ())]:
+        private_dir(d)
+    if spec.get("socket_dir"):
+        exclusive_dir(spec["socket_dir"])
+    log_fd = open_private(log_path, os.O_WRONLY | os.O_APPEND)
     read_fd, write_fd = os.pipe()
     first = os.fork()
     if first == 0:  # the future supervisor
         os.close(read_fd)
         try:
             os.setsid()
-            _supervise(spec, write_fd)
+            _supervise(spec, log_fd, exit_path, write_fd)
         finally:
             os._exit(0)
     os.close(write_fd)
+    os.close(log_fd)
     with os.fdopen(read_fd) as r:
         reply = r.read()
     if not reply:
@@ -53,21 +64,19 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
     return data
 
 
-def _supervise(spec: dict[str, Any], report_fd: int) -> None:
-    log_path = os.path.expanduser(spec["log"])
-    exit_path = os.path.expanduser(spec["exit_path"])
+def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int) -> None:
     env = dict(os.environ)
     env.update(spec.get("env") or {})
     try:
-        log = open(log_path, "ab", buffering=0)
         proc = subprocess.Popen(
             spec["argv"], cwd=os.path.expanduser(spec.get("cwd") or "~"), env=env,
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
         )
     except OSError as e:
         os.write(report_fd, json.dumps({"error": f"cannot start {spec['argv'][0]!r}: {e.strerror}"}).encode())
         os.close(report_fd)
         return
+    os.close(log_fd)
     # The supervisor stays to write the exit record: group signals are for the worker.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
@@ -80,11 +89,18 @@ def _supervise(spec: dict[str, Any], report_fd: int) -> None:
     rc = proc.wait()
     record = {"returncode": rc, "ended_at": time.time()}
     tmp = exit_path + ".tmp"
-    with open(tmp, "w") as f:
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
         json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, exit_path)
+
+
+def cleanup(socket_dirs: list[str]) -> list[bool]:
+    """Remove each of a finished run's socket directories (with any socket a killed
+    process left) if it is ours; per directory, True when it is gone."""
+    return [remove_own_dir(d) if os.path.basename(d.rstrip("/")).startswith("gpuflex-") else False
+            for d in socket_dirs]
 
 
 def proc_stats() -> Iterator[tuple[int, str, int, int]]:
@@ -219,6 +235,8 @@ def main(argv: list[str]) -> int:
             reply = stop_groups(req["pgids"], float(req["grace_s"]))
         elif op == "read":
             reply = read_file(req["path"], int(req.get("offset", 0)), int(req.get("limit", 1 << 20)))
+        elif op == "cleanup":
+            reply = cleanup(list(req["socket_dirs"]))
         else:
             print(json.dumps({"error": f"unknown op {op!r}"}))
             return 2

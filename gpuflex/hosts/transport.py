@@ -38,13 +38,21 @@ class CommandResult:
 
 @dataclasses.dataclass(frozen=True)
 class SpawnSpec:
-    """A worker (or store) process to start detached on a host."""
+    """A worker (or store) process to start detached on a host.
+
+    Before it starts, the host creates the directories of `log` and `exit_path` and each
+    of `private_dirs` (gpuflex's own: the job's directory, its checkpoints) 0700 and
+    ours, and `socket_dir` (the run's control sockets) 0700, refusing one another user
+    made; the log and the exit record are 0600.
+    """
 
     argv: list[str]
     cwd: str
     env: dict[str, str]
     log: str
     exit_path: str
+    private_dirs: list[str] = dataclasses.field(default_factory=list)
+    socket_dir: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,6 +125,10 @@ class Transport(abc.ABC):
     def read(self, path: str, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
         return self.hostop("read", {"path": path, "offset": offset, "limit": limit})
 
+    def cleanup(self, socket_dirs: list[str]) -> list[bool]:
+        """Remove a finished run's socket directories (ours only); True per one gone."""
+        return self.hostop("cleanup", {"socket_dirs": socket_dirs})
+
 
 class LocalTransport(Transport):
     """This machine. Process operations run in-process, except spawn (it forks)."""
@@ -144,6 +156,8 @@ class LocalTransport(Transport):
             return hostops.stop_groups(request["pgids"], request["grace_s"])
         if op == "read":
             return hostops.read_file(request["path"], request.get("offset", 0), request.get("limit", 1 << 20))
+        if op == "cleanup":
+            return hostops.cleanup(request["socket_dirs"])
         raise ValueError(op)
 
     def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:

@@ -37,8 +37,7 @@ class Proc:
         env, argv = spec.get("env") or {}, spec["argv"]
         self.pid, self.pgid, self.host, self.exit_path = pid + 1, pid, host, spec["exit_path"]
         self.coordinator = "gpuflex.elastic.coordinator" in argv
-        self.token = argv[argv.index("--control") + 1].split("gpuflex-")[1].split("/")[0] \
-            if self.coordinator else env["GPUFLEX_JOB_TOKEN"]
+        self.token, self.socket_dir = env["GPUFLEX_JOB_TOKEN"], spec.get("socket_dir")
         self.wid = None if self.coordinator else int(env["GPUFLEX_WORKER_ID"])
         self.gpus = [int(d) for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
         self.env = env
@@ -198,9 +197,11 @@ class FakeHost(Transport):
             self.w.advance(time.time())
             if not path.endswith("coord.sock"):
                 return {"ok": True}
-            token = path.split("gpuflex-")[1].split("/")[0]
-            if not any(p.alive for p in self.w.procs.values() if p.coordinator and p.token == token):
+            coord = [p for p in self.w.procs.values()
+                     if p.coordinator and p.alive and p.socket_dir == path.rsplit("/", 1)[0]]
+            if not coord:
                 raise TransportError(self.host.name, f"control socket {path}: connection refused")
+            token = coord[0].token
             job = self.w.jobs[token]
             if message.get("op") == "resize":
                 job.desired = list(message["members"])
