@@ -13,19 +13,23 @@ from gpuflex.elastic.generations import IDLE_TICK_S, Generations
 from tests.fakes.store_fake import Clock, FakeStore
 
 HB_TIMEOUT_S = 3.0
+SECRET = "ab" * 32
 
 
 class Job:
-    """A store, a clock, the logic, and the workers' side of the protocol."""
+    """A store, a clock, the logic (with a job secret), and the workers' side of the
+    protocol: their records signed as Rendezvous.set signs them."""
 
     def __init__(self, initial: list[int], start_timeout_s: float = 600) -> None:
         self.store, self.clock = FakeStore(), Clock()
         self.gens = Generations(self.store, initial, hb_timeout_s=HB_TIMEOUT_S,
-                                start_timeout_s=start_timeout_s, clock=self.clock, wall=self.clock)
+                                start_timeout_s=start_timeout_s, clock=self.clock, wall=self.clock,
+                                secret=SECRET)
+        self.signer = self.gens.signer
 
     def write(self, key: str, value: str = "1") -> None:
-        """A worker's write: the key, then the events counter (as Rendezvous.set does)."""
-        self.store.set(key, value)
+        """A worker's write: the signed record, then the events counter (as Rendezvous.set does)."""
+        self.store.set(key, self.signer.sign(key, value))
         self.store.add(keys.EVENTS, 1)
 
     def beat(self, *wids: int) -> None:
@@ -39,7 +43,7 @@ class Job:
 
     def record(self, g: int) -> dict | None:
         raw = self.store.data.get(keys.members(g))
-        return None if raw is None else json.loads(raw)
+        return None if raw is None else json.loads(self.signer.verify(keys.members(g), raw))
 
     def latest(self) -> int:
         return int(self.store.data.get(keys.LATEST, b"0"))
@@ -174,7 +178,7 @@ def test_a_worker_wanted_then_dropped_before_joining_is_released():
 
 def test_a_workers_resize_request_becomes_the_desired_membership():
     job = Job([0, 1]).settled([0, 1])
-    job.write(keys.DESIRED_REQUEST, json.dumps([1]))
+    job.write(keys.DESIRED_REQUEST, json.dumps({"members": [1], "seq": 1}))
     job.gens.tick()
     assert json.loads(job.store.data[keys.DESIRED]) == [1]
     assert job.record(2)["members"] == [1]

@@ -18,6 +18,12 @@ while anything is pending (a formation, a resize, a failure), and every IDLE_TIC
 settled job, for heartbeats and progress; a settled job thus costs the coordinator almost
 no CPU beside the workers it shares a host with.
 
+Nothing a worker writes is believed unless it verifies (auth.py): a record that does not is
+ignored as if absent, counted and logged, and `status()["forged"]` reports it. The records
+the coordinator wrote itself (`run`, `latest`, the newest `members/{g}`) are checked at each
+full read and put back when someone changed them; a record published ahead of it (a forged
+`members/{g+1}`) is deleted.
+
 The store is reached through the few TCPStore methods in `Store`, and time through
 injected clocks, so the decisions run in tests without processes (tests/fakes/store_fake.py).
 """
@@ -26,10 +32,12 @@ from __future__ import annotations
 
 import json
 import logging
+import secrets
 import time
 from typing import Any, Callable, Protocol
 
 from gpuflex.elastic import keys
+from gpuflex.elastic.auth import Forged, ForgeryLog, Signer
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +55,28 @@ class Store(Protocol):
 
     def add(self, key: str, amount: int) -> int: ...
 
+    def delete_key(self, key: str) -> bool: ...
+
 
 class Generations:
     """The coordinator's decisions over the job store: which generation comes next.
 
     `store` is the job's TCPStore (or any object with its check/get/set/add); `clock`
     (monotonic: heartbeat staleness, idle ticks) and `wall` (time.time: records, the start
-    timeout) are injected so the decisions can be tested without processes. Not
-    thread-safe: the coordinator serializes calls."""
+    timeout) are injected so the decisions can be tested without processes. `secret` is
+    the job's HMAC key (None: an unauthenticated job, see auth.py). Not thread-safe: the
+    coordinator serializes calls."""
 
     def __init__(self, store: Store, initial: list[int], hb_timeout_s: float,
                  start_timeout_s: float = 600, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, secret: str | None = None) -> None:
         self.store = store
+        run = secrets.token_hex(8)   # binds this store's records to this run of the job
+        self._run_text = Signer(secret).sign(keys.RUN, run)
+        self.signer = Signer(secret, run)
+        self.forged = ForgeryLog("coordinator")
+        self._request_seq = 0                    # the newest desired_request acted on
+        self._own: dict[str, str] = {keys.RUN: self._run_text}   # records it wrote and keeps
         self.hb_timeout_s = hb_timeout_s
         self.start_timeout_s = start_timeout_s
         self.clock, self.wall = clock, wall
@@ -78,15 +95,40 @@ class Generations:
         self._events = -1
         self._busy = True          # something is pending: read everything every tick
         self._last_full = 0.0
-        self._last_request: str | None = None   # the last desired_request acted on
+        store.set(keys.RUN, self._run_text)
         store.set(keys.DESIRED, json.dumps(self.desired))
 
     # ---- store helpers -------------------------------------------------------------
     def has(self, key: str) -> bool:
         return self.store.check([key])
 
+    def read(self, key: str) -> str | None:
+        """The value of a signed record; None when absent or forged (then counted)."""
+        if not self.has(key):
+            return None
+        text = self.store.get(key)
+        try:
+            return self.signer.verify(key, text)
+        except Forged as e:
+            self.forged.note(key, text, e.reason)
+            return None
+
+    def valid(self, key: str) -> bool:
+        return self.read(key) is not None
+
     def get_json(self, key: str) -> Any:
-        return json.loads(self.store.get(key)) if self.has(key) else None
+        """A signed JSON record's value; None when absent, forged or not JSON."""
+        value = self.read(key)
+        if value is None:
+            return None
+        try:
+            return json.loads(value)
+        except ValueError:
+            self.forged.note(key, value, "not JSON")
+            return None
+
+    def write(self, key: str, value: str) -> None:
+        self.store.set(key, self.signer.sign(key, value))
 
     def alive(self, wid: int) -> bool:
         """A worker is alive while its heartbeat counter keeps changing."""
@@ -102,14 +144,18 @@ class Generations:
         return now - prev[1] < self.hb_timeout_s
 
     def gone(self, wid: int) -> bool:
-        return self.has(keys.done(wid)) or self.has(keys.left(wid))
+        return self.valid(keys.done(wid)) or self.valid(keys.left(wid))
 
     # ---- decisions -----------------------------------------------------------------
     def publish(self, members: list[int], kind: str, message: str) -> None:
         g = self.generation + 1
         rec = {"generation": g, "kind": kind, "members": members, "prev": self.members,
                "created": self.wall(), "message": message}
-        self.store.set(keys.members(g), json.dumps(rec))
+        text = self.signer.sign(keys.members(g), json.dumps(rec))
+        self._own.pop(keys.members(self.generation), None)
+        self._own[keys.members(g)] = text
+        self._own[keys.LATEST] = str(g)
+        self.store.set(keys.members(g), text)
         self.store.set(keys.LATEST, str(g))
         self.generation, self.members = g, list(members)
         self.ever_members |= set(members)
@@ -128,26 +174,21 @@ class Generations:
         self._tick()
 
     def _tick(self) -> None:
+        self._keep_own_records()
         if self.has(keys.PROGRESS):
-            self.progress = json.loads(self.store.get(keys.PROGRESS))
-        if self.has(keys.DESIRED_REQUEST):
-            req = self.store.get(keys.DESIRED_REQUEST).decode()
-            if req != self._last_request:
-                self._last_request = req
-                self.desired = sorted(set(json.loads(req)))
-                self.known |= set(self.desired)
-                self.store.set(keys.DESIRED, json.dumps(self.desired))
-        if self.has(keys.FINISHED):
+            self.progress = _progress(self.store.get(keys.PROGRESS))
+        self._read_request()
+        if self.valid(keys.FINISHED):
             self.finished = True
         if self.finished:
             self._busy = False
             return
         for w in self.known - set(self.desired) - self.ever_members - self.released:
             self.released.add(w)   # wanted once, never joined, no longer wanted
-            self.store.set(keys.released(w), "1")
+            self.write(keys.released(w), "1")
         desired_new = [w for w in self.desired
                        if w not in self.ever_members and w not in self.rejected]
-        ready_new = [w for w in desired_new if self.has(keys.ready(w)) and self.alive(w)]
+        ready_new = [w for w in desired_new if self.valid(keys.ready(w)) and self.alive(w)]
         if self.generation == 0:
             waited = self.wall() - self.started
             if len(ready_new) == len(desired_new) or (ready_new and waited > self.start_timeout_s):
@@ -156,9 +197,9 @@ class Generations:
         g, cur = self.generation, self.history[-1]
         self._read_verdict(g, cur)
         for h in self.history[:-1]:
-            if h["timings"] is None and self.has(keys.timings(h["generation"])):
+            if h["timings"] is None:
                 h["timings"] = self.get_json(keys.timings(h["generation"]))
-        failed = [w for w in self.members if self.has(keys.fail(g, w))]
+        failed = [w for w in self.members if self.valid(keys.fail(g, w))]
         stale = [w for w in self.members if not self.gone(w) and not self.alive(w)]
         if cur["ok"] is False:
             self._rollback(cur)
@@ -187,22 +228,57 @@ class Generations:
         elif self.desired == sorted(self.members):
             self._busy = False   # settled: full reads only every IDLE_TICK_S
 
+    def _keep_own_records(self) -> None:
+        """The records only the coordinator writes, as it wrote them: one changed by someone
+        else is put back, one published ahead of it deleted; each counted as forged."""
+        for key, text in self._own.items():
+            have = self.store.get(key) if self.has(key) else None
+            if have is None or have.decode(errors="replace") != text:
+                if have is not None:
+                    self.forged.note(key, have, "overwritten")
+                self.store.set(key, text)
+        ahead = keys.members(self.generation + 1)
+        if self.has(ahead):
+            self.forged.note(ahead, self.store.get(ahead), "not published by the coordinator")
+            self.store.delete_key(ahead)
+
+    def _read_request(self) -> None:
+        """A worker's signed desired_request, {"members": [...], "seq": n}: acted on once,
+        and only when newer than the last one (an old request replayed is ignored)."""
+        req = self.get_json(keys.DESIRED_REQUEST)
+        if req is None:
+            return
+        members, seq = (req.get("members"), req.get("seq")) if isinstance(req, dict) else (None, None)
+        if not isinstance(seq, int) or not isinstance(members, list) or not members \
+                or not all(isinstance(w, int) and not isinstance(w, bool) for w in members):
+            self.forged.note(keys.DESIRED_REQUEST, json.dumps(req), "malformed request")
+            return
+        if seq <= self._request_seq:
+            if seq < self._request_seq:
+                self.forged.note(keys.DESIRED_REQUEST, json.dumps(req), "replayed")
+            return
+        self._request_seq = seq
+        self.desired = sorted(set(members))
+        self.known |= set(self.desired)
+        self.store.set(keys.DESIRED, json.dumps(self.desired))
+
     def _read_verdict(self, g: int, cur: dict[str, Any]) -> None:
-        if cur["ok"] is None and self.has(keys.verdict(g)):
+        if cur["ok"] is None:
             v = self.get_json(keys.verdict(g))
-            cur["ok"] = bool(v.get("ok"))
-            cur["verified"] = cur["ok"]
-            if not cur["ok"]:
-                cur["message"] += f"; rolled back: {v.get('reason')}"
-        if cur["timings"] is None and self.has(keys.timings(g)):
+            if isinstance(v, dict):
+                cur["ok"] = bool(v.get("ok"))
+                cur["verified"] = cur["ok"]
+                if not cur["ok"]:
+                    cur["message"] += f"; rolled back: {v.get('reason')}"
+        if cur["timings"] is None:
             cur["timings"] = self.get_json(keys.timings(g))
 
     def _rollback(self, cur: dict[str, Any]) -> None:
         newcomers = [w for w in cur["members"] if w not in cur["prev"]]
         for w in newcomers:
             self.rejected.add(w)
-            self.store.set(keys.rejected(w), "1")
-        back = [w for w in cur["prev"] if self.alive(w) and not self.has(keys.done(w))]
+            self.write(keys.rejected(w), "1")
+        back = [w for w in cur["prev"] if self.alive(w) and not self.valid(keys.done(w))]
         self.desired = sorted(back)
         self.store.set(keys.DESIRED, json.dumps(self.desired))
         cur["ok"] = False
@@ -212,11 +288,14 @@ class Generations:
     # ---- what the control socket asks -----------------------------------------------
     def status(self) -> dict[str, Any]:
         """The job as the control side sees it; a generation counts as verified once its
-        timings arrived (or a newer one exists)."""
+        timings arrived (or a newer one exists). `forged`: {"count": records that failed
+        verification and were ignored (each distinct record once), "last": the key of the
+        newest one (None: none)}."""
         cur = self.history[-1] if self.history else None
         settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired)
         return {"generation": self.generation, "members": self.members, "desired": self.desired,
                 "settled": settled, "finished": self.finished, "progress": self.progress,
+                "forged": self.forged.summary(),
                 "history": [dict(h, verified=h["verified"] and (h["timings"] is not None or h is not cur))
                             for h in self.history]}
 
@@ -229,3 +308,12 @@ class Generations:
         self.store.set(keys.DESIRED, json.dumps(self.desired))
         self._busy = True
         return self.desired
+
+
+def _progress(raw: bytes) -> dict[str, Any] | None:
+    """Rank 0's progress (unsigned: shown, never acted on); None unless a JSON object."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None

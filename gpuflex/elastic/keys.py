@@ -1,24 +1,61 @@
 """Key names in a job's store: the protocol between the coordinator and the workers.
 
-members/{g}      JSON {generation, kind, members (wids in rank order), prev, created}; written
-                 once, by the coordinator only
-latest           the newest generation number
-ready/{wid}      a worker is warmed up and waiting to join
-hb/{wid}         heartbeat counter, bumped by each worker's heartbeat thread
-fail/{g}/{wid}   a member of generation g saw a collective fail (or a formation step)
-joined/{g}/{wid} a member arrived at generation g's barrier
-verdict/{g}      JSON {ok, reason?} from rank 0 once the copied state was verified
-timings/{g}      JSON per-phase timings of forming g, from rank 0 after its first step
-done/{wid}       the worker finished (training over or stopped); left/{wid}: retired by a shrink
-rejected/{wid}   the coordinator gave up on a newcomer (e.g. its state did not verify)
-released/{wid}   a newcomer no longer wanted (a shrink came before it joined): exit 0
-desired          JSON list of wids the controller wants
-desired_request  JSON list of wids a worker's control socket was asked for (a `resize`
-                 poke with members); the coordinator validates it and turns it into `desired`
-progress         JSON {step, epoch, samples_per_s, loss, time} from rank 0, about once a second
-finished         rank 0 reached the end of training
-events           a counter every worker bumps after writing a key the coordinator acts on,
-                 so an idle coordinator reads one key per tick instead of all of them
+Anyone who reaches the store's port can read and write every key, so what the coordinator
+or a worker acts on is a signed record (auth.py: an HMAC under the job's secret, bound to
+the key and to this run of the store); a record that does not verify is ignored as if it
+were absent, counted, and reported (the coordinator's status()["forged"]). "signed" below
+means that; "unsigned" keys are never acted on in a way a forgery could turn into a
+membership, state or outcome change, and why is said for each.
+
+run              signed, by the coordinator at start: a random id every other MAC is bound
+                 to, so records of an earlier store of the same job cannot be replayed here
+members/{g}      signed JSON {generation, kind, members (wids in rank order), prev, created,
+                 message}; written once, by the coordinator only (a forged one would add a
+                 member, or drop one); the coordinator puts its newest one back if changed and
+                 deletes a members/{g+1} it did not publish
+latest           unsigned: the newest generation number, a hint; workers act only on the
+                 signed members/{g} it points to (and parse it leniently), and the
+                 coordinator puts its own value back when it was changed
+ready/{wid}      signed: a worker is warmed up and waiting to join (a forged one would put a
+                 worker that is not ready into a generation)
+hb/{wid}         unsigned: heartbeat counter, bumped (`add`) by each worker's heartbeat
+                 thread; a forgery can only make a dead worker look alive for longer (delay,
+                 which deleting keys in an open store achieves too), never change members
+fail/{g}/{wid}   signed: a member of generation g saw a collective fail (or a formation step);
+                 a forged one would make the coordinator form a needless generation
+joined/{g}/{wid} signed: a member arrived at generation g's barrier (workers verify it)
+verdict/{g}      signed JSON {ok, reason?} from rank 0 once the copied state was verified (a
+                 forged "not ok" would roll back and reject the newcomers)
+timings/{g}      signed JSON per-phase timings of forming g, from rank 0 after its first step
+                 (shown in status; a forged one is ignored)
+done/{wid}       signed: the worker finished (training over or stopped); left/{wid}: signed,
+                 retired by a shrink (either, forged, would make the coordinator drop a live
+                 member at the next recovery)
+rejected/{wid}   signed: the coordinator gave up on a newcomer (e.g. its state did not verify);
+                 forged, it would evict a worker
+released/{wid}   signed: a newcomer no longer wanted (a shrink came before it joined): exit 0;
+                 forged, it would send a worker away
+desired          unsigned: JSON list of wids the coordinator wants, a mirror for reading;
+                 nobody acts on it (the coordinator keeps its own copy)
+desired_request  signed JSON {members, seq} a worker's control socket was asked for (a
+                 `resize` poke with members); the coordinator validates it and acts on it
+                 only when seq is above the last it acted on, so an old request replayed is
+                 ignored; seq comes from `add(request_seq, 1)`
+request_seq      unsigned counter for desired_request's seq (a forged bump only skips numbers)
+progress         unsigned JSON {step, epoch, samples_per_s, loss, time} from rank 0, about once
+                 a second: shown by `gpuflex status`, never acted on
+finished         signed: rank 0 reached the end of training (forged, it would stop the
+                 coordinator's decisions and send waiting newcomers away)
+events           unsigned counter every worker bumps after writing a key the coordinator acts
+                 on, so an idle coordinator reads one key per tick instead of all of them; a
+                 forged bump only causes a full read
+pg/{g}/...       torch's own rendezvous of generation g's process group (unsigned: torch
+                 writes it); only the members of a signed members/{g} join, and what they
+                 send each other is checked (the state header is signed, see `state`, and
+                 the copied state's checksum is compared across members)
+state/{g}        not a store key: the name the state header a member broadcasts while forming
+                 generation g is signed under (the header itself travels over the process
+                 group, as JSON, never pickle)
 
 Exit codes of a worker (the runtime's side of the protocol; the control side reads them):
 STORE_LOST_EXIT  75 (EX_TEMPFAIL): the job store is gone; the job restarts from its last
@@ -80,9 +117,15 @@ def pg_prefix(g: int) -> str:
     return f"pg/{g}/"
 
 
+def state(g: int) -> str:
+    return f"state/{g}"
+
+
+RUN = "run"
 LATEST = "latest"
 DESIRED = "desired"
 DESIRED_REQUEST = "desired_request"
+REQUEST_SEQ = "request_seq"
 PROGRESS = "progress"
 FINISHED = "finished"
 EVENTS = "events"

@@ -24,6 +24,9 @@ class FakeStore:
         self.data[key] = str(value).encode()
         return value
 
+    def delete_key(self, key: str) -> bool:
+        return self.data.pop(key, None) is not None
+
 
 class Clock:
     """A clock that moves only when told to."""
