@@ -79,7 +79,8 @@ def test_submit_records_a_job_that_waits_for_slots(cli, home, db_path):
     assert job["id"] == 1 and job["name"] == "big" and job["state"] == "queued"
     assert (job["min_workers"], job["max_workers"], job["world_size"], job["generation"]) == (5, 6, 0, 0)
     assert job["argv"] == ["python", "train.py", "--lr", "0.1"]
-    assert job["env"] == {"A": "1", "B": "x=y"}
+    assert job["env"] == {"A": "<redacted>", "B": "<redacted>"}   # issue 17: names, never values
+    assert db_rows(db_path, "SELECT env FROM jobs") == [('{"A": "1", "B": "x=y"}',)]
     assert (job["priority"], job["workdir"], job["workers"]) == (3, str(home), [])
     assert job["queue_reason"] == "waiting for 5 free slots on local (4 free now)"
     assert db_rows(db_path, "SELECT name, state, min_workers, max_workers, priority FROM jobs") == [

@@ -83,7 +83,7 @@ def parse_env(items: list[str]) -> dict[str, str]:
         if not sep:
             raise UsageError(f"--env {item!r} has no '='; write --env KEY=VALUE.")
         if not _ENV_KEY.match(key):
-            raise UsageError(f"--env {item!r}: {key!r} is not a valid variable name.")
+            raise UsageError(f"--env {key}=...: {key!r} is not a valid variable name.")  # never the value
         env[key] = value
     return env
 

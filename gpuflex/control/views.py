@@ -16,6 +16,10 @@ from gpuflex.db import queries
 from gpuflex.db.models import Event, Gpu, Job, Worker
 from gpuflex.states import JobState, WorkerState
 
+# what a job's --env values read as in every output: they may be keys or passwords, and
+# status --json is pasted into issues and chats; the names stay, so a user sees what is set
+REDACTED = "<redacted>"
+
 
 @dataclasses.dataclass(frozen=True)
 class WorkerInfo:
@@ -49,7 +53,7 @@ class JobInfo:
     user: str
     argv: tuple[str, ...]
     workdir: str
-    env: dict[str, str]
+    env: dict[str, str]          # names only: every value is REDACTED
     min_workers: int
     max_workers: int
     target_workers: int | None
@@ -81,7 +85,7 @@ def event_info(e: Event) -> EventInfo:
 def job_info(job: Job, *, events: bool = False) -> JobInfo:
     return JobInfo(
         id=job.id, name=job.name, state=job.state, user=job.user, argv=tuple(job.argv),
-        workdir=job.workdir, env=dict(job.env), min_workers=job.min_workers,
+        workdir=job.workdir, env={k: REDACTED for k in job.env}, min_workers=job.min_workers,
         max_workers=job.max_workers, target_workers=job.target_workers, world_size=job.world_size,
         generation=job.generation, gpus_per_worker=job.gpus_per_worker, priority=job.priority,
         harvest=job.harvest, restarts=job.restarts, queue_reason=job.queue_reason,
