@@ -89,8 +89,28 @@ class Collectives:
         dist.all_reduce(vec, op=op)
         return vec
 
-    def broadcast_objects(self, objects: list[Any], src: int) -> None:
-        dist.broadcast_object_list(objects, src=src, device=self.device if self.backend == "nccl" else None)
+    def broadcast_bytes(self, data: bytes | None, src: int, limit: int) -> bytes:
+        """`data` (given on rank `src`) on every rank: its length, then the bytes as a uint8
+        tensor (never a pickle). A length over `limit` raises ValueError before anything
+        is allocated for it."""
+        n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+        self._broadcast(n, src)
+        size = int(n[0])
+        if not 0 <= size <= limit:
+            raise ValueError(f"a broadcast of {size} bytes (limit {limit})")
+        if data is not None:
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+        else:
+            buf = torch.empty(size, dtype=torch.uint8)
+        if size:
+            self._broadcast(buf, src)
+        return buf.numpy().tobytes()
+
+    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        staged = self._staged(buf)
+        dist.broadcast(staged, src=src)
+        if staged is not buf:
+            buf.copy_(staged.cpu())
 
     def send(self, bufs: list[torch.Tensor], peers: list[int]) -> None:
         staged = [self._staged(b) for b in bufs]

@@ -11,6 +11,7 @@ the agreement after it failed); a member that is ahead sends its state to the ot
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from typing import Any
@@ -18,12 +19,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpuflex.elastic import keys
+from gpuflex.elastic import codec, keys
 from gpuflex.elastic.collectives import Collectives
 from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, Superseded
 from gpuflex.elastic.signals import StepSignals
-from gpuflex.elastic.state import FlatState, TensorRef, checksum_tensors, flatten, layout_of, unflatten
+from gpuflex.elastic.state import FlatState, TensorRef, checksum_tensors, flatten, unflatten
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,9 @@ class Formation:
 
     def switch(self, g: int, agreed_at: float, agree_s: float) -> Formed | None:
         """The members agreed (in `agree_s`) to switch to generation g."""
-        info = self.rdzv.generation(g)
+        info = self.rdzv.record(g, self.signals.stop_requested)
+        if info is None:
+            return None
         if self.wid not in info["members"]:
             return self._leave(g)
         try:
@@ -136,7 +139,7 @@ class Formation:
         t1 = time.time()
         self.marks = []
         had_state = state.has_state
-        copied = self._sync_state(rank, world)
+        copied = self._sync_state(g, rank, world)
         t2 = time.time()
         self._verify(g, rank, received=copied > 0 and not had_state)
         t3 = time.time()
@@ -159,9 +162,10 @@ class Formation:
         return Formed(generation=g, rank=rank, world_size=world, members=tuple(members), kind=info["kind"],
                       at=t3, copied=copied, timings=timings)
 
-    def _sync_state(self, rank: int, world: int) -> int:
+    def _sync_state(self, g: int, rank: int, world: int) -> int:
         """Bring every member to the newest state any holds: the lowest rank holding it sends
-        it to the members without it. Returns the bytes this rank sent or received."""
+        it to the members without it, a signed JSON header (header_text) and then the
+        tensors. Returns the bytes this rank sent or received."""
         state, group = self.state, self.group
         vec = torch.zeros(world, dtype=torch.int64)
         vec[rank] = state.step + 1 if state.has_state else 0
@@ -176,15 +180,22 @@ class Formation:
         if all(have):
             return 0
         src = have.index(True)
-        header: list[Any] = [None]
+        signer = self.rdzv.signer
+        text = None
         if rank == src:   # the live tensors go out as they are: no packing copy
             skeleton, tensors = flatten(state.capture())
             tensors = [t.detach().contiguous() for t in tensors]
-            header = [{"skeleton": skeleton, "layout": layout_of(tensors), "logs": state.logs_payload()}]
+            try:
+                text = signer.sign(keys.state(g), header_text(src, skeleton, tensors, state.logs_payload()))
+            except codec.CodecError:   # an empty header tells the others at once
+                group.broadcast_bytes(b"", src, MAX_HEADER_BYTES)
+                raise
         self.marks.append(("have", time.time()))
-        group.broadcast_objects(header, src=src)
+        text = group.broadcast_bytes(None if text is None else text.encode(), src, MAX_HEADER_BYTES).decode()
         self.marks.append(("header", time.time()))
-        h = header[0]
+        if not text:
+            raise ValueError(f"rank {src} could not send its state (see its log)")
+        h = read_header(signer.verify(keys.state(g), text), src)   # Forged, a ValueError: a failed formation
         receivers = [r for r in range(world) if not have[r]]
         if rank == src:   # point to point: members that already hold the state do nothing
             group.send([t for t in tensors if t.numel()], receivers)
@@ -231,6 +242,36 @@ class Formation:
             self.log(f"generation {g}: state checksums differ across members; rolling back")
             self._destroy()
             raise StateMismatch(g, received)
+
+
+MAX_HEADER_BYTES = 1 << 30
+
+
+def header_text(src: int, skeleton: Any, tensors: list[torch.Tensor], logs: dict[str, Any]) -> str:
+    """The state header as JSON: the skeleton (codec), each tensor's dtype, device and
+    shape, the logs, and the sending rank."""
+    layout = [[str(t.dtype).removeprefix("torch."), str(t.device), list(t.shape)] for t in tensors]
+    return json.dumps({"src": src, "skeleton": codec.encode(skeleton, TensorRef), "layout": layout,
+                       "logs": logs}, separators=(",", ":"))
+
+
+def read_header(text: str, src: int) -> dict[str, Any]:
+    """`header_text`'s header back, with the skeleton and the layout as `_sync_state` uses
+    them; ValueError (CodecError) for anything else."""
+    h = json.loads(text)
+    if not isinstance(h, dict) or h.get("src") != src or not isinstance(h.get("layout"), list) \
+            or not isinstance(h.get("logs"), dict) or not isinstance(h.get("skeleton"), str):
+        raise ValueError("not a state header")
+    layout = []
+    for entry in h["layout"]:
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list)
+                and all(isinstance(d, int) and d >= 0 for d in entry[2])):
+            raise ValueError(f"bad tensor layout {entry!r}")
+        dtype = getattr(torch, str(entry[0]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {entry[0]!r}")
+        layout.append((dtype, torch.device(str(entry[1])), tuple(entry[2])))
+    return {"skeleton": codec.decode(h["skeleton"], TensorRef), "layout": tuple(layout), "logs": h["logs"]}
 
 
 def _model_refs(skeleton: Any) -> dict[str, Any]:

@@ -2,6 +2,11 @@
 
 Every store failure surfaces as `StoreLost`: the runtime then exits with
 STORE_LOST_EXIT and gpuflex restarts the job from its last on-disk checkpoint.
+
+What this worker writes with `set` is signed with the job's secret, and what it acts on
+(generation records, verdicts, barrier arrivals, rejected/released/finished) is believed
+only when it verifies (auth.py, keys.py): a forged record is ignored as if absent, and
+logged once. `latest` is only a hint: the record it names must verify.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any, Callable
 from torch.distributed import TCPStore
 
 from gpuflex.elastic import keys
+from gpuflex.elastic.auth import Forged, ForgeryLog, Signer
 
 POLL_S = 0.01
 WATCH_S = 0.1   # how often the heartbeat thread looks for a newer generation
@@ -37,12 +43,18 @@ class Leaving(Exception):
 
 
 class Rendezvous:
-    def __init__(self, address: str, wid: int, *, timeout_s: float = 60, heartbeat_s: float = 0.5) -> None:
+    """This worker's connection to the job store. `secret`: the job's HMAC key (None: an
+    unauthenticated job, which then accepts only unsigned records, see auth.py)."""
+
+    def __init__(self, address: str, wid: int, *, secret: str | None = None, timeout_s: float = 60,
+                 heartbeat_s: float = 0.5) -> None:
         host, _, port = address.rpartition(":")
         self.host, self.port, self.wid = host, int(port), wid
         self.timeout = dt.timedelta(seconds=timeout_s)
+        self.forged = ForgeryLog(f"gpuflex[w{wid}]")
         self.store = self._connect()
         self.lost = threading.Event()
+        self.signer = self._read_run(Signer(secret), timeout_s)
         self.newer = threading.Event()   # a generation after `watching` has been published
         self.watching = 0
         self.progress: str | None = None   # rank 0's status, sent by the heartbeat thread
@@ -57,6 +69,20 @@ class Rendezvous:
                             timeout=self.timeout)
         except (RuntimeError, OSError) as e:
             raise StoreLost(f"cannot reach the job store at {self.host}:{self.port}: {e}") from None
+
+    def _read_run(self, base: Signer, timeout_s: float) -> Signer:
+        """The signer of this run of the store, from the coordinator's signed `run` record
+        (it puts the record back if someone changes it: wait for a valid one)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            text = self._call(self.store.get, keys.RUN)
+            try:
+                return base.for_run(base.verify(keys.RUN, text))
+            except Forged as e:
+                self.forged.note(keys.RUN, text, e.reason)
+            if time.monotonic() > deadline:
+                raise StoreLost("the job store's run record is not signed with this job's secret")
+            time.sleep(0.1)
 
     def _beat(self, period: float) -> None:
         """The heartbeat, the watch for a generation newer than `watching` and rank 0's
@@ -86,8 +112,12 @@ class Rendezvous:
         if not (poked or self.newer.is_set()):
             return 0
         self.newer.clear()   # the watch looks again if this one is not newer after all
+        return self.newest_after(current)
+
+    def newest_after(self, g: int) -> int:
+        """The latest generation if it is newer than g and its record verifies, else 0."""
         latest = self.latest()
-        return latest if latest > current else 0
+        return latest if latest > g and self.generation(latest) is not None else 0
 
     def post_progress(self, status: str) -> None:
         """Rank 0's status for `gpuflex status`: the heartbeat thread sends it."""
@@ -117,17 +147,65 @@ class Rendezvous:
         return self._call(self.store.check, [key])
 
     def set(self, key: str, value: str) -> None:
-        self._call(self.store.set, key, value)
+        """A signed record, then the events counter."""
+        self._call(self.store.set, key, self.signer.sign(key, value))
         self._call(self.store.add, keys.EVENTS, 1)
 
+    def read(self, key: str) -> str | None:
+        """The value of a signed record; None when absent or forged (logged once)."""
+        if not self.has(key):
+            return None
+        text = self._call(self.store.get, key)
+        try:
+            return self.signer.verify(key, text)
+        except Forged as e:
+            self.forged.note(key, text, e.reason)
+            return None
+
+    def valid(self, key: str) -> bool:
+        return self.read(key) is not None
+
     def get_json(self, key: str) -> Any:
-        return json.loads(self._call(self.store.get, key))
+        """A signed JSON record's value; None when absent, forged or not JSON."""
+        value = self.read(key)
+        try:
+            return None if value is None else json.loads(value)
+        except ValueError:
+            return None
 
     def latest(self) -> int:
-        return int(self._call(self.store.get, keys.LATEST)) if self.has(keys.LATEST) else 0
+        """The newest generation number, a hint (unsigned): 0 when absent or not a number."""
+        raw = self._call(self.store.get, keys.LATEST) if self.has(keys.LATEST) else b"0"
+        try:
+            return max(0, int(raw))
+        except ValueError:
+            return 0
 
-    def generation(self, g: int) -> dict[str, Any]:
-        return self.get_json(keys.members(g))
+    def generation(self, g: int) -> dict[str, Any] | None:
+        """Generation g's record; None when it is absent, forged or not one of g."""
+        rec = self.get_json(keys.members(g))
+        if not (isinstance(rec, dict) and rec.get("generation") == g
+                and isinstance(rec.get("members"), list) and isinstance(rec.get("prev"), list)
+                and all(isinstance(w, int) for w in rec["members"] + rec["prev"])):
+            return None
+        return rec
+
+    def record(self, g: int, stop: Callable[[], bool]) -> dict[str, Any] | None:
+        """Generation g's record, which rank 0 found valid: if it does not verify now,
+        someone changed it since, and the coordinator puts it back; wait for that (None:
+        `stop()` became true)."""
+        while not stop():
+            rec = self.generation(g)
+            if rec is not None:
+                return rec
+            time.sleep(POLL_S)
+        return None
+
+    def request_members(self, members: list[int]) -> None:
+        """Ask the coordinator for this membership (a control socket's resize), numbered so
+        that an old request replayed is not acted on again."""
+        seq = self._call(self.store.add, keys.REQUEST_SEQ, 1)
+        self.set(keys.DESIRED_REQUEST, json.dumps({"members": members, "seq": seq}))
 
     # ---- protocol steps -------------------------------------------------------------
     def wait_for_generation(self, after: int, was_member: bool, stop: Callable[[], bool]) -> dict[str, Any] | None:
@@ -139,16 +217,16 @@ class Rendezvous:
         polls = 0
         while not stop():
             if polls % 10 == 0:   # the rarer outcomes are looked at every 10th poll
-                if self.has(keys.rejected(self.wid)):
+                if self.valid(keys.rejected(self.wid)):
                     raise Evicted("the coordinator rejected this worker")
-                if self.has(keys.released(self.wid)):
+                if self.valid(keys.released(self.wid)):
                     raise Leaving("released before joining")
-                if self.has(keys.FINISHED):
+                if self.valid(keys.FINISHED):
                     raise Leaving("training finished before this worker joined")
             polls += 1
             g = self.latest()
-            if g > after:
-                info = self.generation(g)
+            info = self.generation(g) if g > after else None
+            if info is not None:
                 if self.wid in info["members"]:
                     return info
                 if was_member and self.wid in info["prev"]:
@@ -163,10 +241,10 @@ class Rendezvous:
         pending = [keys.joined(g, w) for w in members]
         deadline = time.monotonic() + timeout_s
         while pending:
-            pending = [k for k in pending if not self.has(k)]
+            pending = [k for k in pending if not self.valid(k)]
             if not pending:
                 return
-            if self.latest() > g:
+            if self.newest_after(g):
                 raise Superseded(g)
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {g}: members missing at the barrier: {pending}")
@@ -178,9 +256,10 @@ class Rendezvous:
     def wait_verdict(self, g: int, stop: Callable[[], bool]) -> bool | None:
         """For a leaver: True once g verified, False if it was rolled back (or superseded)."""
         while not stop():
-            if self.has(keys.verdict(g)):
-                return bool(self.get_json(keys.verdict(g)).get("ok"))
-            if self.latest() > g:
+            verdict = self.get_json(keys.verdict(g))
+            if isinstance(verdict, dict):
+                return bool(verdict.get("ok"))
+            if self.newest_after(g):
                 return False
             time.sleep(POLL_S)
         return None

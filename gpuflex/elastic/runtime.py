@@ -255,7 +255,8 @@ class ElasticRun:
             self.state.load_disk_checkpoint()
             return
         self._control = start_control(self.env.control, self.signals, self.status, self._request_members)
-        self.rdzv = Rendezvous(self.store_address, self.wid, timeout_s=max(60.0, self.pg_timeout_s))
+        self.rdzv = Rendezvous(self.store_address, self.wid, secret=self.env.job_secret,
+                               timeout_s=max(60.0, self.pg_timeout_s))
         self.formation = Formation(wid=self.wid, rdzv=self.rdzv, group=self.group, state=self.state,
                                    signals=self.signals, timeout_s=self.pg_timeout_s)
         self._warm_up()
@@ -273,7 +274,7 @@ class ElasticRun:
         """A control socket's resize with members: for the coordinator to validate."""
         if self.rdzv is None:
             raise ValueError("not connected to the job store yet")
-        self.rdzv.set(keys.DESIRED_REQUEST, json.dumps(members))
+        self.rdzv.request_members(members)
 
     def _switch_to(self) -> int:
         """Rank 0's part of the agreement: a newer generation to switch to, or 0."""
