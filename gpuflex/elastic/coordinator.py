@@ -5,6 +5,12 @@ apart from the workers, so a worker crash never takes the store down. Every TICK
 the generation logic (generations.py) look at the store; its control socket answers
 `status` and `resize` (the desired membership). A lock keeps the ticks and the socket's
 threads apart.
+
+The store listens only on `--bind` (the address the workers use: 127.0.0.1 on one host):
+torch's TCPStore server ignores its host name and listens on every interface, so the
+coordinator binds and listens on a socket itself and hands its descriptor to the store
+(`master_listen_fd`). What the workers write is verified with the job's secret, read from
+GPUFLEX_JOB_SECRET (absent: an unauthenticated job, see auth.py).
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import logging
+import os
 import signal
+import socket
 import sys
 import threading
 from typing import Any
@@ -20,6 +28,7 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from gpuflex.elastic.control import ControlServer
+from gpuflex.elastic.env import JOB_SECRET
 from gpuflex.elastic.generations import Generations
 from gpuflex.elastic.logs import ensure_handler
 
@@ -48,23 +57,48 @@ class Coordinator:
             return {"desired": self.generations.resize(msg["members"])}
 
 
+def listen(address: str, port: int) -> socket.socket:
+    """A TCP socket bound to `address` only and listening, for TCPStore's `master_listen_fd`."""
+    family, kind, proto, _, addr = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(512)
+    return sock
+
+
+def serve_store(address: str, port: int) -> TCPStore:
+    """The job's TCPStore server, listening on `address`:`port` only."""
+    sock = listen(address, port)
+    fd = sock.detach()   # the store owns the descriptor from here and closes it
+    try:
+        return TCPStore(address, port, is_master=True, wait_for_workers=False,
+                        timeout=dt.timedelta(seconds=30), master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpuflex.elastic.coordinator")
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--members", required=True, help="initial worker ids, comma-separated")
     ap.add_argument("--control", required=True, help="path of the control socket")
     ap.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    ap.add_argument("--bind", default="0.0.0.0",
+                    help="the address the store listens on: the one the workers use")
     args = ap.parse_args(argv)
     ensure_handler(sys.stdout)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    store = TCPStore("0.0.0.0", args.port, is_master=True, wait_for_workers=False,
-                     timeout=dt.timedelta(seconds=30))
+    store = serve_store(args.bind, args.port)
+    secret = os.environ.get(JOB_SECRET) or None
     coord = Coordinator(Generations(store, [int(w) for w in args.members.split(",") if w],
-                                    hb_timeout_s=args.heartbeat_timeout))
+                                    hb_timeout_s=args.heartbeat_timeout, secret=secret))
     server = ControlServer(args.control, {"status": coord.op_status, "resize": coord.op_resize})
-    log.info("coordinator listening on port %d, control %s", args.port, args.control)
+    log.info("coordinator listening on %s:%d (%s), control %s", args.bind, args.port,
+             "records signed" if secret else "no job secret: records unauthenticated", args.control)
     try:
         while not stop.wait(TICK_S):
             coord.tick()
