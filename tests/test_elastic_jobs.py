@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpuflex.elastic.checkpoints import load_checkpoint
 from gpuflex.elastic.keys import EVICTED_EXIT
 from gpuflex.hosts.hostops import group_alive
 from gpuflex.hosts.transport import unix_request
@@ -241,7 +242,7 @@ def test_cancel_stops_gracefully_with_a_report_and_a_checkpoint(ej, home):
     assert 5 <= r["steps"] < 20 * 32
     ck = list((home / "work").rglob("checkpoint.pt"))
     assert len(ck) == 1
-    saved = torch.load(ck[0], weights_only=False)
+    saved = load_checkpoint(str(ck[0]))   # verified, no pickle
     assert saved["state"]["step"] == r["steps"]
     pgids = [r[0] for r in db_rows(home / "g.db", "SELECT pgid FROM workers")]
     assert pgids and not any(group_alive(p) for p in pgids)

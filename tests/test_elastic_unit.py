@@ -11,10 +11,10 @@ import stat
 import pytest
 import torch
 
+from gpuflex.elastic.checkpoints import load_checkpoint, save_checkpoint
 from gpuflex.elastic.control import MAX_LINE, ControlServer
 from gpuflex.elastic.sampler import ElasticSampler, split
-from gpuflex.elastic.state import (Registry, checksum_tensors, flatten, load_checkpoint,
-                                   save_checkpoint, unflatten)
+from gpuflex.elastic.state import Registry, checksum_tensors, flatten, unflatten
 from gpuflex.hosts.relay import unix_exchange
 
 
@@ -146,6 +146,7 @@ def test_checkpoint_write_is_atomic_and_loads_back(tmp_path):
     save_checkpoint(path, {"state": {"w": torch.ones(3)}, "step": 5})
     assert load_checkpoint(path)["step"] == 5
     assert os.listdir(tmp_path / "ck") == ["checkpoint.pt"]   # no temp file left behind
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert load_checkpoint(str(tmp_path / "missing.pt")) is None
 
 

@@ -11,13 +11,14 @@ from typing import Any
 
 import torch
 
+from gpuflex.elastic.checkpoints import CheckpointError, load_newest_good, save_checkpoint
 from gpuflex.elastic.sampler import ElasticSampler
-from gpuflex.elastic.state import (LightCommit, Registry, copy_value, load_checkpoint, rng_state,
-                                   save_checkpoint, set_rng_state)
+from gpuflex.elastic.state import LightCommit, Registry, copy_value, rng_state, set_rng_state
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_FILE = "checkpoint.pt"
+NO_CHECKPOINT_EXIT = 1   # every checkpoint of the job is unusable: the worker ends, the job fails
 
 
 class TrainingState:
@@ -34,6 +35,8 @@ class TrainingState:
         self.step = 0
         self.has_state = not distributed   # a newcomer gets it at its first formation
         self.last_checkpoint = time.monotonic()
+        self.last_checkpoint_error: str | None = None   # the last failed write's reason, until one succeeds
+        self.checkpoint_failures = 0                    # writes that failed, in this process
         self._light: LightCommit | None = None
         self._buffer_slots: list[tuple[torch.nn.Module, str]] | None = None
 
@@ -106,19 +109,46 @@ class TrainingState:
         self.step_log = [list(x) for x in logs["step_log"]]
         self.samples = {int(e): list(v) for e, v in logs["samples"].items()}
 
-    def checkpoint(self, rank: int, world_size: int) -> None:
-        """Rank 0 writes the live (just committed) state to disk, atomically."""
-        if self.checkpoint_dir and rank == 0:
-            save_checkpoint(os.path.join(self.checkpoint_dir, CHECKPOINT_FILE),
-                            {"state": self.capture(), "logs": self.logs_payload(),
-                             "time": time.time(), "world_size": world_size})
-            self.last_checkpoint = time.monotonic()
+    def checkpoint(self, rank: int, world_size: int) -> bool:
+        """Rank 0 writes the live (just committed) state to disk, atomically. A write that
+        fails (a full disk, a read-only or vanished directory) is a failed checkpoint, not
+        a failed job: training goes on with the earlier checkpoints intact, the reason is
+        logged and kept in `last_checkpoint_error`, and the next try comes an interval
+        later. Returns whether a checkpoint was written."""
+        if not (self.checkpoint_dir and rank == 0):
+            return False
+        path = os.path.join(self.checkpoint_dir, CHECKPOINT_FILE)
+        self.last_checkpoint = time.monotonic()
+        try:
+            save_checkpoint(path, {"state": self.capture(), "logs": self.logs_payload(),
+                                   "time": time.time(), "world_size": world_size})
+        except OSError as e:
+            self.checkpoint_failures += 1
+            self.last_checkpoint_error = f"checkpoint at step {self.step} failed: {e.strerror or e} ({path})"
+            log.warning("gpuflex: %s; training goes on, the earlier checkpoints are kept", self.last_checkpoint_error)
+            return False
+        self.last_checkpoint_error = None
+        return True
 
     def load_disk_checkpoint(self) -> bool:
-        path = os.path.join(self.checkpoint_dir, CHECKPOINT_FILE) if self.checkpoint_dir else None
-        ck = load_checkpoint(path) if path else None
-        if ck is not None:
-            self.apply_tree(ck["state"])
-            self.load_logs(ck["logs"])
-            log.info("gpuflex: resumed from checkpoint at step %d", self.step)
-        return ck is not None
+        """Resume from the newest checkpoint that verifies (see checkpoints.py). Where the
+        job has checkpoints and none is usable, the worker ends (NO_CHECKPOINT_EXIT) with
+        one line naming each file and its problem: the job fails rather than start over
+        from step 0 and end `succeeded`."""
+        if not self.checkpoint_dir:
+            return False
+        path = os.path.join(self.checkpoint_dir, CHECKPOINT_FILE)
+        try:
+            found = load_newest_good(path)
+        except CheckpointError as e:
+            log.error("gpuflex: %s; the job cannot resume and does not start over", e)
+            raise SystemExit(NO_CHECKPOINT_EXIT) from None
+        if found is None:
+            return False
+        self.apply_tree(found.payload["state"])
+        self.load_logs(found.payload["logs"])
+        if found.refused:
+            log.warning("gpuflex: %s; resuming from the previous one (%s) at step %d",
+                        "; ".join(found.refused), found.path, self.step)
+        log.info("gpuflex: resumed from checkpoint at step %d", self.step)
+        return True

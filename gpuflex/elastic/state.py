@@ -1,4 +1,4 @@
-"""Training state: capture, per-step light commits, checksums, checkpoints.
+"""Training state: capture, per-step light commits, checksums (checkpoints: checkpoints.py).
 
 The registered objects (model, optimizer, scheduler, scaler, user counters) plus the
 runtime's own counters and RNG states form one tree. `flatten` splits it into a skeleton
@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import ctypes
 import dataclasses
-import os
 import random
 import sys
 import zlib
@@ -288,26 +287,3 @@ class LightCommit:
     objects: dict[str, Any]
     buffers: list[torch.Tensor]
     lens: dict[str, int]
-
-
-def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
-    """Atomic write: temp file in the same directory, fsync, rename, fsync the directory."""
-    d = os.path.dirname(path) or "."
-    os.makedirs(d, exist_ok=True)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def load_checkpoint(path: str) -> dict[str, Any] | None:
-    if not os.path.exists(path):
-        return None
-    return torch.load(path, map_location="cpu", weights_only=False)
