@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
+from typing import Any, Callable
 
 PREFIX = "gf1."
 _MAC_HEX = 64
@@ -126,3 +128,37 @@ class ForgeryLog:
 
     def summary(self) -> dict[str, object]:
         return {"count": self.count, "last": self.last}
+
+
+class SignedRecords:
+    """Reads a store's signed records: `has(key)` and `get(key)` reach the store; what does
+    not verify is noted in `forged` and read as absent."""
+
+    def __init__(self, has: Callable[[str], bool], get: Callable[[str], bytes], signer: Signer,
+                 forged: ForgeryLog) -> None:
+        self.has, self.get, self.signer, self.forged = has, get, signer, forged
+
+    def read(self, key: str) -> str | None:
+        """The value of a signed record; None when absent or forged."""
+        if not self.has(key):
+            return None
+        text = self.get(key)
+        try:
+            return self.signer.verify(key, text)
+        except Forged as e:
+            self.forged.note(key, text, e.reason)
+            return None
+
+    def valid(self, key: str) -> bool:
+        return self.read(key) is not None
+
+    def json(self, key: str) -> Any:
+        """A signed JSON record's value; None when absent, forged or not JSON."""
+        value = self.read(key)
+        if value is None:
+            return None
+        try:
+            return json.loads(value)
+        except ValueError:
+            self.forged.note(key, value, "not JSON")
+            return None

@@ -37,7 +37,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from gpuflex.elastic import keys
-from gpuflex.elastic.auth import Forged, ForgeryLog, Signer
+from gpuflex.elastic.auth import ForgeryLog, SignedRecords, Signer
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class Generations:
         self._run_text = Signer(secret).sign(keys.RUN, run)
         self.signer = Signer(secret, run)
         self.forged = ForgeryLog("coordinator")
+        self.records = SignedRecords(self.has, store.get, self.signer, self.forged)
         self._request_seq = 0                    # the newest desired_request acted on
         self._own: dict[str, str] = {keys.RUN: self._run_text}   # records it wrote and keeps
         self.hb_timeout_s = hb_timeout_s
@@ -102,30 +103,12 @@ class Generations:
     def has(self, key: str) -> bool:
         return self.store.check([key])
 
-    def read(self, key: str) -> str | None:
-        """The value of a signed record; None when absent or forged (then counted)."""
-        if not self.has(key):
-            return None
-        text = self.store.get(key)
-        try:
-            return self.signer.verify(key, text)
-        except Forged as e:
-            self.forged.note(key, text, e.reason)
-            return None
-
     def valid(self, key: str) -> bool:
-        return self.read(key) is not None
+        return self.records.valid(key)
 
     def get_json(self, key: str) -> Any:
         """A signed JSON record's value; None when absent, forged or not JSON."""
-        value = self.read(key)
-        if value is None:
-            return None
-        try:
-            return json.loads(value)
-        except ValueError:
-            self.forged.note(key, value, "not JSON")
-            return None
+        return self.records.json(key)
 
     def write(self, key: str, value: str) -> None:
         self.store.set(key, self.signer.sign(key, value))

@@ -20,7 +20,7 @@ from typing import Any, Callable
 from torch.distributed import TCPStore
 
 from gpuflex.elastic import keys
-from gpuflex.elastic.auth import Forged, ForgeryLog, Signer
+from gpuflex.elastic.auth import Forged, ForgeryLog, SignedRecords, Signer
 
 POLL_S = 0.01
 WATCH_S = 0.1   # how often the heartbeat thread looks for a newer generation
@@ -55,6 +55,8 @@ class Rendezvous:
         self.store = self._connect()
         self.lost = threading.Event()
         self.signer = self._read_run(Signer(secret), timeout_s)
+        self.records = SignedRecords(self.has, lambda key: self._call(self.store.get, key), self.signer,
+                                     self.forged)
         self.newer = threading.Event()   # a generation after `watching` has been published
         self.watching = 0
         self.progress: str | None = None   # rank 0's status, sent by the heartbeat thread
@@ -151,27 +153,13 @@ class Rendezvous:
         self._call(self.store.set, key, self.signer.sign(key, value))
         self._call(self.store.add, keys.EVENTS, 1)
 
-    def read(self, key: str) -> str | None:
-        """The value of a signed record; None when absent or forged (logged once)."""
-        if not self.has(key):
-            return None
-        text = self._call(self.store.get, key)
-        try:
-            return self.signer.verify(key, text)
-        except Forged as e:
-            self.forged.note(key, text, e.reason)
-            return None
-
     def valid(self, key: str) -> bool:
-        return self.read(key) is not None
+        """A signed record is there and verifies (a forged one is logged once)."""
+        return self.records.valid(key)
 
     def get_json(self, key: str) -> Any:
         """A signed JSON record's value; None when absent, forged or not JSON."""
-        value = self.read(key)
-        try:
-            return None if value is None else json.loads(value)
-        except ValueError:
-            return None
+        return self.records.json(key)
 
     def latest(self) -> int:
         """The newest generation number, a hint (unsigned): 0 when absent or not a number."""
