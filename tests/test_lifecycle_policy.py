@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpuflex.elastic.keys import STORE_LOST_EXIT
@@ -128,3 +130,21 @@ def test_the_last_worker_ending_finishes_the_job_in_the_same_reconcile():
     actions = decide(facts, Observation({1: gone(0)}, coordinator=coord(1, [0, 1])))
     assert actions == [EndWorker(1, W.EXITED, 0, 5.0), Adopt(1, (0, 1)),
                        Finish(J.SUCCEEDED, 0, "all workers exited 0")]
+
+
+@pytest.mark.parametrize("report,already,want", [
+    (None, 0, None),
+    ({"count": 0, "last": None}, 0, None),
+    ({"count": 3, "last": "members/7"}, 0,
+     Record("forged", "ignored 3 forged store record(s) (last: members/7)", {"count": 3, "last": "members/7"})),
+    ({"count": 3, "last": "members/7"}, 3, None),   # already an event: not again at every command
+    ({"count": 5, "last": "desired_request"}, 3,
+     Record("forged", "ignored 2 forged store record(s) (last: desired_request)",
+            {"count": 5, "last": "desired_request"})),
+    ({"count": "9", "last": "x"}, 0, None),          # not a count: nothing believed
+], ids=["none", "zero", "new", "same", "more", "malformed"])
+def test_forged_store_records_the_coordinator_ignored_are_one_event_per_new_count(report, already, want):
+    facts = dataclasses.replace(job(w(0)), forged_recorded=already)
+    status = {**coord(1, [0]), **({"forged": report} if report is not None else {})}
+    got = [a for a in decide(facts, Observation({0: ALIVE}, coordinator=status)) if isinstance(a, Record)]
+    assert got == ([want] if want else [])

@@ -63,6 +63,7 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
     d = job_dir(host, job)
     return SpawnSpec(
         argv=[host.python, "-m", "gpuflex.elastic.coordinator",
+              "--bind", job.store_addr or store_address(host),   # only where the workers connect
               "--port", str(port), "--members", ",".join(map(str, members)),
               "--control", coordinator_socket(job),
               "--heartbeat-timeout", str(config.jobs.heartbeat_timeout_s)],

@@ -17,7 +17,7 @@ from gpuflex.control import launch as L
 from gpuflex.control.pool import Pool
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import JobError, TransportError
-from gpuflex.policy.lifecycle import HISTORY_KINDS, JobFacts, Observation, ProcSeen, WorkerFacts
+from gpuflex.policy.lifecycle import FORGED_KIND, HISTORY_KINDS, JobFacts, Observation, ProcSeen, WorkerFacts
 
 log = logging.getLogger(__name__)
 
@@ -95,4 +95,6 @@ def facts(job: Job) -> JobFacts:
         workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code)
                       for w in job.workers),
         generation=job.generation, world_size=job.world_size, started_at=job.started_at,
-        recorded=frozenset(e.data.get("generation") for e in job.events if e.kind in HISTORY_KINDS))
+        recorded=frozenset(e.data.get("generation") for e in job.events if e.kind in HISTORY_KINDS),
+        forged_recorded=max((e.data.get("count") or 0 for e in job.events if e.kind == FORGED_KIND
+                             and e.time >= (job.started_at or 0)), default=0))

@@ -10,7 +10,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from gpuflex.db.locks import database_lock
+from gpuflex.db.locks import LOCK_SUFFIXES, database_lock
 from gpuflex.db.url import sqlite_path
 from gpuflex.errors import DatabaseError
 from gpuflex.hosts.private import private_dir, tighten_file
@@ -68,7 +68,7 @@ def private_database(path: Path) -> None:
         pass
     except OSError:
         pass   # not writable: said below, in the words users know
-    for suffix in ("", "-wal", "-shm", "-journal"):
+    for suffix in ("", "-wal", "-shm", "-journal", *LOCK_SUFFIXES):
         try:
             tighten_file(f"{path}{suffix}")
         except OSError:

@@ -30,9 +30,9 @@ from typing import Iterator
 import filelock
 
 from gpuflex.db.url import sqlite_path
-from gpuflex.hosts.private import tighten_file
 
 _SUFFIX = {"migration": ".lock", "ops": ".ops.lock", "harvest": ".harvest.lock"}
+LOCK_SUFFIXES = tuple(_SUFFIX.values())   # the files beside a SQLite database
 
 
 class Lock(abc.ABC):
@@ -79,7 +79,6 @@ class FileLock(Lock):
             self._lock.acquire(blocking=blocking)
         except filelock.Timeout:
             return False
-        tighten_file(str(self.path))   # created 0600; one an older gpuflex made loses its other bits
         self.path.write_text(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
         return True
 

@@ -10,7 +10,9 @@ gpuflex.control.executor writes it. In order:
 2. From the coordinator's status (when it answered): Adopt its generation and members
    (ranks; starting workers it has seen become running), Record each newly verified
    generation of its history ("formed", "scale", "fault" with the phase timings), and
-   RUNNING once a scaling job has settled.
+   RUNNING once a scaling job has settled; Record "forged" when the coordinator has ignored
+   more store records that failed authentication than the run's events say (one event
+   per new count).
 3. A live worker on an unreachable host that the job has gone on without (not in a newer
    generation's members, and not a newcomer still starting) is LOST.
 4. While workers live: "store-lost" (once) when the coordinator neither answers nor
@@ -30,6 +32,7 @@ from gpuflex.states import JobState, WorkerState
 
 _KINDS = {"initial": "formed", "resize": "scale", "recover": "fault"}
 HISTORY_KINDS = ("scale", "fault", "formed")   # events that record a generation
+FORGED_KIND = "forged"   # the event of store records that failed authentication
 
 
 # ---- the inputs ---------------------------------------------------------------------------
@@ -57,6 +60,7 @@ class JobFacts:
     world_size: int = 0
     started_at: float | None = None
     recorded: frozenset[int] = frozenset()   # generations whose formation is already an event
+    forged_recorded: int = 0   # forged store records this run's events already report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +182,9 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
             data = {k: v for k, v in h.items() if k not in ("kind", "message")}
             actions.append(Record(kind, f"generation {h['generation']}: {h.get('message', kind)}",
                                   {"generation_kind": h["kind"], **data}))
+        forged = forgeries(job, coord.get("forged"))
+        if forged is not None:
+            actions.append(forged)
         if job.state is JobState.SCALING and coord.get("settled"):
             actions.append(SetState(JobState.RUNNING, f"world size {world_size} at generation {gen}"))
         if coord.get("generation"):
@@ -195,6 +202,19 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
         return actions
     actions.append(outcome(job, list(workers.values()), generation))
     return actions
+
+
+def forgeries(job: JobFacts, report: Any) -> Record | None:
+    """An event when the coordinator's `forged` report ({"count": n, "last": key}, records
+    that failed authentication and were ignored) counts more than already recorded."""
+    if not isinstance(report, Mapping):
+        return None
+    count = report.get("count")
+    if not isinstance(count, int) or isinstance(count, bool) or count <= job.forged_recorded:
+        return None
+    last = "".join(c for c in str(report.get("last") or "?") if c.isprintable())[:80]
+    return Record(FORGED_KIND, f"ignored {count - job.forged_recorded} forged store record(s) (last: {last})",
+                  {"count": count, "last": last})
 
 
 def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int) -> Requeue | Finish:
