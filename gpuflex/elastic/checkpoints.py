@@ -30,6 +30,7 @@ import glob
 import hashlib
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
 import torch
@@ -95,11 +96,15 @@ def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with open(fd, "wb") as f:
+        with open(fd, "wb") as f, ThreadPoolExecutor(1) as hasher:
+            # the digest is computed beside the writes (both release the GIL), in order
             h = hashlib.sha256()
-            for chunk in [MAGIC, len(header).to_bytes(8, "little"), header] + [_bytes_of(t) for t in cpu if t.numel()]:
-                h.update(chunk)
+            chunks = [MAGIC, len(header).to_bytes(8, "little"), header] + [_bytes_of(t) for t in cpu if t.numel()]
+            hashed = [hasher.submit(h.update, c) for c in chunks]
+            for chunk in chunks:
                 f.write(chunk)
+            for done in hashed:
+                done.result()
             f.write(h.digest())
             f.flush()
             os.fsync(f.fileno())
