@@ -238,3 +238,38 @@ def test_forged_records_the_coordinator_ignored_are_an_event_per_new_count(tmp_p
     finally:
         ForgedReport.forged = {"count": 0, "last": None}
         svc.close()
+
+
+# ---- stale socket directories --------------------------------------------------------------
+@root_only
+def test_the_sweep_removes_only_our_stale_socket_directories_that_nothing_serves(tmp_path):
+    import socket
+
+    from gpuflex.hosts.hostops import sweep_socket_dirs
+
+    root = tmp_path / "tmp"
+    root.mkdir()
+    names = ["empty", "dead-socket", "served", "fresh", "kept", "theirs", "link", "notours-prefix"]
+    for n in names[:6]:
+        (root / f"gpuflex-{n}").mkdir(mode=0o700)
+    (root / "other-notours-prefix").mkdir()
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(root / "gpuflex-dead-socket" / "w0.sock"))
+    dead.close()                                   # the file stays, nobody listens: a killed worker
+    served = socket.socket(socket.AF_UNIX)
+    served.bind(str(root / "gpuflex-served" / "coord.sock"))
+    served.listen(1)
+    os.chown(root / "gpuflex-theirs", 4242, 4242)
+    os.symlink(str(tmp_path), root / "gpuflex-link")
+    old = time.time() - 3600
+    for p in root.iterdir():
+        if p.name != "gpuflex-fresh":
+            os.utime(p, (old, old), follow_symlinks=False)
+    try:
+        removed = sweep_socket_dirs(str(root), "gpuflex-", [str(root / "gpuflex-kept")], 600)
+    finally:
+        served.close()
+    assert sorted(removed) == [str(root / "gpuflex-dead-socket"), str(root / "gpuflex-empty")]
+    assert sorted(p.name for p in root.iterdir()) == [
+        "gpuflex-fresh", "gpuflex-kept", "gpuflex-link", "gpuflex-served", "gpuflex-theirs", "other-notours-prefix"]
+    assert tmp_path.exists()

@@ -12,11 +12,13 @@ import time
 from typing import Any
 
 from gpuflex.control import executor, journal
+from gpuflex.control import launch as L
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import facts, observe
 from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.errors import TransportError
+from gpuflex.hosts import hostops
 from gpuflex.policy.lifecycle import decide
 from gpuflex.policy.placement import place
 from gpuflex.states import JobState
@@ -24,6 +26,7 @@ from gpuflex.states import JobState
 log = logging.getLogger(__name__)
 
 LAUNCH_RETRY_S = 30   # wait this long before launching a job again after a host failed it
+SWEEP_MIN_AGE_S = 600  # a socket directory changed more recently than this may be a run starting
 
 
 def reconcile(ops: Ops, job: Job) -> dict[str, Any] | None:
@@ -32,6 +35,17 @@ def reconcile(ops: Ops, job: Job) -> dict[str, Any] | None:
     seen = observe(ops.config, ops.pool, job)
     executor.apply(ops, job, decide(facts(job), seen))
     return seen.coordinator
+
+
+def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:
+    """Remove this machine's stale control-socket directories of ours (see
+    gpuflex.hosts.hostops.sweep_socket_dirs), never one of `active`'s runs; only where
+    this machine is one of the pool's hosts."""
+    if not any(h.is_local for h in ops.config.hosts):
+        return
+    keep = [j.socket_dir for j in active if j.socket_dir]
+    for path in hostops.sweep_socket_dirs(L.SOCKET_ROOT, L.SOCKET_PREFIX, keep, SWEEP_MIN_AGE_S):
+        log.debug("removed the stale socket directory %s", path)
 
 
 def place_queued(ops: Ops) -> None:

@@ -161,12 +161,14 @@ class JobService:
             ops = self.ops(session)
             self.pool.sync_hosts(session)
             self.record_probes(session, results)
-            for job in queries.jobs(session, queries.ACTIVE):
+            active = queries.jobs(session, queries.ACTIVE)
+            for job in active:
                 status = lifecycle.reconcile(ops, job)
                 if status is not None and status.get("progress"):
                     self.progress[job.id] = status["progress"]
             session.flush()
             lifecycle.place_queued(ops)
+            lifecycle.sweep_socket_dirs(ops, active)
 
     # ---- commands ----------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> int:

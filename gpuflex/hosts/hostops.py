@@ -16,6 +16,8 @@ import json
 import logging
 import os
 import signal
+import socket
+import stat
 import subprocess
 import sys
 import time
@@ -101,6 +103,46 @@ def cleanup(socket_dirs: list[str]) -> list[bool]:
     process left) if it is ours; per directory, True when it is gone."""
     return [remove_own_dir(d) if os.path.basename(d.rstrip("/")).startswith("gpuflex-") else False
             for d in socket_dirs]
+
+
+def sweep_socket_dirs(root: str, prefix: str, keep: list[str], min_age_s: float) -> list[str]:
+    """Remove our `root/prefix*` socket directories that no process serves any more (left
+    by a run that ended without gpuflex seeing it end, or by an older gpuflex), except
+    those in `keep` and those changed in the last `min_age_s` (a run starting now);
+    returns the ones removed. Another user's directory, or a symlink, is never touched."""
+    removed = []
+    now = time.time()
+    try:
+        entries = [e for e in os.scandir(root) if e.name.startswith(prefix)]
+    except OSError:
+        return removed
+    for e in entries:
+        try:
+            st = os.lstat(e.path)
+            if e.path in keep or not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() \
+                    or now - st.st_mtime < min_age_s:
+                continue
+            if any(_served(s.path) for s in os.scandir(e.path)
+                   if stat.S_ISSOCK(s.stat(follow_symlinks=False).st_mode)):
+                continue
+        except OSError:
+            continue
+        if remove_own_dir(e.path):
+            removed.append(e.path)
+    return removed
+
+
+def _served(path: str) -> bool:
+    """Whether a process accepts connections on the unix socket `path` (unsure: True)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(0.5)
+        try:
+            s.connect(path)
+        except (ConnectionRefusedError, FileNotFoundError):
+            return False
+        except OSError:
+            return True
+    return True
 
 
 def proc_stats() -> Iterator[tuple[int, str, int, int]]:
