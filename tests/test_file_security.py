@@ -273,3 +273,103 @@ def test_the_sweep_removes_only_our_stale_socket_directories_that_nothing_serves
     assert sorted(p.name for p in root.iterdir()) == [
         "gpuflex-fresh", "gpuflex-kept", "gpuflex-link", "gpuflex-served", "gpuflex-theirs", "other-notours-prefix"]
     assert tmp_path.exists()
+
+
+# ---- real jobs, another real user ------------------------------------------------------------
+def job_row(db: Path, job_id: int) -> dict:
+    [(token, secret, socket_dir, state)] = db_rows(db, "SELECT token, secret, socket_dir, state FROM jobs "
+                                                       "WHERE id = ?", (job_id,))
+    return {"token": token, "secret": secret, "socket_dir": socket_dir, "state": state}
+
+
+def wait_state(gf: GpuflexCLI, job_id: int, states: set[str]) -> dict:
+    end = time.monotonic() + 180
+    while True:
+        job = gf.json("status", str(job_id))
+        if job["state"] in states:
+            return job
+        assert time.monotonic() < end, f"job {job_id} still {job['state']}"
+        time.sleep(0.5)
+
+
+@root_only
+def test_another_user_can_neither_read_a_jobs_files_nor_break_its_start(mallory, open_tmp, umask_022):
+    cfg = write_config(open_tmp, slots=1)           # the DB in a directory everyone may enter
+    gf = GpuflexCLI(open_tmp, cfg)
+    db = open_tmp / "g.db"
+    squatted: list[str] = []
+    try:
+        first = gf.submit(py("import time; time.sleep(3)"), "--name", "first")
+        code = ("import os, pathlib, time; "
+                "pathlib.Path(os.environ['GPUFLEX_CHECKPOINT_DIR'], 'ckpt').write_text('weights'); "
+                "time.sleep(1); print('done')")
+        second = gf.submit(py(code), "--name", "second", "--env", f"API_KEY={ENV_VALUE}")
+        assert second["state"] == "queued"
+        row = job_row(db, second["id"])
+        # what another user could do with the token: the old predictable name, made first, 0777,
+        # and names that would look like ours
+        for d in (f"/tmp/gpuflex-{row['token']}", f"/tmp/gpuflex-{row['token']}-0",
+                  f"/tmp/gpuflex-{os.urandom(16).hex()}"):
+            r = as_user(mallory, f"mkdir -m 777 {d} && chmod 777 {d}")
+            assert r.returncode == 0, r.stderr
+            squatted.append(d)
+
+        done = gf.wait_final(second["id"])
+        assert (done["state"], done["exit_code"]) == ("succeeded", 0)
+        assert gf.wait_final(first["id"])["state"] == "succeeded"
+        runs = [job_row(db, j["id"]) for j in (first, second)]
+        assert all(r["socket_dir"].startswith("/tmp/gpuflex-") and len(r["socket_dir"]) == 45 for r in runs)
+        assert not any(r["socket_dir"] in squatted for r in runs)
+        assert [os.path.exists(r["socket_dir"]) for r in runs] == [False, False]   # removed at the end
+        assert all(os.stat(d).st_uid == pwd.getpwnam(mallory).pw_uid for d in squatted)   # not used, not removed
+
+        # another user reads nothing of it
+        job_dir = open_tmp / "work" / "jobs" / row["token"]
+        log = job_dir / f"worker-{done['workers'][0]['wid']}.log"
+        assert "done" in log.read_text()
+        for command in (f"cat {db}", f"ls {open_tmp}/work", f"ls {job_dir}", f"cat {log}",
+                        f"cat {job_dir}/checkpoints/ckpt", f"cat {job_dir}/coordinator.log"):
+            r = as_user(mallory, command)
+            assert r.returncode != 0 and "Permission denied" in r.stderr, command
+        # and not through the files' own modes either, with the directories opened up
+        for d in (open_tmp / "work", open_tmp / "work" / "jobs", job_dir):
+            os.chmod(d, 0o755)
+        assert as_user(mallory, f"ls {job_dir}").returncode == 0
+        for f in ("coordinator.log", "coordinator.exit", log.name, log.name[:-4] + ".exit"):
+            r = as_user(mallory, f"cat {job_dir}/{f}")
+            assert r.returncode != 0 and "Permission denied" in r.stderr, f
+
+        # nothing gpuflex prints or logs holds the secret or the --env value
+        outputs = [gf.ok(*args).stdout for args in (
+            ("status",), ("status", "--json"), ("status", str(second["id"])),
+            ("status", str(second["id"]), "--json"), ("events", str(second["id"])),
+            ("events", str(second["id"]), "--json"), ("logs", str(second["id"])))]
+        outputs.append((job_dir / "coordinator.log").read_text())
+        for text in outputs:
+            assert row["secret"] not in text and ENV_VALUE not in text
+    finally:
+        cleanup_jobs(gf, db)
+        for d in squatted:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+@root_only
+def test_a_cancelled_jobs_socket_directory_is_removed(open_tmp, umask_022):
+    cfg = write_config(open_tmp, slots=1)
+    gf = GpuflexCLI(open_tmp, cfg)
+    db = open_tmp / "g.db"
+    try:
+        job = gf.submit(py("import time; time.sleep(120)"))
+        wait_state(gf, job["id"], {"running"})
+        sock = job_row(db, job["id"])["socket_dir"]
+        end = time.monotonic() + 60
+        while not glob.glob(f"{sock}/*.sock"):   # the coordinator's socket, once it is up
+            assert time.monotonic() < end
+            time.sleep(0.2)
+        st = os.lstat(sock)
+        assert (stat.S_ISDIR(st.st_mode), st.st_uid, mode(sock)) == (True, os.getuid(), 0o700)
+        gf.ok("cancel", str(job["id"]))
+        assert gf.json("status", str(job["id"]))["state"] == "cancelled"
+        assert not os.path.exists(sock)
+    finally:
+        cleanup_jobs(gf, db)
