@@ -5,12 +5,15 @@ training going on. No processes: the training state is driven directly."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import random
 import re
 import stat
 import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -301,3 +304,39 @@ def test_checkpoints_are_owner_only_and_the_previous_one_is_kept(job, tmp_path):
     found = load_newest_good(str(ck / CHECKPOINT_FILE))
     assert found.payload["state"]["step"] == 3 and found.refused == ()
     assert load_checkpoint(str(ck / "checkpoint.prev.pt"))["state"]["step"] == 2
+
+
+EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_mlp.py")
+
+
+def run_example(tmp_path, name: str, epochs: int, ckdir=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
+    if ckdir is not None:   # a checkpoint at every step
+        env.update(GPUFLEX_CHECKPOINT_DIR=str(ckdir), GPUFLEX_CHECKPOINT_INTERVAL_S="1e-9")
+    return subprocess.run([sys.executable, EXAMPLE, "--hidden", "16", "--seed", "3", "--epochs", str(epochs),
+                           "--report", str(tmp_path / f"{name}.json")],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_a_script_resumes_from_the_previous_checkpoint_and_ends_exact_or_fails_with_one_line(tmp_path):
+    """The example script, standalone (one process, no services): its newest checkpoint
+    bit-flipped, it resumes from the previous one and ends with the parameters of an
+    uninterrupted run; with both bad it exits NO_CHECKPOINT_EXIT with one line, no traceback."""
+    ck = tmp_path / "ck"
+    assert run_example(tmp_path, "ref", 2).returncode == 0
+    assert run_example(tmp_path, "first", 1, ck).returncode == 0          # checkpoints at steps 31, 32
+    flip_floats(ck / CHECKPOINT_FILE)
+    p = run_example(tmp_path, "resumed", 2, ck)
+    assert p.returncode == 0, p.stderr
+    assert "failed its checksum" in p.stderr and "resumed from checkpoint at step 31" in p.stderr
+    ref, got = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("ref", "resumed"))
+    assert got["steps"] == ref["steps"] == 64 and got["params"] == ref["params"]
+    assert got["step_log"][-1][0] == 63 and got["samples"] == ref["samples"]
+    for f in (CHECKPOINT_FILE, "checkpoint.prev.pt"):
+        flip_floats(ck / f)
+    p = run_example(tmp_path, "failed", 2, ck)
+    assert p.returncode == NO_CHECKPOINT_EXIT
+    assert p.stderr.strip().splitlines() == [
+        f"gpuflex: no usable checkpoint: {ck / CHECKPOINT_FILE} failed its checksum (the file is corrupted); "
+        f"{ck / 'checkpoint.prev.pt'} failed its checksum (the file is corrupted); the job cannot resume "
+        "and does not start over"]
