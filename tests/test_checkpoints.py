@@ -340,3 +340,25 @@ def test_a_script_resumes_from_the_previous_checkpoint_and_ends_exact_or_fails_w
         f"gpuflex: no usable checkpoint: {ck / CHECKPOINT_FILE} failed its checksum (the file is corrupted); "
         f"{ck / 'checkpoint.prev.pt'} failed its checksum (the file is corrupted); the job cannot resume "
         "and does not start over"]
+
+
+def test_a_fifo_or_a_device_in_place_of_the_checkpoint_is_refused_without_hanging(tmp_path):
+    fifo, dev = tmp_path / "fifo.pt", tmp_path / "dev.pt"
+    os.mkfifo(fifo)
+    dev.symlink_to("/dev/zero")
+    for p in (fifo, dev):
+        with pytest.raises(CheckpointError, match="is not a regular file"):
+            load_checkpoint(str(p))
+
+
+def test_a_planted_temp_file_or_link_is_never_written_through(tmp_path, monkeypatch):
+    """Someone who could write in the directory plants a link where the next temp file goes."""
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    monkeypatch.setattr(checkpoints, "remove_temp_files", lambda path: [])   # planted after the cleanup
+    (ck / f"checkpoint.pt.tmp.{os.getpid()}").symlink_to(victim)
+    with pytest.raises(FileExistsError):
+        save_checkpoint(str(ck / CHECKPOINT_FILE), {"w": torch.ones(2)})
+    assert victim.read_text() == "keep"

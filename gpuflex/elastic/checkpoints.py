@@ -30,6 +30,7 @@ import glob
 import hashlib
 import json
 import os
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO
 
@@ -95,7 +96,8 @@ def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
     remove_temp_files(path)   # leftovers of an earlier try
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # owner-only, and never through a link or into a file someone else made
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with open(fd, "wb") as f, ThreadPoolExecutor(1) as hasher:
             # the digest is computed beside the writes (both release the GIL), in order
             h = hashlib.sha256()
@@ -153,15 +155,18 @@ def load_checkpoint(path: str) -> dict[str, Any] | None:
     """The payload saved at `path`, verified; None if there is no file. Raises
     CheckpointError naming the file and the problem for a file that is short, not ours,
     or fails its checksum: nothing of such a file is used."""
-    try:
-        f = open(path, "rb")
+    try:   # O_NONBLOCK: a FIFO in its place must not hang the worker
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
     except OSError as e:
         raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from None
     try:
-        with f:
-            return _load(f, path, os.fstat(f.fileno()).st_size)
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointError(f"{path} is not a regular file")
+            return _load(f, path, st.st_size)
     except OSError as e:
         raise CheckpointError(f"{path} cannot be read: {e.strerror or e}") from None
 
