@@ -84,7 +84,7 @@ def _dtype_name(t: torch.Tensor, where: int) -> str:
 def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
     """Write `payload` (tensors and what `codec` carries) to `path` atomically, the file
     before it kept as `previous_path(path)`. Raises OSError (a full disk...) with the temp
-    file removed and the existing checkpoints untouched; CodecError for a value that
+    file removed and the existing checkpoints intact; CodecError for a value that
     cannot be written safely."""
     d = os.path.dirname(path) or "."
     os.makedirs(d, mode=0o700, exist_ok=True)
