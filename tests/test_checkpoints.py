@@ -221,7 +221,9 @@ def test_a_failed_write_leaves_training_going_with_the_old_checkpoint(job, tmp_p
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(checkpoints.os, "fsync", full)
+    before = job.state.last_checkpoint
     assert job.save() is False
+    assert job.state.last_checkpoint > before   # retried an interval later, not at every step
     assert "No space left on device" in job.state.last_checkpoint_error
     assert job.state.checkpoint_failures == 1
     assert "checkpoint at step 3 failed: No space left on device" in caplog.text

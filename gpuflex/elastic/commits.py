@@ -118,7 +118,6 @@ class TrainingState:
         if not (self.checkpoint_dir and rank == 0):
             return False
         path = os.path.join(self.checkpoint_dir, CHECKPOINT_FILE)
-        self.last_checkpoint = time.monotonic()
         try:
             save_checkpoint(path, {"state": self.capture(), "logs": self.logs_payload(),
                                    "time": time.time(), "world_size": world_size})
@@ -127,6 +126,8 @@ class TrainingState:
             self.last_checkpoint_error = f"checkpoint at step {self.step} failed: {e.strerror or e} ({path})"
             log.warning("gpuflex: %s; training goes on, the earlier checkpoints are kept", self.last_checkpoint_error)
             return False
+        finally:   # a failed write is retried an interval later, not at every step
+            self.last_checkpoint = time.monotonic()
         self.last_checkpoint_error = None
         return True
 
