@@ -21,7 +21,7 @@ from gpuflex.elastic.collectives import Collectives
 from gpuflex.elastic.coordinator import serve_store
 from gpuflex.elastic.formation import header_text, read_header
 from gpuflex.elastic.generations import Generations
-from gpuflex.elastic.rendezvous import Rendezvous
+from gpuflex.elastic.rendezvous import Rendezvous, StoreLost
 from gpuflex.elastic.state import TensorRef, flatten
 from tests.fakes.store_fake import Clock, FakeStore
 
@@ -206,13 +206,23 @@ def test_a_worker_ignores_a_forged_generation_and_joins_the_signed_one(real_stor
         rdzv.close()
 
 
-def test_a_worker_without_the_secret_cannot_read_the_run(real_store):
-    Generations(real_store, [0], hb_timeout_s=HB, secret=SECRET)
-    rdzv = Rendezvous(f"127.0.0.1:{real_store.port}", 0, secret=SECRET, timeout_s=10, heartbeat_s=0.05)
-    rdzv.close()
-    from gpuflex.elastic.rendezvous import StoreLost
+@pytest.mark.parametrize("coordinator_secret", [SECRET, None])
+def test_a_worker_with_a_secret_refuses_a_store_signed_otherwise_or_not_at_all(real_store, coordinator_secret):
+    Generations(real_store, [0], hb_timeout_s=HB, secret=coordinator_secret)
     with pytest.raises(StoreLost, match="not signed with this job's secret"):
         Rendezvous(f"127.0.0.1:{real_store.port}", 1, secret=OTHER, timeout_s=0.3, heartbeat_s=0.05)
+
+
+def test_without_a_secret_on_either_side_a_job_runs_unauthenticated(real_store):
+    gens = Generations(real_store, [0], hb_timeout_s=HB, secret=None)
+    rdzv = Rendezvous(f"127.0.0.1:{real_store.port}", 0, secret=None, timeout_s=10, heartbeat_s=0.05)
+    try:
+        rdzv.set(keys.ready(0), "0")
+        assert real_store.get(keys.ready(0)) == b"0"   # written as it is
+        gens.tick()
+        assert rdzv.wait_for_generation(0, False, lambda: False)["members"] == [0]
+    finally:
+        rdzv.close()
 
 
 # ---- the state header: signed JSON over a uint8 tensor -------------------------------------------
