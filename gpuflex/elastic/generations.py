@@ -119,7 +119,7 @@ class Generations:
         now = self.clock()
         if not self.has(key):
             return False
-        value = self.store.get(key).decode()
+        value = self.store.get(key).decode(errors="replace")
         prev = self._hb_seen.get(wid)
         if prev is None or prev[0] != value:
             self._hb_seen[wid] = (value, now)
