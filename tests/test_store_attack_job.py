@@ -35,6 +35,7 @@ def test_a_process_without_the_secret_cannot_forge_a_generation_a_resize_or_stat
                        capture_output=True, text=True, timeout=120, env=attacker_env)
     assert p.returncode == 0, p.stdout + p.stderr
     did = json.loads(p.stdout.strip().splitlines()[-1])
+    assert not marker.exists(), "a worker unpickled the attacker's state header"
     assert did["state"].startswith("no group"), did   # no worker joined the forged generation
 
     time.sleep(2)   # a few coordinator ticks
