@@ -9,7 +9,6 @@ the job's secret and its --env values. Tests that start real processes run a tin
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import json
 import os
@@ -30,9 +29,8 @@ from gpuflex.control.pool import Pool
 from gpuflex.control.service import JobService, SubmitRequest
 from gpuflex.db.engine import open_database
 from gpuflex.errors import TransportError
-from gpuflex.hosts import private
 from gpuflex.hosts.transport import LocalTransport, SpawnSpec
-from tests.conftest import FINAL_STATES, GpuflexCLI, cleanup_jobs, db_rows, py, write_config
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, py, write_config
 from tests.fakes.hosts import FakeHost, World
 
 MALLORY = "gpuflex-mallory-f"   # this file's own attacker (other test files may make theirs)
@@ -136,14 +134,17 @@ def test_a_spawned_processs_job_files_are_owner_only_and_the_users_own_files_kee
     t = LocalTransport(HostConfig(name="local"))
     sock = f"/tmp/gpuflex-test-{os.urandom(8).hex()}"
     spec = spawn_spec(open_tmp, sock)
-    t.spawn(spec)
-    wait_exit(Path(spec.exit_path))
-    d = open_tmp / "work" / "jobs" / "tok"
-    assert {p: mode(p) for p in (open_tmp / "work", open_tmp / "work" / "jobs", d, d / "checkpoints", sock)} \
-        == {p: 0o700 for p in (open_tmp / "work", open_tmp / "work" / "jobs", d, d / "checkpoints", sock)}
-    assert (mode(spec.log), mode(spec.exit_path)) == (0o600, 0o600)
-    assert mode(open_tmp / "user-file") == 0o644   # the script's own output: its umask
-    assert t.cleanup([sock]) == [True] and not os.path.exists(sock)
+    try:
+        t.spawn(spec)
+        wait_exit(Path(spec.exit_path))
+        d = open_tmp / "work" / "jobs" / "tok"
+        dirs = (open_tmp / "work", open_tmp / "work" / "jobs", d, d / "checkpoints", sock)
+        assert {p: mode(p) for p in dirs} == {p: 0o700 for p in dirs}
+        assert (mode(spec.log), mode(spec.exit_path)) == (0o600, 0o600)
+        assert mode(open_tmp / "user-file") == 0o644   # the script's own output: its umask
+        assert t.cleanup([sock]) == [True] and not os.path.exists(sock)
+    finally:
+        shutil.rmtree(sock, ignore_errors=True)
 
 
 @root_only

@@ -103,9 +103,11 @@ def test_the_ssh_module_is_loaded_only_for_the_first_ssh_host():
     assert "gpuflex.hosts.ssh" in after and "paramiko" in after
 
 
-@pytest.mark.parametrize("module", ["gpuflex.hosts.relay", "gpuflex.hosts.hostops"])
+@pytest.mark.parametrize("module", ["gpuflex.hosts.relay", "gpuflex.hosts.hostops", "gpuflex.hosts.private"])
 def test_the_host_side_modules_need_only_the_standard_library(module):
     # they run under the host's python, where gpuflex's dependencies may be missing
+    # (hostops uses gpuflex.hosts.private, the owner-only files, itself standard library only)
     loaded = _modules_after(f"import {module}")
-    assert {m for m in loaded if m.startswith("gpuflex")} <= {"gpuflex", "gpuflex.hosts", module}
+    assert {m for m in loaded if m.startswith("gpuflex")} <= {"gpuflex", "gpuflex.hosts", "gpuflex.hosts.private",
+                                                              module}
     assert not {"pydantic", "paramiko", "sqlalchemy"} & loaded
