@@ -16,6 +16,7 @@ import pwd
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -293,18 +294,25 @@ def wait_state(gf: GpuflexCLI, job_id: int, states: set[str]) -> dict:
         time.sleep(0.5)
 
 
+EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_mlp.py")
+
+
 @root_only
 def test_another_user_can_neither_read_a_jobs_files_nor_break_its_start(mallory, open_tmp, umask_022):
-    cfg = write_config(open_tmp, slots=1)           # the DB in a directory everyone may enter
+    """The second job is the elastic example: its coordinator and its worker each serve a
+    control socket in the run's directory, and it writes checkpoints."""
+    cfg = open_tmp / "g.toml"                       # the DB in a directory everyone may enter
+    cfg.write_text(f'[database]\nurl = "sqlite:///{open_tmp}/g.db"\n\n'
+                   "[jobs]\ncancel_grace_s = 3\ncheckpoint_interval_s = 0.5\n\n"
+                   f'[[hosts]]\nname = "local"\ngpus = "cpu:1"\nworkdir = "{open_tmp}/work"\n')
     gf = GpuflexCLI(open_tmp, cfg)
     db = open_tmp / "g.db"
     squatted: list[str] = []
     try:
         first = gf.submit(py("import time; time.sleep(3)"), "--name", "first")
-        code = ("import os, pathlib, time; "
-                "pathlib.Path(os.environ['GPUFLEX_CHECKPOINT_DIR'], 'ckpt').write_text('weights'); "
-                "time.sleep(1); print('done')")
-        second = gf.submit(py(code), "--name", "second", "--env", f"API_KEY={ENV_VALUE}")
+        second = gf.submit([sys.executable, EXAMPLE, "--hidden", "32", "--epochs", "3", "--step-sleep", "0.02",
+                            "--report", str(open_tmp / "report.json")],
+                           "--name", "second", "--env", f"API_KEY={ENV_VALUE}")
         assert second["state"] == "queued"
         row = job_row(db, second["id"])
         # what another user could do with the token: the old predictable name, made first, 0777,
@@ -316,8 +324,12 @@ def test_another_user_can_neither_read_a_jobs_files_nor_break_its_start(mallory,
             squatted.append(d)
 
         done = gf.wait_final(second["id"])
-        assert (done["state"], done["exit_code"]) == ("succeeded", 0)
+        job_dir = open_tmp / "work" / "jobs" / row["token"]
+        log = job_dir / f"worker-{done['workers'][0]['wid']}.log"
+        assert (done["state"], done["exit_code"]) == ("succeeded", 0), log.read_text()[-3000:]
         assert gf.wait_final(first["id"])["state"] == "succeeded"
+        coordinator_log = (job_dir / "coordinator.log").read_text()
+        assert "listening" in coordinator_log and "Traceback" not in coordinator_log + log.read_text()
         runs = [job_row(db, j["id"]) for j in (first, second)]
         assert all(r["socket_dir"].startswith("/tmp/gpuflex-") and len(r["socket_dir"]) == 45 for r in runs)
         assert not any(r["socket_dir"] in squatted for r in runs)
@@ -325,18 +337,20 @@ def test_another_user_can_neither_read_a_jobs_files_nor_break_its_start(mallory,
         assert all(os.stat(d).st_uid == pwd.getpwnam(mallory).pw_uid for d in squatted)   # not used, not removed
 
         # another user reads nothing of it
-        job_dir = open_tmp / "work" / "jobs" / row["token"]
-        log = job_dir / f"worker-{done['workers'][0]['wid']}.log"
-        assert "done" in log.read_text()
+        checkpoints = sorted((job_dir / "checkpoints").iterdir())
+        assert checkpoints, "the example wrote no checkpoint"
         for command in (f"cat {db}", f"ls {open_tmp}/work", f"ls {job_dir}", f"cat {log}",
-                        f"cat {job_dir}/checkpoints/ckpt", f"cat {job_dir}/coordinator.log"):
+                        f"cat {checkpoints[0]}", f"cat {job_dir}/coordinator.log"):
             r = as_user(mallory, command)
             assert r.returncode != 0 and "Permission denied" in r.stderr, command
         # and not through the files' own modes either, with the directories opened up
         for d in (open_tmp / "work", open_tmp / "work" / "jobs", job_dir):
             os.chmod(d, 0o755)
         assert as_user(mallory, f"ls {job_dir}").returncode == 0
-        for f in ("coordinator.log", "coordinator.exit", log.name, log.name[:-4] + ".exit"):
+        files = [f for f in ("coordinator.log", "coordinator.exit", log.name, log.name[:-4] + ".exit")
+                 if (job_dir / f).exists()]
+        assert {"coordinator.log", log.name} <= set(files)
+        for f in files:
             r = as_user(mallory, f"cat {job_dir}/{f}")
             assert r.returncode != 0 and "Permission denied" in r.stderr, f
 
@@ -345,7 +359,7 @@ def test_another_user_can_neither_read_a_jobs_files_nor_break_its_start(mallory,
             ("status",), ("status", "--json"), ("status", str(second["id"])),
             ("status", str(second["id"]), "--json"), ("events", str(second["id"])),
             ("events", str(second["id"]), "--json"), ("logs", str(second["id"])))]
-        outputs.append((job_dir / "coordinator.log").read_text())
+        outputs.append(coordinator_log)
         for text in outputs:
             assert row["secret"] not in text and ENV_VALUE not in text
     finally:
