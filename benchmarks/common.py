@@ -66,11 +66,13 @@ class Gpuflex:
         """The job's step from its coordinator's control socket: in-process and cheap, so
         watching a run does not steal the CPU its workers are measured on (a `gpuflex`
         command costs ~0.7 s of CPU)."""
-        from gpuflex.hosts.transport import unix_request
+        from gpuflex.hosts.relay import unix_request
 
-        (token,) = self._db("SELECT token FROM jobs WHERE id = ?", int(job))[0]
+        (sockets,) = self._db("SELECT socket_dir FROM jobs WHERE id = ?", int(job))[0]
+        if not sockets:
+            return 0   # not started yet
         try:
-            reply = unix_request(f"/tmp/gpuflex-{token}/coord.sock", {"op": "status"}, 5)
+            reply = unix_request(os.path.join(sockets, "coord.sock"), {"op": "status"}, 5)
         except OSError:
             return 0
         return (reply.get("progress") or {}).get("step") or 0

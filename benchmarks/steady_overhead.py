@@ -128,10 +128,10 @@ def measure(hidden: int, pairs: int, window: float) -> tuple[list[tuple[int, flo
                 gf.wait_workers_gone(job)
                 gf.status(job)
         ddp_steps = [list(map(float, ln.split())) for ln in ddp_log.read_text().splitlines()]
-        import torch
+        from gpuflex.elastic.checkpoints import load_checkpoint
 
         ck = next((tmp / "gf" / "work").rglob("checkpoint.pt"))
-        our_steps = torch.load(ck, weights_only=False)["logs"]["step_log"]
+        our_steps = load_checkpoint(str(ck))["logs"]["step_log"]
         return ddp.rates(ddp_steps), ours.rates(our_steps)
 
 
