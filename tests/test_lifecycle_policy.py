@@ -148,3 +148,26 @@ def test_forged_store_records_the_coordinator_ignored_are_one_event_per_new_coun
     status = {**coord(1, [0]), **({"forged": report} if report is not None else {})}
     got = [a for a in decide(facts, Observation({0: ALIVE}, coordinator=status)) if isinstance(a, Record)]
     assert got == ([want] if want else [])
+
+
+FULL = "checkpoint at step 40 failed: No space left on device (/ckpt/checkpoint.pt)"
+
+
+@pytest.mark.parametrize("progress,already,want", [
+    (None, {}, None),
+    ({"wid": 0, "step": 3, "checkpoint_failures": 0, "checkpoint_error": None}, {}, None),
+    ({"wid": 0, "checkpoint_failures": 1, "checkpoint_error": FULL}, {},
+     Record("checkpoint-failed", f"worker 0: {FULL}; training goes on (1 failed so far)", {"wid": 0, "count": 1})),
+    ({"wid": 0, "checkpoint_failures": 1, "checkpoint_error": FULL}, {0: 1}, None),   # once, not at every command
+    ({"wid": 0, "checkpoint_failures": 2, "checkpoint_error": FULL}, {0: 1},
+     Record("checkpoint-failed", f"worker 0: {FULL}; training goes on (2 failed so far)", {"wid": 0, "count": 2})),
+    # a new rank 0 counts from 1 again: its own failures are not hidden by another worker's
+    ({"wid": 2, "checkpoint_failures": 1, "checkpoint_error": FULL}, {0: 3},
+     Record("checkpoint-failed", f"worker 2: {FULL}; training goes on (1 failed so far)", {"wid": 2, "count": 1})),
+    ({"wid": 0, "checkpoint_failures": True, "checkpoint_error": FULL}, {}, None),   # not a count
+], ids=["none", "zero", "new", "same", "more", "new-rank-0", "malformed"])
+def test_failed_checkpoint_writes_are_one_event_per_new_count_of_each_worker(progress, already, want):
+    facts = dataclasses.replace(job(w(0), w(2)), checkpoint_failures_recorded=already)
+    status = {**coord(1, [0, 2]), **({"progress": progress} if progress is not None else {})}
+    got = [a for a in decide(facts, Observation({0: ALIVE, 2: ALIVE}, coordinator=status)) if isinstance(a, Record)]
+    assert got == ([want] if want else [])

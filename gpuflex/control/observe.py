@@ -17,7 +17,8 @@ from gpuflex.control import launch as L
 from gpuflex.control.pool import Pool
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import JobError, TransportError
-from gpuflex.policy.lifecycle import FORGED_KIND, HISTORY_KINDS, JobFacts, Observation, ProcSeen, WorkerFacts
+from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, JobFacts, Observation,
+                                      ProcSeen, WorkerFacts)
 
 log = logging.getLogger(__name__)
 
@@ -90,11 +91,17 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
 
 def facts(job: Job) -> JobFacts:
     """The policy's view of a job's record."""
+    run_events = [e for e in job.events if e.time >= (job.started_at or 0)]
+    failed_checkpoints: dict[int, int] = {}
+    for e in run_events:
+        if e.kind == CHECKPOINT_FAILED_KIND and isinstance(e.data.get("wid"), int):
+            wid = e.data["wid"]
+            failed_checkpoints[wid] = max(failed_checkpoints.get(wid, 0), e.data.get("count") or 0)
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
         workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code)
                       for w in job.workers),
         generation=job.generation, world_size=job.world_size, started_at=job.started_at,
         recorded=frozenset(e.data.get("generation") for e in job.events if e.kind in HISTORY_KINDS),
-        forged_recorded=max((e.data.get("count") or 0 for e in job.events if e.kind == FORGED_KIND
-                             and e.time >= (job.started_at or 0)), default=0))
+        forged_recorded=max((e.data.get("count") or 0 for e in run_events if e.kind == FORGED_KIND), default=0),
+        checkpoint_failures_recorded=failed_checkpoints)

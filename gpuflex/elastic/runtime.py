@@ -328,21 +328,28 @@ class ElasticRun:
                 self._pending_timings = None
         if stop:
             self.stopped = True
-            state.checkpoint(self.rank, self.world_size)
+            self._checkpoint()
             return False
         if state.step >= self.sampler.total_steps:
-            state.checkpoint(self.rank, self.world_size)
+            self._checkpoint()
             if self.rdzv is not None and self.rank == 0:
                 self.rdzv.set(keys.FINISHED, "1")
             return False
         if self.rank == 0 and (ckpt or time.monotonic() - state.last_checkpoint >= self.checkpoint_interval_s):
-            state.checkpoint(self.rank, self.world_size)
+            self._checkpoint()
         if self.rank == 0 and self.rdzv is not None:
             self.progress.report(state.step_log, self.rdzv)
         if switch_to > self.generation:
             self._joined(self.formation.switch(switch_to, agreed_at=now, agree_s=self.agreement.last_s))
             return self._more()
         return True
+
+    def _checkpoint(self) -> None:
+        """Rank 0 writes a checkpoint; one that failed is reported at once through the
+        progress record (the control side turns each new failure into an event)."""
+        if not self.state.checkpoint(self.rank, self.world_size) and self.state.last_checkpoint_error \
+                and self.rdzv is not None:
+            self.progress.report(self.state.step_log, self.rdzv, force=True)
 
     def _more(self) -> bool:
         return self.state.step < self.sampler.total_steps and not self.stopped
@@ -353,6 +360,8 @@ class ElasticRun:
                 "generation": self.generation, "step": self.step, "epoch": self.epoch,
                 "samples_per_s": round(self.progress.rate, 2),
                 "loss": None if loss is None else float(loss),
+                "checkpoint_failures": self.state.checkpoint_failures,
+                "checkpoint_error": self.state.last_checkpoint_error,
                 "time": time.time()}
 
     # ---- shutdown ------------------------------------------------------------------------------

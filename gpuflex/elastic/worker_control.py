@@ -54,10 +54,10 @@ class Progress:
         self.rate = 0.0   # samples per second over the last steps
         self._last = 0.0
 
-    def report(self, step_log: list[list[float]], rdzv: Rendezvous) -> None:
-        """Called by rank 0 at each step boundary."""
+    def report(self, step_log: list[list[float]], rdzv: Rendezvous, force: bool = False) -> None:
+        """Called by rank 0 at each step boundary (at most once a second unless `force`)."""
         now = time.monotonic()
-        if now - self._last < PROGRESS_INTERVAL_S:
+        if now - self._last < PROGRESS_INTERVAL_S and not force:
             return
         n = min(len(step_log), 20)
         if n >= 2:

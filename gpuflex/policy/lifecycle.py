@@ -12,7 +12,8 @@ gpuflex.control.executor writes it. In order:
    generation of its history ("formed", "scale", "fault" with the phase timings), and
    RUNNING once a scaling job has settled; Record "forged" when the coordinator has ignored
    more store records that failed authentication than the run's events say (one event
-   per new count).
+   per new count); Record "checkpoint-failed" when rank 0's progress counts more failed
+   checkpoint writes (a full disk: training goes on) than the run's events say for it.
 3. A live worker on an unreachable host that the job has gone on without (not in a newer
    generation's members, and not a newcomer still starting) is LOST.
 4. While workers live: "store-lost" (once) when the coordinator neither answers nor
@@ -33,6 +34,7 @@ from gpuflex.states import JobState, WorkerState
 _KINDS = {"initial": "formed", "resize": "scale", "recover": "fault"}
 HISTORY_KINDS = ("scale", "fault", "formed")   # events that record a generation
 FORGED_KIND = "forged"   # the event of store records that failed authentication
+CHECKPOINT_FAILED_KIND = "checkpoint-failed"   # the event of a checkpoint write that failed
 
 
 # ---- the inputs ---------------------------------------------------------------------------
@@ -61,6 +63,8 @@ class JobFacts:
     started_at: float | None = None
     recorded: frozenset[int] = frozenset()   # generations whose formation is already an event
     forged_recorded: int = 0   # forged store records this run's events already report
+    # wid -> the failed checkpoint writes of that worker this run's events already report
+    checkpoint_failures_recorded: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,9 +186,9 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
             data = {k: v for k, v in h.items() if k not in ("kind", "message")}
             actions.append(Record(kind, f"generation {h['generation']}: {h.get('message', kind)}",
                                   {"generation_kind": h["kind"], **data}))
-        forged = forgeries(job, coord.get("forged"))
-        if forged is not None:
-            actions.append(forged)
+        for record in (forgeries(job, coord.get("forged")), checkpoint_failures(job, coord.get("progress"))):
+            if record is not None:
+                actions.append(record)
         if job.state is JobState.SCALING and coord.get("settled"):
             actions.append(SetState(JobState.RUNNING, f"world size {world_size} at generation {gen}"))
         if coord.get("generation"):
@@ -215,6 +219,22 @@ def forgeries(job: JobFacts, report: Any) -> Record | None:
     last = "".join(c for c in str(report.get("last") or "?") if c.isprintable())[:80]
     return Record(FORGED_KIND, f"ignored {count - job.forged_recorded} forged store record(s) (last: {last})",
                   {"count": count, "last": last})
+
+
+def checkpoint_failures(job: JobFacts, progress: Any) -> Record | None:
+    """An event when rank 0's progress ({"wid", "checkpoint_failures": n,
+    "checkpoint_error": why, ...}) counts more failed checkpoint writes than recorded."""
+    if not isinstance(progress, Mapping):
+        return None
+    wid, count = progress.get("wid"), progress.get("checkpoint_failures")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (wid, count)):
+        return None
+    if count <= job.checkpoint_failures_recorded.get(wid, 0):
+        return None
+    why = "".join(c for c in str(progress.get("checkpoint_error") or "a checkpoint write failed")
+                  if c.isprintable())[:300]
+    return Record(CHECKPOINT_FAILED_KIND, f"worker {wid}: {why}; training goes on ({count} failed so far)",
+                  {"wid": wid, "count": count})
 
 
 def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int) -> Requeue | Finish:
