@@ -55,3 +55,5 @@ def test_a_process_without_the_secret_cannot_forge_a_generation_a_resize_or_stat
     coordinator_log = (home / "work" / "jobs" / token / "coordinator.log").read_text()
     for key in (f"members/{did['generation']}", "desired_request"):
         assert f"ignored a forged record at {key}" in coordinator_log, coordinator_log[-3000:]
+    forged = [e for e in ej.json("events", str(job["id"])) if e["kind"] == "forged"]
+    assert forged and forged[-1]["data"]["count"] >= 3, forged   # recorded as the job's events too
