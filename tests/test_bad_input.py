@@ -142,6 +142,17 @@ def test_bad_job_name(run_fast, seeded, db_path):
     check_unchanged(run_fast, seeded, db_path, ["submit", "--name", "a b", "--", "true"], "'a b'")
 
 
+@pytest.mark.parametrize("name", ["1", "007"])
+def test_a_name_of_digits_only_is_refused_since_it_would_read_as_a_job_id(run_fast, seeded, db_path, name):
+    check_unchanged(run_fast, seeded, db_path, ["submit", "--name", name, "--", "true"], repr(name), "job id")
+
+
+@pytest.mark.parametrize("args", [["submit", "--bogus", "1", "--", "true"], ["submit", "--wokers", "2", "--", "true"],
+                                  ["submit", "-q", "true"]], ids=["bogus", "typo", "short"])
+def test_an_unknown_submit_option_is_refused_not_run_as_the_command(run_fast, seeded, db_path, args):
+    check_unchanged(run_fast, seeded, db_path, args, f"no such option '{args[1]}'", "before '--'")
+
+
 # ---- unknown jobs ------------------------------------------------------------------------------
 @pytest.mark.parametrize("args", [["status", "99"], ["status", "99", "--json"], ["status", "nosuchjob"],
                                   ["cancel", "99"], ["logs", "99"], ["events", "99"],

@@ -230,3 +230,15 @@ def test_a_signal_during_the_work_waits_for_it_and_a_second_one_aborts_it(capsys
             os.kill(os.getpid(), signal.SIGINT)
             sum(range(1000))
     assert signal.getsignal(signal.SIGINT) is before
+
+
+def test_user_text_that_looks_like_markup_is_printed_as_itself(gf):
+    """A command or message with rich markup in it ("[/x]" closes no tag) once made every
+    later status and events crash with a MarkupError, for every user of the pool."""
+    p = gf("submit", "--json", "--", "[/x]", "[red]arg")
+    assert "Traceback" not in p.stdout + p.stderr, p.stderr
+    job = str(json.loads(p.stdout)["id"])
+    assert "x]" in gf.ok("status").stdout                        # the name: the command's base name
+    one = gf.ok("status", job).stdout
+    assert "[/x]" in one, one                                     # in the launch failure's reason
+    assert "[/x]" in gf.ok("events", job).stdout

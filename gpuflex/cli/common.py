@@ -19,8 +19,11 @@ from gpuflex.config import Config, load_config
 from gpuflex.control.service import JobService
 from gpuflex.errors import GpuflexError
 
-console = Console(highlight=False, soft_wrap=True)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True)
+# markup off: job names, commands, messages and paths are the users' text, and "[/x]" in
+# one of them must print as itself, not break every later `status` (our own styles are
+# rich Text or an explicit markup=True over escaped text)
+console = Console(highlight=False, soft_wrap=True, markup=False)
+err_console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
 
 class _Stderr(logging.StreamHandler):

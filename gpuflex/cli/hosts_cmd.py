@@ -98,8 +98,8 @@ def trust(
     console.print(f"{name} ({where}) offers {key.get_name()} {fp}", markup=False)
     for old in pinned:
         if old.get_name() == key.get_name():
-            err_console.print(f"[yellow]warning:[/yellow] {cfg.known_hosts} pins a different key for it: "
-                              f"{old.get_name()} {fingerprint(old)}. Pinning replaces it.")
+            err_console.print(Text.assemble(("warning:", "yellow"), f" {cfg.known_hosts} pins a different key for it: "
+                                            f"{old.get_name()} {fingerprint(old)}. Pinning replaces it."))
     if not yes and not typer.confirm(f"Pin this key for {name} in {cfg.known_hosts}?", default=False):
         err_console.print("not pinned.")
         raise typer.Exit(1)

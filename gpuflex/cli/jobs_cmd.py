@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 from rich.console import Group
 from rich.live import Live
+from rich.text import Text
 
 import gpuflex.cli.render as render
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json
@@ -48,6 +49,11 @@ def submit(
     argv = [a for a in (cmd or [])]
     if argv and argv[0] == "--":
         argv = argv[1:]
+    if argv and argv[0].startswith("-"):
+        # an option submit does not know, given before '--' (the parser passes those on
+        # with the command), or a command named like an option: neither is run
+        raise UsageError(f"no such option {argv[0]!r} for submit; give options before '--' and the command "
+                         "after it, e.g. gpuflex submit --workers 2 -- python train.py.")
     req = SubmitRequest(argv=argv, name=name, min_workers=lo, max_workers=hi,
                         gpus_per_worker=gpus_per_worker, priority=priority, harvest=harvest,
                         env=parse_env(env or []), workdir=workdir)
@@ -95,8 +101,8 @@ def status(
         j = svc.job(job, events=not as_json)
         if as_json:
             return render.job_json(j, progress=svc.progress.get(j.id))
-        head = (f"job {j.id} [bold]{j.name}[/] {j.state} world {j.world_size} "
-                f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
+        head = Text.assemble(f"job {j.id} ", (j.name, "bold"), f" {j.state} world {j.world_size} "
+                             f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
         prog = svc.progress.get(j.id)
         if prog:
             head += f" step {prog.get('step')} epoch {prog.get('epoch')}"

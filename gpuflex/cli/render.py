@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from rich.table import Table
+from rich.text import Text
 
 from gpuflex.control.views import EventInfo, JobInfo, WorkerInfo
 from gpuflex.states import JobState
@@ -59,7 +60,7 @@ def jobs_table(jobs: list[JobInfo], progress: dict[int, dict[str, Any]]) -> Tabl
     for j in jobs:
         note = j.queue_reason if j.state is JobState.QUEUED else (j.exit_reason or "")
         step = (progress.get(j.id) or {}).get("step")
-        t.add_row(str(j.id), j.name, f"[{_STATE_STYLE.get(j.state, '')}]{j.state}[/]",
+        t.add_row(str(j.id), j.name, Text(str(j.state), style=_STATE_STYLE.get(j.state, "")),
                   f"{j.world_size}/{j.min_workers}:{j.max_workers}", str(j.generation),
                   "-" if step is None else str(step), j.user, ago(j.created_at), note or "")
     return t

@@ -58,6 +58,9 @@ class SubmitRequest:
             raise UsageError(f"--gpus-per-worker {self.gpus_per_worker}: must be 0 or more.")
         if self.name is not None and not _NAME.match(self.name):
             raise UsageError(f"--name {self.name!r}: use letters, digits, '.', '_' or '-' (at most 64).")
+        if self.name is not None and self.name.isdigit():
+            raise UsageError(f"--name {self.name!r}: a name of digits only would read as a job id; "
+                             f"add a letter (e.g. run-{self.name}).")
         if self.workdir is not None and not os.path.isdir(os.path.expanduser(self.workdir)):
             raise UsageError(f"--workdir {self.workdir!r} is not a directory.")
 
