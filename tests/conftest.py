@@ -6,6 +6,7 @@ or writes the real home, and `./gpuflex.toml` lookups see only what the test wro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -188,3 +189,17 @@ def add_finished_job(config_path: Path, name: str, logs: list[Path]) -> int:
             return job.id
     finally:
         svc.close()
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, size: str):
+    """A tmpfs of `size` (e.g. "256k") mounted at `path` (made here) for the block: a real
+    full disk. Skips the test where it cannot be mounted (not root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                                            str(path)], capture_output=True).returncode != 0:
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)

@@ -5,13 +5,11 @@ job's directory on a tmpfs too small for one checkpoint (needs root to mount it)
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import GpuflexCLI, cleanup_jobs
+from tests.conftest import GpuflexCLI, cleanup_jobs, tmpfs
 from tests.test_elastic_jobs import EXAMPLE, assert_matches_reference, reference
 
 ARGS = ("--hidden", "256", "--global-batch-size", "64", "--seed", "5")   # ~0.6 MB of state
@@ -20,15 +18,8 @@ EPOCHS = 3
 
 @pytest.fixture
 def small_disk(tmp_path):
-    d = tmp_path / "work"
-    d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k,mode=0700", "tmpfs", str(d)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    try:
+    with tmpfs(tmp_path / "work", "192k") as d:
         yield d
-    finally:
-        subprocess.run(["umount", "-l", str(d)], check=False)
 
 
 def test_a_full_disk_fails_each_checkpoint_as_an_event_and_the_job_ends_exact(small_disk, home, tmp_path_factory):

@@ -25,6 +25,7 @@ from gpuflex.elastic.checkpoints import (HEAD, CheckpointError, load_checkpoint,
 from gpuflex.elastic.commits import CHECKPOINT_FILE, NO_CHECKPOINT_EXIT, TrainingState
 from gpuflex.elastic.sampler import ElasticSampler
 from gpuflex.elastic.state import Registry
+from tests.conftest import tmpfs
 
 
 class Job:
@@ -238,13 +239,8 @@ def test_a_failed_write_leaves_training_going_with_the_old_checkpoint(job, tmp_p
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 256 KiB tmpfs (needs root)."""
-    d = tmp_path / "disk"
-    d.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(d)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("needs root to mount a tmpfs")
-    yield d
-    subprocess.run(["umount", str(d)], check=True)
+    with tmpfs(tmp_path / "disk", "256k") as d:
+        yield d
 
 
 def test_a_full_disk_is_a_failed_checkpoint_not_a_failed_job(tiny_disk, caplog):
