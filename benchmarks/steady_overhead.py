@@ -98,7 +98,11 @@ def start_gpuflex(tmp: Path, hidden: int) -> tuple[Job, Gpuflex, str]:
     job = str(json.loads(gf("submit", "--workers", str(WORLD), "--json", "--env", "OMP_NUM_THREADS=1",
                             "--", sys.executable, str(EXAMPLE), "--hidden", str(hidden),
                             "--epochs", str(EPOCHS)))["id"])
-    wait_for(lambda: gf.step(job) >= SKIP, "gpuflex's first steps")
+    try:
+        wait_for(lambda: gf.step(job) >= SKIP, "gpuflex's first steps")
+    except BaseException:   # the job would train on (100000 epochs) after the benchmark is gone
+        gf("cancel", job)
+        raise
     return Job("gpuflex", gf.pgids(job)), gf, job
 
 
