@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -203,3 +204,16 @@ def tmpfs(path: Path, size: str):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+@pytest.fixture(autouse=True)
+def gpuflex_logger_restored():
+    """An in-process CLI run (CliRunner) sets the "gpuflex" logger's level and handler, as
+    the CLI does for its process; put them back so a later test's log capture sees what it
+    would alone."""
+    logger = logging.getLogger("gpuflex")
+    level, handlers, propagate = logger.level, list(logger.handlers), logger.propagate
+    yield
+    logger.setLevel(level)
+    logger.handlers[:] = handlers
+    logger.propagate = propagate

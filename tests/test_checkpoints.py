@@ -114,7 +114,7 @@ def test_bit_flipped_floats_are_detected_and_the_previous_checkpoint_is_used(job
     flip_floats(newest)
     with pytest.raises(CheckpointError, match="failed its checksum"):
         load_checkpoint(str(newest))
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="gpuflex"):
         fresh = resume(tmp_path)
     assert fresh.state.step == 3
     assert all(bits_equal(a, b) for a, b in zip(fresh.params(), at3))
@@ -199,7 +199,7 @@ def test_a_planted_pickle_or_garbage_is_refused_and_never_run(job, tmp_path, con
         torch.save({"state": Marker(marker), "logs": Marker(marker)}, newest)
     else:
         newest.write_bytes(os.urandom(5000) if content == "garbage" else b"")
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="gpuflex"):
         fresh = resume(tmp_path)
     assert fresh.state.step == 3 and all(bits_equal(a, b) for a, b in zip(fresh.params(), at3))
     assert ("is truncated (0 bytes)" if content == "empty" else "is not a gpuflex checkpoint") in caplog.text
