@@ -9,6 +9,7 @@ import datetime as dt
 import json
 import pathlib
 import socket
+import time
 
 import pytest
 import torch
@@ -219,8 +220,14 @@ def test_without_a_secret_on_either_side_a_job_runs_unauthenticated(real_store):
     try:
         rdzv.set(keys.ready(0), "0")
         assert real_store.get(keys.ready(0)) == b"0"   # written as it is
-        gens.tick()
-        assert rdzv.wait_for_generation(0, False, lambda: False)["members"] == [0]
+        deadline = time.monotonic() + 30
+
+        def coordinator_ticks() -> bool:   # as the coordinator's loop does, bounded: never a hang
+            gens.tick()
+            return time.monotonic() > deadline
+
+        formed = rdzv.wait_for_generation(0, False, coordinator_ticks)
+        assert formed is not None and formed["members"] == [0]
     finally:
         rdzv.close()
 
