@@ -108,6 +108,12 @@ class Job(Base):
     # run, see gpuflex.control.launch.new_socket_dir); None before the first start
     socket_dir: Mapped[str | None] = mapped_column(String(255))
     restarts: Mapped[int] = mapped_column(Integer, default=0)
+    # restarts allowed after a worker crashed (a bug: an exception, a non-zero exit); faults
+    # (signals, lost hosts) do not count against it
+    retries: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    # the submitter's environment, recorded at submit: every worker of the job gets it
+    # (newcomers included); None for jobs submitted before migration 0005
+    submit_env: Mapped[dict[str, str] | None] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
@@ -171,6 +177,9 @@ class Event(Base):
     kind: Mapped[str] = mapped_column(String(32))
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # a repeated event is one row: how many times it happened, and when it last did
+    count: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    last_time: Mapped[float | None] = mapped_column(Float)
     job: Mapped[Job] = relationship(back_populates="events")
 
 

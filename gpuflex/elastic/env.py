@@ -23,6 +23,7 @@ CONTROL = "GPUFLEX_CONTROL"                  # the worker's unix control socket
 CHECKPOINT_DIR = "GPUFLEX_CHECKPOINT_DIR"
 CHECKPOINT_INTERVAL_S = "GPUFLEX_CHECKPOINT_INTERVAL_S"
 PG_TIMEOUT_S = "GPUFLEX_PG_TIMEOUT_S"
+HEARTBEAT_TIMEOUT_S = "GPUFLEX_HEARTBEAT_TIMEOUT_S"   # a member silent this long is taken for dead
 SLOTS = "GPUFLEX_SLOTS"                      # CPU slots held (on GPU hosts: CUDA_VISIBLE_DEVICES)
 # Tuning knobs a user may set in a job's environment (read by gpuflex.elastic.gradients).
 DIRECT_BYTES = "GPUFLEX_DIRECT_BYTES"
@@ -30,6 +31,7 @@ EXCHANGE_BYTES = "GPUFLEX_EXCHANGE_BYTES"
 
 DEFAULT_CHECKPOINT_INTERVAL_S = 60.0
 DEFAULT_PG_TIMEOUT_S = 10.0
+DEFAULT_HEARTBEAT_TIMEOUT_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +47,7 @@ class WorkerEnv:
     checkpoint_dir: str | None = None
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
     pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
+    heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
     slots: tuple[int, ...] | None = None      # CPU slots; None on GPU hosts
     gpus: tuple[int, ...] | None = None       # GPU indices (CUDA_VISIBLE_DEVICES); None on CPU slots
     rank: int = 0
@@ -61,6 +64,7 @@ class WorkerEnv:
             WORKER_ID: str(self.worker_id),
             CHECKPOINT_INTERVAL_S: str(self.checkpoint_interval_s),
             PG_TIMEOUT_S: str(self.pg_timeout_s),
+            HEARTBEAT_TIMEOUT_S: str(self.heartbeat_timeout_s),
             # torch-style variables for scripts that only read these
             "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
         }
@@ -93,9 +97,10 @@ class WorkerEnv:
             job_token=env.get(JOB_TOKEN),
             job_secret=env.get(JOB_SECRET) or None,
             control=env.get(CONTROL) or None,
-            checkpoint_dir=env.get(CHECKPOINT_DIR) or None,
+            checkpoint_dir=os.path.expanduser(env[CHECKPOINT_DIR]) if env.get(CHECKPOINT_DIR) else None,
             checkpoint_interval_s=float(env.get(CHECKPOINT_INTERVAL_S, DEFAULT_CHECKPOINT_INTERVAL_S)),
             pg_timeout_s=float(env.get(PG_TIMEOUT_S, DEFAULT_PG_TIMEOUT_S)),
+            heartbeat_timeout_s=float(env.get(HEARTBEAT_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S)),
             slots=ints(SLOTS),
             gpus=ints("CUDA_VISIBLE_DEVICES") if SLOTS not in env else None,
             rank=int(env.get("RANK", "0")),

@@ -46,6 +46,16 @@ progress         unsigned JSON {step, epoch, samples_per_s, loss, time} from ran
                  a second: shown by `gpuflex status`, never acted on
 finished         signed: rank 0 reached the end of training (forged, it would stop the
                  coordinator's decisions and send waiting newcomers away)
+crashed/{wid}    signed JSON {error, traceback: [last lines], phase}: the worker's training
+                 code raised; written by the worker just before it exits (a bug, not a fault:
+                 the coordinator forms no generation without it, the control side fails or
+                 restarts the job)
+waiting/{wid}    signed JSON {for: [wids], since, phase}: this member has waited at a step
+                 barrier (liveness.py) for more than a second for members that are alive
+                 but busy; {for: []} once it no longer waits; shown by `gpuflex status`
+abort            signed JSON {reason}: written by the coordinator when the same failure
+                 (a rollback, a failed formation) repeated max_same_failures times; every
+                 worker exits ABORTED_EXIT and the job fails with the reason
 events           unsigned counter every worker bumps after writing a key the coordinator acts
                  on, so an idle coordinator reads one key per tick instead of all of them; a
                  forged bump only causes a full read
@@ -61,12 +71,19 @@ Exit codes of a worker (the runtime's side of the protocol; the control side rea
 STORE_LOST_EXIT  75 (EX_TEMPFAIL): the job store is gone; the job restarts from its last
                  on-disk checkpoint
 EVICTED_EXIT     3: this worker was dropped from the job (or its state was rejected)
+ABORTED_EXIT     76: the coordinator ended the job (the same failure repeated
+                 max_same_failures times, see `abort`); the job fails with that reason
+Any other non-zero exit (a Python exception, sys.exit(n)) is a bug in the training code,
+not a fault: the job fails, or restarts while `--retries` allow. A death by signal is a
+fault (elastic: the others go on without it).
 """
 
 from __future__ import annotations
 
 STORE_LOST_EXIT = 75
 EVICTED_EXIT = 3
+ABORTED_EXIT = 76
+RUNTIME_EXITS = (STORE_LOST_EXIT, EVICTED_EXIT, ABORTED_EXIT)   # the runtime's own ways out
 
 
 def members(g: int) -> str:
@@ -113,6 +130,14 @@ def released(wid: int) -> str:
     return f"released/{wid}"
 
 
+def crashed(wid: int) -> str:
+    return f"crashed/{wid}"
+
+
+def waiting(wid: int) -> str:
+    return f"waiting/{wid}"
+
+
 def pg_prefix(g: int) -> str:
     return f"pg/{g}/"
 
@@ -129,3 +154,4 @@ REQUEST_SEQ = "request_seq"
 PROGRESS = "progress"
 FINISHED = "finished"
 EVENTS = "events"
+ABORT = "abort"
