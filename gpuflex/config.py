@@ -9,6 +9,11 @@ works on it): the keys it declares, their defaults, strict types and bounds. A k
 does not declare is an error. `_config_error` turns pydantic's first error (an unknown
 key before any other) into one `ConfigError` line with the file, the key and the bad
 value.
+
+Paths may start with `~`, kept as written here and expanded where they are used: on
+this machine for `database.url`, `known_hosts` and `identity_file`; on the host itself
+(its user's home) for a host's `workdir`, `python` and `nvidia_smi`, which is why they
+cannot be expanded when the file is read.
 """
 
 from __future__ import annotations
@@ -122,6 +127,7 @@ class HostConfig:
     workdir: StrictStr = "~/.local/state/gpuflex/work"
     connect_timeout_s: Number = Field(5, ge=0.1)
     command_timeout_s: Number = Field(30, ge=0.1)
+    cpus: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)  # CPU cores, for OMP_NUM_THREADS
 
     @property
     def is_local(self) -> bool:
@@ -131,6 +137,14 @@ class HostConfig:
     def transport(self) -> str:
         """The kind of transport that reaches the host (gpuflex.hosts.transport's registry)."""
         return "local" if self.is_local else "ssh"
+
+    @property
+    def cpu_count(self) -> int | None:
+        """The host's CPU cores: `cpus` if configured, else this machine's for the local
+        host; None (unknown) for a remote host without `cpus`."""
+        if self.cpus is not None:
+            return self.cpus
+        return (os.cpu_count() or 1) if self.is_local else None
 
     @property
     def cpu_slots(self) -> int | None:

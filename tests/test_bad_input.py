@@ -130,7 +130,34 @@ def test_env_with_a_bad_name(run_fast, seeded, db_path):
 
 def test_negative_gpus_per_worker(run, seeded, db_path):
     check_unchanged(run, seeded, db_path, ["submit", "--gpus-per-worker", "-1", "--", "true"],
-                    "--gpus-per-worker -1", "0 or more")
+                    "--gpus-per-worker -1", "at least 1 GPU")
+
+
+def test_zero_gpus_per_worker_is_refused_as_it_would_bypass_placement(run_fast, seeded, db_path):
+    check_unchanged(run_fast, seeded, db_path, ["submit", "--gpus-per-worker", "0", "--", "true"],
+                    "--gpus-per-worker 0", "at least 1 GPU (or CPU slot)")
+
+
+@pytest.mark.parametrize("args,most", [(["--workers", "5"], 4), (["--workers", "5:8"], 4),
+                                       (["--workers", "3", "--gpus-per-worker", "2"], 2)],
+                         ids=["5-on-4-slots", "min-5", "3x2-on-4-slots"])
+def test_a_job_the_pool_can_never_hold_is_refused(run, seeded, db_path, args, most):
+    """The pool is one host with 4 CPU slots (conftest.write_config)."""
+    check_unchanged(run, seeded, db_path, ["submit", *args, "--", "true"],
+                    "can never start", f"at most {most} such worker(s)", "local: 4 slots", "lower MIN")
+
+
+def test_the_pool_counted_is_the_configured_one_reachable_or_not(run_fast, seeded, db_path, home):
+    two = home / "two.toml"
+    two.write_text(
+        f'[database]\nurl = "sqlite:///{db_path}"\n'
+        f'[[hosts]]\nname = "local"\ngpus = "cpu:4"\nworkdir = "{home}/work"\n'
+        f'[[hosts]]\nname = "box"\naddress = "10.255.255.1"\ngpus = [0, 1]\nconnect_timeout_s = 0.2\n')
+    # 4 slots + 2 GPUs: 6 one-device workers at most, on hosts that are not all reachable
+    code, out, err = run_fast(two, "submit", "--workers", "6", "--", "true")
+    assert code == 0 and "queued" in out, out + err
+    assert_rejected(run_fast(two, "submit", "--workers", "7", "--", "true"),
+                    "at most 6 such worker(s)", "local: 4 slots, box: 2 GPUs")
 
 
 def test_missing_workdir(run_fast, seeded, db_path, home):

@@ -111,6 +111,7 @@ owner = "alice"
 nvidia_smi = "/usr/bin/nvidia-smi"
 python = "python3.11"
 workdir = "/scratch/gpuflex"
+cpus = 64
 
 [[hosts]]
 name = "local"
@@ -126,8 +127,8 @@ gpus = "cpu:3"
     assert gpu01 == HostConfig(name="gpu01", address="gpu01.lab", port=2222, user="train",
                                identity_file="~/.ssh/id_ed25519", known_hosts="~/.ssh/kh",
                                gpus=[0, 2], owner="alice", nvidia_smi="/usr/bin/nvidia-smi",
-                               python="python3.11", workdir="/scratch/gpuflex")
-    assert not gpu01.is_local and gpu01.cpu_slots is None
+                               python="python3.11", workdir="/scratch/gpuflex", cpus=64)
+    assert not gpu01.is_local and gpu01.cpu_slots is None and gpu01.cpu_count == 64
     assert cfg.host("local").cpu_slots == 3
     with pytest.raises(ConfigError, match="no host named 'nope'"):
         cfg.host("nope")
@@ -160,6 +161,8 @@ BAD = [
      "hosts[1].port", "'x'"),
     ("duplicate host", "[[hosts]]\nname = 'a'\n[[hosts]]\nname = 'a'\n", "hosts", "'a'"),
     ("empty hosts", "hosts = []\n", "hosts", "non-empty"),
+    ("no cpus", "[[hosts]]\nname = 'a'\ncpus = 0\n", "hosts[0].cpus", "0"),
+    ("cpus as text", "[[hosts]]\nname = 'a'\ncpus = '8'\n", "hosts[0].cpus", "'8'"),
 ]
 
 
@@ -229,3 +232,32 @@ def test_a_config_that_is_not_utf8_is_a_clean_error(tmp_path):
     with pytest.raises(ConfigError, match="not UTF-8") as info:
         load_config(str(f))
     assert info.value.path == str(f)
+
+
+def test_cpus_default_to_this_machines_for_the_local_host_and_are_unknown_for_a_remote_one():
+    cfg = parse_config({"hosts": [{"name": "here", "gpus": "cpu:2"},
+                                  {"name": "r", "address": "r.lab", "gpus": "all"},
+                                  {"name": "r2", "address": "r2.lab", "gpus": "all", "cpus": 12}]}, "f.toml")
+    assert [h.cpu_count for h in cfg.hosts] == [os.cpu_count(), None, 12]
+
+
+def test_paths_keep_their_tilde_until_used_where_they_belong():
+    """A remote host's `~` is its own user's home: it cannot be expanded when the file is
+    read (gpuflex.hosts expands it on the host; tests/test_worker_env.py runs it)."""
+    cfg = parse_config({"hosts": [{"name": "r", "address": "r.lab", "workdir": "~/gf", "python": "~/v/bin/python",
+                                   "nvidia_smi": "~/bin/nvidia-smi"}]}, "f.toml")
+    h = cfg.hosts[0]
+    assert (h.workdir, h.python, h.nvidia_smi) == ("~/gf", "~/v/bin/python", "~/bin/nvidia-smi")
+
+
+@pytest.mark.parametrize("argv,command", [
+    (["~/venv/bin/python", "-m", "x"], "~/venv/bin/python -m x"),
+    (["~alice/my env/python", "a b"], "~alice/'my env/python' 'a b'"),
+    (["/opt/my env/python"], "'/opt/my env/python'"),
+    (["~"], "'~'"),
+    (["python", "~/not-expanded"], "python '~/not-expanded'"),
+], ids=["home", "other-user-with-space", "no-tilde", "bare-tilde", "only-the-program"])
+def test_a_remote_program_path_with_tilde_is_left_for_the_remote_shell(argv, command):
+    from gpuflex.hosts.transport import shell_join
+
+    assert shell_join(argv) == command

@@ -6,15 +6,21 @@ import os
 import posixpath
 import secrets
 import socket
+from typing import Mapping
+
+from sqlalchemy.orm import object_session
 
 from gpuflex.config import Config, HostConfig
+from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic import env as env_contract
 from gpuflex.elastic.env import WorkerEnv
+from gpuflex.hosts import hostops
 from gpuflex.hosts.transport import SpawnSpec, Transport
 
 SOCKET_ROOT = "/tmp"  # unix socket paths must stay short (108 bytes)
 SOCKET_PREFIX = "gpuflex-"
+OMP_THREADS = "OMP_NUM_THREADS"
 
 
 def job_dir(host: HostConfig, job: Job) -> str:
@@ -85,11 +91,58 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
         gpus=tuple(worker.gpus) if host.cpu_slots is None else None,
         slots=tuple(worker.gpus) if host.cpu_slots is not None else None,
         rank=rank, world_size=world)
-    env = dict(job.env)
+    # the environment recorded at submit, never that of whoever runs this (a scale, a
+    # harvest tick); a job from before it was recorded keeps the spawner's
+    env = {**(job.submit_env or {}), **job.env}
+    env.setdefault(OMP_THREADS, str(omp_threads(host, len(worker.gpus), _gpus_on_host(host, job))))
     env.update(contract.to_env())
     return SpawnSpec(argv=list(job.argv), cwd=job.workdir, env=env,
                      log=worker.log_path, exit_path=worker.exit_path,
-                     private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job))
+                     private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job),
+                     clean_env=job.submit_env is not None)
+
+
+# What belongs to a login session or to a host rather than to a job: not recorded at
+# submit. HOME, USER, LOGNAME and SHELL come from the host a worker runs on
+# (hostops.HOST_IDENTITY); a worker's place in the job (rank, devices, the GPUFLEX_*
+# contract) from gpuflex when it starts.
+SESSION_VARIABLES = frozenset({
+    *hostops.HOST_IDENTITY, "DISPLAY", "WAYLAND_DISPLAY", "XAUTHORITY", "TERM", "COLORTERM",
+    "COLUMNS", "LINES", "SHLVL", "PWD", "OLDPWD", "_", "HOSTNAME", "MAIL", "XDG_RUNTIME_DIR",
+    "TMUX", "TMUX_PANE", "STY", "WINDOW",
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "CUDA_VISIBLE_DEVICES"})
+SESSION_PREFIXES = ("SSH_", "XDG_SESSION_", "DBUS_", "TERM_", "GPUFLEX_")
+_JOB_KNOBS = frozenset({env_contract.DIRECT_BYTES, env_contract.EXCHANGE_BYTES})  # GPUFLEX_* a job may set
+
+
+def submit_environment(environ: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:
+    """What a job's workers get from its submitter: `environ` without SESSION_VARIABLES
+    and SESSION_PREFIXES, with `env` (--env) on top."""
+    kept = {k: v for k, v in environ.items()
+            if k in _JOB_KNOBS or (k not in SESSION_VARIABLES and not k.startswith(SESSION_PREFIXES))}
+    kept.update(env)
+    return kept
+
+
+def omp_threads(host: HostConfig, devices: int, gpus_on_host: int | None) -> int:
+    """OMP_NUM_THREADS for a worker holding `devices` slots or GPUs of `host`: its share of
+    the host's cores (cores // slots, or cores // GPUs, per device held); 1, as torchrun
+    sets, where the host's core count or its number of GPUs is unknown."""
+    cores = host.cpu_count
+    shares = host.cpu_slots if host.cpu_slots is not None else gpus_on_host
+    if cores is None or not shares:
+        return 1
+    return max(1, cores // shares) * max(1, devices)
+
+
+def _gpus_on_host(host: HostConfig, job: Job) -> int | None:
+    """The GPUs of a GPU host: its configured list, else those its last probe found."""
+    if isinstance(host.gpus, list):
+        return len(host.gpus)
+    session = object_session(job)
+    row = queries.host(session, host.name) if session is not None else None
+    return sum(1 for g in row.gpus if g.kind == "gpu") if row is not None else None
 
 
 def worker_paths(host: HostConfig, job: Job, wid: int) -> tuple[str, str]:

@@ -15,14 +15,14 @@ import dataclasses
 import os
 import re
 import secrets
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config
 from gpuflex.control import executor, journal, lifecycle, report, scaling, views
 from gpuflex.control.executor import Ops
-from gpuflex.control.launch import local_user
+from gpuflex.control.launch import local_user, submit_environment
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.engine import open_database
@@ -31,6 +31,7 @@ from gpuflex.db.models import Job
 from gpuflex.errors import UnknownJobError, UsageError
 from gpuflex.control.probes import record_probes
 from gpuflex.hosts.probe import collect_probes
+from gpuflex.policy.placement import devices_per_worker
 from gpuflex.states import JobState
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -48,14 +49,18 @@ class SubmitRequest:
     harvest: bool = False
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     workdir: str | None = None
+    # the submitter's environment, recorded for every worker (launch.submit_environment
+    # drops what belongs to the session); None: this process's
+    environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.argv or not self.argv[0].strip():
             raise UsageError("no command to run; put it after '--', e.g. gpuflex submit -- python train.py.")
         if self.min_workers < 1 or self.max_workers < self.min_workers:
             raise UsageError(f"bad worker range {self.min_workers}:{self.max_workers}.")
-        if self.gpus_per_worker < 0:
-            raise UsageError(f"--gpus-per-worker {self.gpus_per_worker}: must be 0 or more.")
+        if self.gpus_per_worker < 1:   # 0 would be a worker that holds nothing: never placed, never counted
+            raise UsageError(f"--gpus-per-worker {self.gpus_per_worker}: a worker holds at least 1 GPU "
+                             "(or CPU slot).")
         if self.name is not None and not _NAME.match(self.name):
             raise UsageError(f"--name {self.name!r}: use letters, digits, '.', '_' or '-' (at most 64).")
         if self.name is not None and self.name.isdigit():
@@ -180,9 +185,12 @@ class JobService:
         with self.locked() as session:
             self.pool.sync_hosts(session)
             self.record_probes(session, results)
+            self.check_pool_can_hold(session, req)   # bad input: the transaction is undone
+            environ = os.environ if req.environ is None else req.environ
             job = Job(
                 token=secrets.token_hex(6), name=req.name or os.path.basename(req.argv[0]),
                 state=JobState.QUEUED, argv=list(req.argv), workdir=workdir, env=dict(req.env),
+                submit_env=submit_environment(environ, req.env),
                 min_workers=req.min_workers, max_workers=req.max_workers,
                 gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
                 user=local_user(),
@@ -193,6 +201,29 @@ class JobService:
                            workers=f"{job.min_workers}:{job.max_workers}")
             lifecycle.place_queued(self.ops(session))
             return job.id
+
+    def check_pool_can_hold(self, session: Session, req: SubmitRequest) -> None:
+        """UsageError when the configured pool could never hold the job's MIN workers, all
+        hosts free: CPU slots, listed GPUs, and for `gpus = "all"` the GPUs the host's
+        probes found (a host never probed yet might hold any number: no refusal)."""
+        fits, parts = 0, []
+        for h in self.config.hosts:
+            slots = h.cpu_slots is not None
+            if slots:
+                devices = h.cpu_slots
+            elif isinstance(h.gpus, list):
+                devices = len(h.gpus)
+            else:
+                row = queries.host(session, h.name)
+                devices = sum(1 for g in row.gpus if g.kind == "gpu") if row is not None else 0
+                if not devices:
+                    return
+            fits += devices // devices_per_worker(req.gpus_per_worker, slots)
+            parts.append(f"{h.name}: {devices} {'slots' if slots else 'GPUs'}")
+        if fits < req.min_workers:
+            raise UsageError(f"--workers {req.min_workers}:{req.max_workers} with --gpus-per-worker "
+                             f"{req.gpus_per_worker} can never start: the pool holds at most {fits} such "
+                             f"worker(s) ({', '.join(parts)}); lower MIN or add hosts.")
 
     def cancel(self, ref: str) -> views.JobInfo:
         with self.locked() as session:

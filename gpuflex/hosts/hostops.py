@@ -27,11 +27,16 @@ from gpuflex.hosts.private import exclusive_dir, open_private, private_dir, remo
 
 log = logging.getLogger(__name__)
 
+# What a worker started with a clean environment (SpawnSpec.clean_env) still takes from
+# this host: who it runs as and where that user's home is, which the host decides.
+HOST_IDENTITY = ("HOME", "USER", "LOGNAME", "SHELL")
+
 
 def spawn(spec: dict[str, Any]) -> dict[str, int]:
     """Start `spec["argv"]` detached; returns {"pid": worker pid, "pgid": group id}.
 
-    spec: argv, cwd, env (added to this environment), log (stdout+stderr appended),
+    spec: argv (a leading `~` in argv[0] is this host's home), cwd, env (added to this
+    environment; with clean_env, to HOST_IDENTITY only), log (stdout+stderr appended),
     exit_path (JSON exit record written when the worker ends), private_dirs and
     socket_dir (see gpuflex.hosts.transport.SpawnSpec). gpuflex's own directories are
     0700 and its files 0600 (gpuflex.hosts.private), set explicitly: the worker's umask,
@@ -67,11 +72,11 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
 
 
 def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int) -> None:
-    env = dict(os.environ)
-    env.update(spec.get("env") or {})
+    argv = list(spec["argv"])
+    argv[0] = os.path.expanduser(argv[0])
     try:
         proc = subprocess.Popen(
-            spec["argv"], cwd=os.path.expanduser(spec.get("cwd") or "~"), env=env,
+            argv, cwd=os.path.expanduser(spec.get("cwd") or "~"), env=spawn_env(spec),
             stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
         )
     except OSError as e:
@@ -96,6 +101,16 @@ def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, exit_path)
+
+
+def spawn_env(spec: dict[str, Any]) -> dict[str, str]:
+    """The environment a spawned process gets (see `spawn`)."""
+    if spec.get("clean_env"):
+        env = {k: os.environ[k] for k in HOST_IDENTITY if k in os.environ}
+    else:
+        env = dict(os.environ)
+    env.update(spec.get("env") or {})
+    return env
 
 
 def cleanup(socket_dirs: list[str]) -> list[bool]:

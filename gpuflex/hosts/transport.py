@@ -20,6 +20,7 @@ import importlib
 import json
 import os
 import re
+import shlex
 import subprocess
 from typing import Any, Callable
 
@@ -44,6 +45,12 @@ class SpawnSpec:
     of `private_dirs` (gpuflex's own: the job's directory, its checkpoints) 0700 and
     ours, and `socket_dir` (the run's control sockets) 0700, refusing one another user
     made; the log and the exit record are 0600.
+
+    `env` is added to the environment of the host's hostops process; with `clean_env` it
+    is the whole environment but for the host's identity (hostops.HOST_IDENTITY: HOME,
+    USER, LOGNAME, SHELL), so a job's workers get the environment recorded at submit
+    rather than that of whoever runs the command that starts them. A program path
+    (`argv[0]`) and `cwd` starting with `~` are the host user's.
     """
 
     argv: list[str]
@@ -53,6 +60,7 @@ class SpawnSpec:
     exit_path: str
     private_dirs: list[str] = dataclasses.field(default_factory=list)
     socket_dir: str | None = None
+    clean_env: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +143,7 @@ class LocalTransport(Transport):
 
     def run(self, argv: list[str], *, input: str | None = None,
             timeout: float | None = None) -> CommandResult:
+        argv = [os.path.expanduser(argv[0]), *argv[1:]] if argv else argv   # a configured ~/venv/bin/python
         try:
             p = subprocess.run(argv, input=input, capture_output=True, text=True, timeout=timeout)
         except FileNotFoundError:
@@ -165,6 +174,21 @@ class LocalTransport(Transport):
             return unix_request(os.path.expanduser(path), message, timeout)
         except OSError as e:
             raise TransportError(self.host.name, f"control socket {path}: {e}") from None
+
+
+_TILDE = re.compile(r"^(~[A-Za-z0-9._-]*/)")
+
+
+def shell_join(argv: list[str]) -> str:
+    """`shlex.join(argv)` for a remote shell, except that a program path starting with
+    `~/` (or `~user/`) keeps that prefix unquoted, so the remote shell expands it to the
+    remote user's home (a configured `python = "~/venv/bin/python"`)."""
+    if argv:
+        m = _TILDE.match(argv[0])
+        if m:
+            rest = argv[0][m.end():]
+            return " ".join([m.group(1) + (shlex.quote(rest) if rest else ""), *map(shlex.quote, argv[1:])])
+    return shlex.join(argv)
 
 
 TransportFactory = Callable[[HostConfig], "Transport"]
