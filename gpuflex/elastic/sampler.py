@@ -50,16 +50,28 @@ def split(total: int, world: int, rank: int) -> tuple[int, int]:
 
 
 class ElasticSampler:
-    def __init__(self, num_samples: int, global_batch_size: int, *, epochs: int, seed: int = 0) -> None:
+    """Global batches of `num_samples` samples, for `epochs` epochs or, in step mode, for
+    `steps` global steps (exactly one of the two): a step count crosses epochs as needed,
+    the last one partial."""
+
+    def __init__(self, num_samples: int, global_batch_size: int, *, epochs: int | None = None,
+                 steps: int | None = None, seed: int = 0) -> None:
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be >= 1, got {global_batch_size}")
-        if epochs < 1:
+        if (epochs is None) == (steps is None):
+            raise ValueError("give exactly one of epochs=E (whole epochs) or steps=S (global steps), "
+                             f"got epochs={epochs!r}, steps={steps!r}")
+        if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {epochs}")
+        if steps is not None and steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
         self.num_samples = num_samples
         self.global_batch_size = global_batch_size
-        self.epochs = epochs
+        spe = -(-num_samples // global_batch_size)
+        self.total_steps = spe * epochs if epochs is not None else steps
+        self.epochs = -(-self.total_steps // spe)   # the epochs begun, the last one maybe partial
         self.seed = seed
         self._perm_epoch = -1
         self._perm: torch.Tensor | None = None
@@ -67,10 +79,6 @@ class ElasticSampler:
     @property
     def steps_per_epoch(self) -> int:
         return -(-self.num_samples // self.global_batch_size)
-
-    @property
-    def total_steps(self) -> int:
-        return self.steps_per_epoch * self.epochs
 
     def permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._perm_epoch:

@@ -179,7 +179,21 @@ class Registry:
     def __init__(self) -> None:
         self.objects: dict[str, Any] = {}
 
-    def add(self, name: str, obj: Any) -> None:
+    @classmethod
+    def of(cls, *, model: Any, optimizer: Any, scheduler: Any = None, scaler: Any = None,
+           extra: dict[str, Any] | None = None) -> "Registry":
+        """The run's objects: a user's `extra` objects are named `extra.<name>`."""
+        reg = cls()
+        for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler), ("scaler", scaler)):
+            reg.add(name, obj)
+        for name, obj in (extra or {}).items():
+            reg.add(f"extra.{name}", obj)
+        return reg
+
+    def add(self, name: str, obj: Any, new: bool = False) -> None:
+        """Register `obj` under `name`; `new`: a name already taken is a ValueError."""
+        if new and name in self.objects:
+            raise ValueError(f"{name!r} is already registered; pick another name")
         if obj is None:
             return
         if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")) and not isinstance(obj, dict):
