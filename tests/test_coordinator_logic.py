@@ -8,8 +8,10 @@ import json
 
 import pytest
 
-from gpuflex.elastic import keys
-from gpuflex.elastic.generations import IDLE_TICK_S, Generations
+from gpuflex.elastic import coordinator, keys
+from gpuflex.elastic.failures import (BACKSTOP_MIN, TRACEBACK_LINES, FailureStreak, cause_of,
+                                      crash_record, waiting_record)
+from gpuflex.elastic.generations import HISTORY_KEPT, IDLE_TICK_S, Generations
 from tests.fakes.store_fake import Clock, FakeStore
 
 HB_TIMEOUT_S = 3.0
@@ -20,11 +22,12 @@ class Job:
     """A store, a clock, the logic (with a job secret), and the workers' side of the
     protocol: their records signed as Rendezvous.set signs them."""
 
-    def __init__(self, initial: list[int], start_timeout_s: float = 600) -> None:
+    def __init__(self, initial: list[int], start_timeout_s: float = 600, min_workers: int = 1,
+                 max_failures: int = 3) -> None:
         self.store, self.clock = FakeStore(), Clock()
         self.gens = Generations(self.store, initial, hb_timeout_s=HB_TIMEOUT_S,
                                 start_timeout_s=start_timeout_s, clock=self.clock, wall=self.clock,
-                                secret=SECRET)
+                                secret=SECRET, min_workers=min_workers, max_failures=max_failures)
         self.signer = self.gens.signer
 
     def write(self, key: str, value: str = "1") -> None:
@@ -48,11 +51,28 @@ class Job:
     def latest(self) -> int:
         return int(self.store.data.get(keys.LATEST, b"0"))
 
-    def verify(self, g: int) -> None:
-        """Rank 0's verdict, then its timings after the first step."""
+    def verify(self, g: int, step: int = 0) -> None:
+        """Rank 0's verdict, then its timings after the first step (formed at `step`)."""
         self.write(keys.verdict(g), '{"ok": true}')
-        self.write(keys.timings(g), json.dumps({"generation": g, "pause": 0.1}))
+        self.write(keys.timings(g), json.dumps({"generation": g, "pause": 0.1, "step": step}))
         self.gens.tick()
+
+    def all_fail(self, reason: str) -> None:
+        """Every member of the newest generation reports a failed collective, then a tick."""
+        g = self.latest()
+        for w in self.record(g)["members"]:
+            self.beat(w)
+            self.write(keys.fail(g, w), reason.format(g=g, w=w))
+        self.gens.tick()
+
+    def crash(self, wid: int, error: str = "ZeroDivisionError: division by zero", **extra) -> None:
+        self.write(keys.crashed(wid), json.dumps({"error": error, "traceback": extra.get(
+            "traceback", ["Traceback (most recent call last):", '  File "train.py", line 9']),
+            "phase": extra.get("phase", "training")}))
+
+    def abort_record(self) -> dict | None:
+        raw = self.store.data.get(keys.ABORT)
+        return None if raw is None else json.loads(self.signer.verify(keys.ABORT, raw))
 
     def settled(self, members: list[int]) -> "Job":
         self.ready(*members)
@@ -225,3 +245,346 @@ def test_status_is_settled_only_when_verified_with_timings_and_as_desired():
     assert status["history"][0]["verified"] is True and status["history"][0]["timings"] == {"pause": 0.2}
     job.gens.resize([0])
     assert job.gens.status()["settled"] is False
+
+
+# ---- never below MIN ------------------------------------------------------------------------
+@pytest.mark.parametrize("start,min_workers,lost,newcomers,ready,published", [
+    ([0, 1, 2], 2, [1, 2], [], [], None),            # 1 survivor of 3, MIN 2: held
+    ([0, 1, 2], 2, [1, 2], [3], [3], [0, 3]),        # a ready newcomer makes up MIN: published
+    ([0, 1, 2], 2, [2], [], [], [0, 1]),             # 2 survivors: MIN holds, at once
+    ([0, 1, 2], 3, [1, 2], [3, 4], [3], None),       # one of two newcomers ready: still held
+    ([0, 1, 2], 3, [1, 2], [3, 4], [3, 4], [0, 3, 4]),
+    ([0, 1], 1, [1], [], [], [0]),                   # the default MIN of 1
+])
+def test_a_recovery_below_min_is_held_until_newcomers_make_it_up(start, min_workers, lost, newcomers,
+                                                                  ready, published):
+    job = Job(start, min_workers=min_workers).settled(start)
+    survivors = [w for w in start if w not in lost]
+    if newcomers:
+        job.gens.resize(survivors + newcomers)
+    for w in survivors:
+        job.write(keys.fail(1, w), "peer died")
+    job.clock.advance(HB_TIMEOUT_S + 0.1)
+    job.beat(*survivors)
+    job.gens.tick()
+    held = job.gens.status()["held"]
+    if len(survivors) >= min_workers:
+        assert held is None and job.record(2)["members"] == published
+        return
+    assert job.latest() == 1 and held["since"] == job.clock.now
+    assert held["reason"] == (f"would fall to {len(survivors)} worker(s), below the job's minimum "
+                              f"of {min_workers} (lost worker(s) {lost})")
+    job.ready(*ready)
+    job.beat(*survivors)
+    job.gens.tick()
+    if published is None:
+        assert job.latest() == 1 and job.gens.status()["held"]["since"] == held["since"]
+    else:
+        rec = job.record(2)
+        assert (rec["members"], rec["kind"]) == (published, "recover")
+        assert job.gens.status()["held"] is None
+
+
+def test_a_held_job_keeps_the_time_it_was_first_held():
+    job = Job([0, 1], min_workers=2).settled([0, 1])
+    job.write(keys.fail(1, 0), "peer died")
+    job.clock.advance(HB_TIMEOUT_S + 0.1)
+    job.beat(0)
+    job.gens.tick()
+    since = job.gens.status()["held"]["since"]
+    for _ in range(3):
+        job.clock.advance(IDLE_TICK_S)
+        job.beat(0)
+        job.gens.tick()
+    assert job.gens.status()["held"]["since"] == since and job.latest() == 1
+    assert job.gens.status()["settled"] is False
+
+
+@pytest.mark.parametrize("ready,waited,held", [
+    ([0], 601, "1 of 3 worker(s) ready after 601 s, below the job's minimum of 2"),
+    ([0, 1], 601, None),                         # past the timeout with MIN ready: published
+    ([0], 10, None),                             # still within the start timeout: waiting
+])
+def test_the_first_generation_needs_min_workers(ready, waited, held):
+    job = Job([0, 1, 2], min_workers=2)
+    job.ready(*ready)
+    job.clock.advance(waited)
+    job.gens.tick()
+    status = job.gens.status()
+    assert (status["held"] or {}).get("reason") == held
+    assert job.latest() == (1 if len(ready) >= 2 else 0)
+
+
+def test_a_rollback_below_min_is_held():
+    job = Job([0, 1], min_workers=2).settled([0, 1])
+    job.gens.resize([0, 1, 2])
+    job.ready(2)
+    job.gens.tick()
+    job.write(keys.verdict(2), '{"ok": false, "reason": "checksum"}')
+    job.clock.advance(HB_TIMEOUT_S + 0.1)
+    job.beat(0, 2)                    # worker 1 went silent during the copy
+    job.gens.tick()
+    assert job.latest() == 2 and job.store.check([keys.rejected(2)])
+    assert job.gens.status()["held"]["reason"] == \
+        "rolling back generation 2 would leave 1 worker(s), below the job's minimum of 2"
+
+
+@pytest.mark.parametrize("wanted", [[0], [5]])
+def test_a_resize_below_min_is_refused(wanted):
+    job = Job([0, 1], min_workers=2).settled([0, 1])
+    with pytest.raises(ValueError, match="below the job's minimum of 2"):
+        job.gens.resize(wanted)
+    assert job.gens.desired == [0, 1]
+    job.write(keys.DESIRED_REQUEST, json.dumps({"members": wanted, "seq": 1}))
+    job.gens.tick()
+    assert job.gens.desired == [0, 1] and job.latest() == 1
+
+
+@pytest.mark.parametrize("bad", [[True], [-1], [2**70], [0, 1.0]])
+def test_a_resize_to_ids_that_cannot_be_workers_is_refused(bad):
+    job = Job([0, 1]).settled([0, 1])
+    with pytest.raises(ValueError, match="worker ids"):
+        job.gens.resize(bad)
+    assert job.gens.desired == [0, 1]
+
+
+# ---- crashes are bugs -----------------------------------------------------------------------
+def test_a_crashed_member_holds_the_job_even_with_enough_survivors():
+    job = Job([0, 1, 2], min_workers=1).settled([0, 1, 2])
+    job.crash(2, phase="forward")
+    job.write(keys.fail(1, 0), "peer closed the connection")
+    job.write(keys.fail(1, 1), "peer closed the connection")
+    job.clock.advance(HB_TIMEOUT_S + 0.1)
+    job.beat(0, 1)
+    job.gens.tick()
+    status = job.gens.status()
+    assert job.latest() == 1
+    assert status["held"]["reason"] == "worker 2 crashed: ZeroDivisionError: division by zero"
+    assert status["crashed"] == [{"wid": 2, "error": "ZeroDivisionError: division by zero",
+                                  "traceback": ["Traceback (most recent call last):",
+                                                '  File "train.py", line 9'],
+                                  "phase": "forward"}]
+    assert status["settled"] is False
+    job.gens.resize([0, 1, 3])        # nothing is formed without it, whatever comes
+    job.ready(3)
+    job.gens.tick()
+    assert job.latest() == 1
+
+
+def test_a_newcomer_that_crashed_while_warming_up_holds_the_job():
+    job = Job([0, 1]).settled([0, 1])
+    job.gens.resize([0, 1, 2])
+    job.gens.tick()
+    job.crash(2, "RuntimeError: CUDA error", phase="warm-up")
+    job.gens.tick()
+    status = job.gens.status()
+    assert status["held"]["reason"] == "worker 2 crashed: RuntimeError: CUDA error"
+    assert [c["wid"] for c in status["crashed"]] == [2] and job.latest() == 1
+
+
+def test_a_crash_record_is_bounded_and_printable_in_status():
+    job = Job([0, 1]).settled([0, 1])
+    lines = [f"line {i}\x1b[31m" for i in range(40)]
+    job.crash(1, "ValueError: " + "x" * 5000 + "\x00", traceback=lines, phase=None)
+    job.gens.tick()
+    rec = job.gens.status()["crashed"][0]
+    assert len(rec["error"]) <= 500 and rec["error"].isprintable()
+    assert len(rec["traceback"]) == TRACEBACK_LINES and rec["traceback"][-1].startswith("line 39")
+    assert all(line.isprintable() for line in rec["traceback"]) and rec["phase"] == "unknown"
+
+
+# ---- no unbounded retry ---------------------------------------------------------------------
+def bn_job() -> Job:
+    job = Job([0, 1]).settled([0, 1])
+    job.gens.resize([0, 1, 2])
+    job.ready(2)
+    job.gens.tick()
+    return job
+
+
+def test_the_same_rollback_three_times_in_a_row_aborts_the_job():
+    job = bn_job()
+    for member in (2, 1, 0):          # which member differs changes; the cause does not
+        g = job.latest()
+        job.write(keys.verdict(g), json.dumps(
+            {"ok": False, "reason": f"tensor bn.running_mean differs on member {member}"}))
+        job.beat(0, 1)
+        job.gens.tick()
+    status = job.gens.status()
+    reason = "state check failed: tensor bn.running_mean differs on member 0 (3 times in a row: generations 2..4)"
+    assert status["abort"] == {"reason": reason} and job.abort_record() == {"reason": reason}
+    assert job.latest() == 4 and status["held"] is None and status["settled"] is False
+    for _ in range(5):                # nothing more, whatever happens
+        job.clock.advance(IDLE_TICK_S)
+        job.all_fail("peer died")
+        job.gens.tick()
+    assert job.latest() == 4
+    with pytest.raises(ValueError, match="aborted"):
+        job.gens.resize([0, 1, 3])
+
+
+def test_a_repeated_failed_collective_without_a_lost_worker_aborts_and_says_so():
+    job = Job([0, 1]).settled([0, 1])
+    job.all_fail("Timed out after 10000 ms waiting for generation {g} rank {w}")
+    rec = job.record(2)
+    assert rec["message"] == ("re-formed after a failed collective in generation 1 (no worker lost): "
+                              "Timed out after 10000 ms waiting for generation 1 rank 0")
+    assert "[]" not in rec["message"]
+    job.all_fail("Timed out after 10000 ms waiting for generation {g} rank {w}")
+    job.all_fail("Timed out after 10000 ms waiting for generation {g} rank {w}")
+    assert job.latest() == 3
+    assert job.gens.status()["abort"]["reason"].endswith("(3 times in a row: generations 1..3)")
+
+
+def test_alternating_causes_do_not_abort_but_the_backstop_ends_a_job_without_progress():
+    job = Job([0, 1]).settled([0, 1])
+    for i in range(BACKSTOP_MIN - 1):
+        job.all_fail(["peer closed the connection", "formation: barrier timed out"][i % 2])
+    assert job.gens.status()["abort"] is None and job.latest() == BACKSTOP_MIN
+    job.all_fail("peer closed the connection")
+    assert job.gens.status()["abort"]["reason"].startswith(
+        f"{BACKSTOP_MIN} failed generations in a row without training progress")
+
+
+def test_training_progress_between_failures_starts_the_count_again():
+    job = Job([0, 1]).settled([0, 1])
+    for step in range(1, 3 * BACKSTOP_MIN):
+        job.all_fail("peer closed the connection")
+        job.verify(job.latest(), step=10 * step)   # the new generation trained on
+    assert job.gens.status()["abort"] is None and job.latest() == 3 * BACKSTOP_MIN
+
+
+def test_a_forged_abort_record_is_deleted_and_counted():
+    job = Job([0, 1]).settled([0, 1])
+    job.store.set(keys.ABORT, json.dumps({"reason": "forged"}))
+    job.store.add(keys.EVENTS, 1)
+    job.gens.tick()
+    status = job.gens.status()
+    assert keys.ABORT not in job.store.data and status["abort"] is None
+    assert status["forged"] == {"count": 1, "last": keys.ABORT}
+
+
+def test_an_unsigned_crash_record_is_ignored_and_counted():
+    job = Job([0, 1]).settled([0, 1])
+    job.store.set(keys.crashed(1), json.dumps({"error": "forged", "traceback": [], "phase": "x"}))
+    job.store.add(keys.EVENTS, 1)
+    job.gens.tick()
+    status = job.gens.status()
+    assert status["crashed"] == [] and status["held"] is None and status["settled"] is True
+    assert status["forged"] == {"count": 1, "last": keys.crashed(1)}
+
+
+def test_a_membership_that_cannot_be_reached_is_reported_not_retried():
+    job = Job([0, 1, 2]).settled([0, 1, 2])
+    job.write(keys.fail(1, 0), "peer died")
+    job.write(keys.fail(1, 1), "peer died")
+    job.clock.advance(HB_TIMEOUT_S + 0.1)
+    job.beat(0, 1)
+    job.gens.tick()
+    job.verify(2)
+    job.gens.resize([0, 1, 2])        # worker 2 was lost: it cannot come back under its id
+    for _ in range(50):
+        job.clock.advance(IDLE_TICK_S)
+        job.beat(0, 1)
+        job.gens.tick()
+    status = job.gens.status()
+    assert job.latest() == 2 and status["generations_total"] == 2
+    assert status["unreachable"] == {"desired": [0, 1, 2], "reason":
+                                     "worker(s) [2] cannot join again: rejected, or left the job earlier"}
+    job.gens.resize([0, 1, 3])        # a new id can
+    job.ready(3)
+    job.gens.tick()
+    assert job.record(3)["members"] == [0, 1, 3] and job.gens.status()["unreachable"] is None
+
+
+# ---- status ---------------------------------------------------------------------------------
+def test_status_history_is_bounded():
+    job = Job([0, 1]).settled([0, 1])
+    for step in range(1, HISTORY_KEPT + 10):
+        job.all_fail("peer closed the connection")
+        job.verify(job.latest(), step=step)
+    status = job.gens.status()
+    assert status["generations_total"] == job.latest() == HISTORY_KEPT + 10
+    assert len(status["history"]) == HISTORY_KEPT
+    assert status["history"][-1]["generation"] == HISTORY_KEPT + 10 and status["settled"]
+
+
+def test_every_new_status_key_is_present_when_there_is_nothing_to_say():
+    status = Job([0, 1], min_workers=2).gens.status()
+    assert {k: status[k] for k in ("abort", "held", "unreachable", "crashed", "waiting",
+                                   "min_workers", "generations_total")} == {
+        "abort": None, "held": None, "unreachable": None, "crashed": [], "waiting": [],
+        "min_workers": 2, "generations_total": 0}
+
+
+def test_members_waiting_for_busy_members_are_shown_until_they_stop_waiting():
+    job = Job([0, 1, 2]).settled([0, 1, 2])
+    job.write(keys.waiting(1), json.dumps({"for": [0], "since": 1234.5, "phase": "backward"}))
+    job.write(keys.waiting(2), json.dumps({"for": [], "since": 1234.5, "phase": "backward"}))
+    job.gens.tick()
+    assert job.gens.status()["waiting"] == [{"wid": 1, "for": [0], "since": 1234.5, "phase": "backward"}]
+    job.write(keys.waiting(1), json.dumps({"for": []}))
+    job.gens.tick()
+    assert job.gens.status()["waiting"] == [] and job.latest() == 1
+
+
+def test_a_settled_jobs_idle_reads_skip_the_crash_and_waiting_records():
+    job = Job([0, 1]).settled([0, 1])
+    job.gens.tick()
+    job.store.looked_at.clear()
+    job.clock.advance(IDLE_TICK_S)
+    job.beat(0, 1)
+    job.gens.tick()                   # the idle full read: heartbeats, progress, own records
+    idle = list(job.store.looked_at)
+    assert idle and not any(k.startswith(("crashed/", "waiting/")) for k in idle)
+    job.crash(1)                      # a worker's write bumps the events counter: read at once
+    job.gens.tick()
+    assert job.gens.status()["crashed"][0]["wid"] == 1
+
+
+# ---- the pieces -----------------------------------------------------------------------------
+@pytest.mark.parametrize("a,b,same", [
+    ("Timed out after 10000 ms (generation 4)", "Timed out after 10000 ms (generation 5)", True),
+    ("connect to 127.0.0.1:29500 failed", "connect  to 127.0.0.1:31001 failed", True),
+    ("bad pointer 0x7ffe3a00", "bad pointer 0xdeadbeef", True),
+    ("peer closed the connection", "formation: barrier timed out", False),
+])
+def test_causes_ignore_the_numbers_that_change_between_tries(a, b, same):
+    assert (cause_of(a) == cause_of(b)) is same
+
+
+def test_the_failure_streak_counts_one_decision_per_generation():
+    streak = FailureStreak(2)
+    assert streak.add(5, "x") is None
+    assert streak.add(5, "x") is None   # the same generation looked at again
+    assert streak.add(6, "x") == "x (2 times in a row: generations 5..6)"
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ({"for": [0, True, "1", 2], "since": float("nan"), "phase": "boundary"},
+     {"wid": 3, "for": [0, 2], "since": None, "phase": "boundary"}),
+    ({"for": []}, None),
+    ([1, 2], None),
+    ({"for": "0"}, None),
+])
+def test_waiting_records_are_read_leniently(raw, expected):
+    assert waiting_record(3, raw) == expected
+
+
+def test_a_crash_record_that_is_not_an_object_still_says_the_worker_crashed():
+    assert crash_record(4, ["x"]) == {"wid": 4, "error": "unknown error", "traceback": [],
+                                      "phase": "unknown"}
+
+
+@pytest.mark.parametrize("argv", [["--min-workers", "0"], ["--max-failures", "-1"],
+                                  ["--min-workers", "two"]])
+def test_the_coordinator_refuses_limits_below_one(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        coordinator.main(["--port", "1", "--members", "0", "--control", "/nonexistent/c", *argv])
+    assert e.value.code == 2 and "--m" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs", [{"min_workers": 0}, {"max_failures": 0}])
+def test_generations_refuse_limits_below_one(kwargs):
+    with pytest.raises(ValueError, match="at least 1"):
+        Job([0], **kwargs)

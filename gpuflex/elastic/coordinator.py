@@ -4,7 +4,9 @@ gpuflex starts one per job on its first host (`python -m gpuflex.elastic.coordin
 apart from the workers, so a worker crash never takes the store down. Every TICK_S it lets
 the generation logic (generations.py) look at the store; its control socket answers
 `status` and `resize` (the desired membership). A lock keeps the ticks and the socket's
-threads apart.
+threads apart. `--min-workers` (no generation is ever smaller: the job is held instead)
+and `--max-failures` (the same failure that many times in a row aborts the job) come from
+the job's record; the control side reads the outcome from `status`.
 
 The store listens only on `--bind` (the address the workers use: 127.0.0.1 on one host):
 torch's TCPStore server ignores its host name and listens on every interface, so the
@@ -79,6 +81,14 @@ def serve_store(address: str, port: int) -> TCPStore:
         raise
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpuflex.elastic.coordinator")
     ap.add_argument("--port", type=int, required=True)
@@ -87,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heartbeat-timeout", type=float, default=5.0)
     ap.add_argument("--bind", default="0.0.0.0",
                     help="the address the store listens on: the one the workers use")
+    ap.add_argument("--min-workers", type=positive, default=1,
+                    help="the job's minimum: no generation is formed with fewer members")
+    ap.add_argument("--max-failures", type=positive, default=3,
+                    help="the same failure this many times in a row ends the job")
     args = ap.parse_args(argv)
     ensure_handler(sys.stdout)
     stop = threading.Event()
@@ -95,10 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     store = serve_store(args.bind, args.port)
     secret = os.environ.get(JOB_SECRET) or None
     coord = Coordinator(Generations(store, [int(w) for w in args.members.split(",") if w],
-                                    hb_timeout_s=args.heartbeat_timeout, secret=secret))
+                                    hb_timeout_s=args.heartbeat_timeout, secret=secret,
+                                    min_workers=args.min_workers, max_failures=args.max_failures))
     server = ControlServer(args.control, {"status": coord.op_status, "resize": coord.op_resize})
-    log.info("coordinator listening on %s:%d (%s), control %s", args.bind, args.port,
-             "records signed" if secret else "no job secret: records unauthenticated", args.control)
+    log.info("coordinator listening on %s:%d (%s), control %s, min %d worker(s), max %d same "
+             "failures", args.bind, args.port,
+             "records signed" if secret else "no job secret: records unauthenticated", args.control,
+             args.min_workers, args.max_failures)
     try:
         while not stop.wait(TICK_S):
             coord.tick()

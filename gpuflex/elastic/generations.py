@@ -1,28 +1,39 @@
 """The coordinator's generation logic: from the store's heartbeats, failure reports,
-readiness, verdicts and the desired membership to the next generation.
+readiness, verdicts, crash records and the desired membership to the next generation.
 
-Each full read decides:
+Each full read decides, in this order:
 
+- finished or aborted: nothing more is published;
+- crashed: a worker's training code raised (its signed `crashed/{wid}`): a bug, not a
+  fault. The job is held, no generation is formed without it, whatever the survivors;
 - recover: a member of the current generation reported a failure or stopped beating;
   once every member has reported, gone stale or finished, the reporters (plus ready
   newcomers) form the next generation;
 - rollback: the newest generation's state did not verify; the previous members
   (leavers included, they wait for the verdict) form the next one and the newcomers are
   rejected;
-- resize: the desired membership differs and every newcomer is ready;
+- resize: the desired membership differs and every newcomer is ready. When what can be
+  reached is the current membership again (a desired worker was rejected or left before),
+  nothing is published and status "unreachable" says why;
 - release: workers wanted once but no longer, before they ever joined, exit 0.
+
+Never below MIN: a generation of fewer than `min_workers` is not published; the job is
+"held" (survivors wait at their step boundary) until ready newcomers make up MIN or the
+control side requeues or fails it. No unbounded retry: each rollback and recovery is a
+failed generation for `FailureStreak` (failures.py); when it says so, the coordinator
+writes the signed `abort` record instead (every worker exits ABORTED_EXIT).
 
 Every tick reads one key, the events counter that workers bump after each write the
 coordinator acts on. The full read (a dozen keys per member) runs when that counter moved,
 while anything is pending (a formation, a resize, a failure), and every IDLE_TICK_S in a
-settled job, for heartbeats and progress; a settled job thus costs the coordinator almost
-no CPU beside the workers it shares a host with.
+settled, held or aborted job (crash and waiting records: only when the counter moved), so
+a settled job costs almost no CPU beside the workers it shares a host with.
 
 Nothing a worker writes is believed unless it verifies (auth.py): a record that does not is
 ignored as if absent, counted and logged, and `status()["forged"]` reports it. The records
-the coordinator wrote itself (`run`, `latest`, the newest `members/{g}`) are checked at each
-full read and put back when someone changed them; a record published ahead of it (a forged
-`members/{g+1}`) is deleted.
+the coordinator wrote itself (`run`, `latest`, the newest `members/{g}`, `abort`) are checked
+at each full read and put back when someone changed them; a record published ahead of it
+(a forged `members/{g+1}`, an `abort` it did not write) is deleted.
 
 The store is reached through the few TCPStore methods in `Store`, and time through
 injected clocks, so the decisions run in tests without processes (tests/fakes/store_fake.py).
@@ -38,24 +49,30 @@ from typing import Any, Callable, Protocol
 
 from gpuflex.elastic import keys
 from gpuflex.elastic.auth import ForgeryLog, SignedRecords, Signer
+from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, printable
 
 log = logging.getLogger(__name__)
 
 IDLE_TICK_S = 0.5   # full reads of a settled job: heartbeat staleness and progress
+HISTORY_KEPT = 100  # generations status lists (older ones are only counted)
+TIMINGS_LOOKBACK = 3   # older generations whose late timings are still looked for
+MAX_WID = 2**31 - 1
 
 
 class Store(Protocol):
     """The job store's methods the decisions use (torch.distributed.TCPStore has them)."""
 
     def check(self, keys: list[str]) -> bool: ...
-
     def get(self, key: str) -> bytes: ...
-
     def set(self, key: str, value: str) -> None: ...
-
     def add(self, key: str, amount: int) -> int: ...
-
     def delete_key(self, key: str) -> bool: ...
+
+
+def _ids(value: Any) -> bool:
+    """A non-empty list of worker ids (ints in 0..MAX_WID, not bools)."""
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(w, int) and not isinstance(w, bool) and 0 <= w <= MAX_WID for w in value)
 
 
 class Generations:
@@ -64,12 +81,16 @@ class Generations:
     `store` is the job's TCPStore (or any object with its check/get/set/add); `clock`
     (monotonic: heartbeat staleness, idle ticks) and `wall` (time.time: records, the start
     timeout) are injected so the decisions can be tested without processes. `secret` is
-    the job's HMAC key (None: an unauthenticated job, see auth.py). Not thread-safe: the
-    coordinator serializes calls."""
+    the job's HMAC key (None: an unauthenticated job, see auth.py). `min_workers`: no
+    generation is ever smaller; `max_failures`: the same failure this many times in a row
+    ends the job. Not thread-safe: the coordinator serializes calls."""
 
     def __init__(self, store: Store, initial: list[int], hb_timeout_s: float,
                  start_timeout_s: float = 600, *, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, secret: str | None = None) -> None:
+                 wall: Callable[[], float] = time.time, secret: str | None = None,
+                 min_workers: int = 1, max_failures: int = 3) -> None:
+        if min_workers < 1:
+            raise ValueError(f"min workers must be at least 1, not {min_workers}")
         self.store = store
         run = secrets.token_hex(8)   # binds this store's records to this run of the job
         self._run_text = Signer(secret).sign(keys.RUN, run)
@@ -78,8 +99,9 @@ class Generations:
         self.records = SignedRecords(self.has, store.get, self.signer, self.forged)
         self._request_seq = 0                    # the newest desired_request acted on
         self._own: dict[str, str] = {keys.RUN: self._run_text}   # records it wrote and keeps
-        self.hb_timeout_s = hb_timeout_s
         self.start_timeout_s = start_timeout_s
+        self.min_workers = min_workers
+        self.streak = FailureStreak(max_failures)
         self.clock, self.wall = clock, wall
         self.desired: list[int] = list(initial)
         self.generation = 0
@@ -90,9 +112,14 @@ class Generations:
         self.released: set[int] = set()
         self.ever_members: set[int] = set()
         self.finished = False
+        self.abort: dict[str, str] | None = None
+        self.held: dict[str, Any] | None = None
+        self.unreachable: dict[str, Any] | None = None
+        self.reports = WorkerReports(self.get_json, self.has)   # crash and waiting records
         self.started = wall()
-        self._hb_seen: dict[int, tuple[str, float]] = {}
+        self.heartbeats = Heartbeats(self.has, store.get, hb_timeout_s, clock)
         self.progress: dict[str, Any] | None = None
+        self._verdict_reason = ""
         self._events = -1
         self._busy = True          # something is pending: read everything every tick
         self._last_full = 0.0
@@ -113,103 +140,166 @@ class Generations:
     def write(self, key: str, value: str) -> None:
         self.store.set(key, self.signer.sign(key, value))
 
-    def alive(self, wid: int) -> bool:
-        """A worker is alive while its heartbeat counter keeps changing."""
-        key = keys.hb(wid)
-        now = self.clock()
-        if not self.has(key):
-            return False
-        value = self.store.get(key).decode(errors="replace")
-        prev = self._hb_seen.get(wid)
-        if prev is None or prev[0] != value:
-            self._hb_seen[wid] = (value, now)
-            return True
-        return now - prev[1] < self.hb_timeout_s
+    def keep(self, key: str, value: str) -> None:   # a record put back if changed
+        text = self.signer.sign(key, value)
+        self._own[key] = text
+        self.store.set(key, text)
 
     def gone(self, wid: int) -> bool:
         return self.valid(keys.done(wid)) or self.valid(keys.left(wid))
+
+    def set_desired(self, members: list[int]) -> None:
+        self.desired = sorted(set(members))
+        self.store.set(keys.DESIRED, json.dumps(self.desired))
 
     # ---- decisions -----------------------------------------------------------------
     def publish(self, members: list[int], kind: str, message: str) -> None:
         g = self.generation + 1
         rec = {"generation": g, "kind": kind, "members": members, "prev": self.members,
                "created": self.wall(), "message": message}
-        text = self.signer.sign(keys.members(g), json.dumps(rec))
         self._own.pop(keys.members(self.generation), None)
-        self._own[keys.members(g)] = text
+        self.keep(keys.members(g), json.dumps(rec))
         self._own[keys.LATEST] = str(g)
-        self.store.set(keys.members(g), text)
         self.store.set(keys.LATEST, str(g))
         self.generation, self.members = g, list(members)
         self.ever_members |= set(members)
+        self.held = self.unreachable = None
         self.history.append({**rec, "verified": False, "ok": None, "timings": None})
+        del self.history[:-HISTORY_KEPT]
         log.info("generation %d (%s): members %s - %s", g, kind, members, message)
+
+    def hold(self, reason: str) -> None:
+        """No generation can be formed now: the survivors wait, status says why."""
+        if self.held is None or self.held["reason"] != reason:
+            log.warning("generation %d held: %s", self.generation, reason)
+            since = self.held["since"] if self.held else self.wall()
+            self.held = {"reason": reason, "since": since}
+        self._busy = False   # an event (a newcomer ready, a report) or the idle tick looks again
+
+    def failed_again(self, g: int, reason: str) -> bool:
+        """Generation g failed with `reason`: True when that ended the job (abort written)."""
+        why = self.streak.add(g, reason)
+        if why is None:
+            return False
+        self.abort = {"reason": why}
+        self.held = None
+        self.keep(keys.ABORT, json.dumps(self.abort))
+        self._busy = False
+        log.error("job aborted: %s", why)
+        return True
 
     def tick(self) -> None:
         """One look at the store: the events counter, and everything when it moved, while
         anything is pending, or every IDLE_TICK_S."""
         events = self.store.add(keys.EVENTS, 0)
         now = self.clock()
-        if events == self._events and not self._busy and now - self._last_full < IDLE_TICK_S:
+        moved = events != self._events
+        if not moved and not self._busy and now - self._last_full < IDLE_TICK_S:
             return
         self._events, self._last_full = events, now
         self._busy = True
-        self._tick()
+        self._tick(moved)
 
-    def _tick(self) -> None:
+    def _tick(self, moved: bool) -> None:
         self._keep_own_records()
         if self.has(keys.PROGRESS):
             self.progress = _progress(self.store.get(keys.PROGRESS))
         self._read_request()
         if self.valid(keys.FINISHED):
             self.finished = True
-        if self.finished:
+        if self.finished or self.abort is not None:
             self._busy = False
+            return
+        if moved:
+            self.reports.read(self.members, set(self.desired) - self.ever_members - self.rejected)
+        crash = self.reports.first_crash()
+        if crash is not None:
+            self.hold(f"worker {crash['wid']} crashed: {crash['error']}")
             return
         for w in self.known - set(self.desired) - self.ever_members - self.released:
             self.released.add(w)   # wanted once, never joined, no longer wanted
             self.write(keys.released(w), "1")
         desired_new = [w for w in self.desired
                        if w not in self.ever_members and w not in self.rejected]
-        ready_new = [w for w in desired_new if self.valid(keys.ready(w)) and self.alive(w)]
+        alive = self.heartbeats.alive
+        ready_new = [w for w in desired_new if self.valid(keys.ready(w)) and alive(w)]
         if self.generation == 0:
-            waited = self.wall() - self.started
-            if len(ready_new) == len(desired_new) or (ready_new and waited > self.start_timeout_s):
-                self.publish(ready_new, "initial", f"{len(ready_new)} worker(s) ready")
+            self._first(desired_new, ready_new)
             return
         g, cur = self.generation, self.history[-1]
         self._read_verdict(g, cur)
-        for h in self.history[:-1]:
+        for h in self.history[-1 - TIMINGS_LOOKBACK:-1]:
             if h["timings"] is None:
-                h["timings"] = self.get_json(keys.timings(h["generation"]))
+                h["timings"] = self._timings(h["generation"])
         failed = [w for w in self.members if self.valid(keys.fail(g, w))]
-        stale = [w for w in self.members if not self.gone(w) and not self.alive(w)]
+        stale = [w for w in self.members if not self.gone(w) and not alive(w)]
         if cur["ok"] is False:
             self._rollback(cur)
+        elif failed or stale:
+            self._recover(g, failed, stale, ready_new)
+        elif cur["verified"]:
+            self._resize(desired_new, ready_new)
+
+    def _first(self, desired_new: list[int], ready_new: list[int]) -> None:
+        """The first generation: everyone ready, or those ready once the start timeout passed."""
+        waited = self.wall() - self.started
+        everyone = len(ready_new) == len(desired_new)
+        if not everyone and waited <= self.start_timeout_s:
             return
-        if failed or stale:
-            undecided = [w for w in self.members
-                         if w not in failed and w not in stale and not self.gone(w)]
-            if undecided:
-                return  # the others will see the failure at their next collective
-            survivors = [w for w in failed if w not in stale]
-            joiners = [w for w in ready_new if w not in survivors]
-            keep = [w for w in survivors if w in self.desired] or survivors
-            if keep or joiners:
-                lost = [w for w in self.members if w not in survivors]
-                self.desired = [w for w in self.desired if w not in lost]
-                self.store.set(keys.DESIRED, json.dumps(self.desired))
-                self.publish(keep + joiners, "recover", f"lost worker(s) {lost}")
+        if ready_new and len(ready_new) >= self.min_workers:
+            self.publish(ready_new, "initial", f"{len(ready_new)} worker(s) ready")
+        else:
+            self.hold(f"{len(ready_new)} of {len(desired_new)} worker(s) ready after "
+                      f"{waited:.0f} s, below the job's minimum of {self.min_workers}")
+
+    def _recover(self, g: int, failed: list[int], stale: list[int], ready_new: list[int]) -> None:
+        undecided = [w for w in self.members
+                     if w not in failed and w not in stale and not self.gone(w)]
+        if undecided:
+            return  # the others will see the failure at their next collective
+        survivors = [w for w in failed if w not in stale]
+        joiners = [w for w in ready_new if w not in survivors]
+        keep = [w for w in survivors if w in self.desired] or survivors
+        lost = [w for w in self.members if w not in survivors]
+        nxt = keep + joiners
+        reason = common_reason(self.records.read(keys.fail(g, w)) for w in failed) \
+            or f"worker(s) {stale} stopped beating"
+        if len(nxt) < self.min_workers:
+            self.hold(f"would fall to {len(nxt)} worker(s), below the job's minimum of "
+                      f"{self.min_workers}" + (f" (lost worker(s) {lost})" if lost else ""))
             return
-        if not cur["verified"]:
+        if self.failed_again(g, reason):
             return
-        if self.desired != sorted(self.members) and set(desired_new) == set(ready_new):
-            keep = [w for w in self.members if w in self.desired]
-            if keep:
-                self.publish(keep + sorted(ready_new), "resize",
-                             f"resize {len(self.members)} -> {len(keep) + len(ready_new)}")
-        elif self.desired == sorted(self.members):
+        if lost:
+            message = f"lost worker(s) {lost}: {reason}"
+        else:
+            message = f"re-formed after a failed collective in generation {g} (no worker lost): {reason}"
+        self.set_desired([w for w in self.desired if w not in lost])
+        self.publish(nxt, "recover", message)
+
+    def _resize(self, desired_new: list[int], ready_new: list[int]) -> None:
+        if self.desired == sorted(self.members):
+            self.unreachable = None
             self._busy = False   # settled: full reads only every IDLE_TICK_S
+            return
+        if set(desired_new) != set(ready_new):
+            return   # newcomers still warming up
+        keep = [w for w in self.members if w in self.desired]
+        target = keep + sorted(ready_new)
+        gone = [w for w in self.desired if w not in self.members and w not in desired_new]
+        if not keep:
+            why = "no current member would be kept, so the job's state would be lost"
+        elif len(target) < self.min_workers:
+            why = f"{len(target)} worker(s) is below the job's minimum of {self.min_workers}"
+        elif sorted(target) == sorted(self.members):
+            why = f"worker(s) {gone} cannot join again: rejected, or left the job earlier"
+        else:
+            self.publish(target, "resize", f"resize {len(self.members)} -> {len(target)}")
+            return
+        if self.unreachable is None or self.unreachable["reason"] != why:
+            log.warning("membership %s cannot be reached: %s", self.desired, why)
+        self.unreachable = {"desired": list(self.desired), "reason": why}
+        self._busy = False   # a resize or an event looks again
 
     def _keep_own_records(self) -> None:
         """The records only the coordinator writes, as it wrote them: one changed by someone
@@ -224,6 +314,9 @@ class Generations:
         if self.has(ahead):
             self.forged.note(ahead, self.store.get(ahead), "not published by the coordinator")
             self.store.delete_key(ahead)
+        if keys.ABORT not in self._own and self.has(keys.ABORT):
+            self.forged.note(keys.ABORT, self.store.get(keys.ABORT), "not written by the coordinator")
+            self.store.delete_key(keys.ABORT)
 
     def _read_request(self) -> None:
         """A worker's signed desired_request, {"members": [...], "seq": n}: acted on once,
@@ -232,8 +325,7 @@ class Generations:
         if req is None:
             return
         members, seq = (req.get("members"), req.get("seq")) if isinstance(req, dict) else (None, None)
-        if not isinstance(seq, int) or not isinstance(members, list) or not members \
-                or not all(isinstance(w, int) and not isinstance(w, bool) for w in members):
+        if not isinstance(seq, int) or not _ids(members):
             self.forged.note(keys.DESIRED_REQUEST, json.dumps(req), "malformed request")
             return
         if seq <= self._request_seq:
@@ -241,9 +333,18 @@ class Generations:
                 self.forged.note(keys.DESIRED_REQUEST, json.dumps(req), "replayed")
             return
         self._request_seq = seq
-        self.desired = sorted(set(members))
+        if len(set(members)) < self.min_workers:
+            log.warning("ignored a request for %s: below the job's minimum of %d workers",
+                        members, self.min_workers)
+            return
+        self.set_desired(members)
         self.known |= set(self.desired)
-        self.store.set(keys.DESIRED, json.dumps(self.desired))
+
+    def _timings(self, g: int) -> Any:
+        """Generation g's timings (rank 0 writes them after its first step): progress."""
+        t = self.get_json(keys.timings(g))
+        self.streak.trained(t.get("step") if isinstance(t, dict) else None)
+        return t
 
     def _read_verdict(self, g: int, cur: dict[str, Any]) -> None:
         if cur["ok"] is None:
@@ -252,20 +353,26 @@ class Generations:
                 cur["ok"] = bool(v.get("ok"))
                 cur["verified"] = cur["ok"]
                 if not cur["ok"]:
-                    cur["message"] += f"; rolled back: {v.get('reason')}"
+                    self._verdict_reason = printable(v.get("reason") or "no reason given", 500)
+                    cur["message"] += f"; rolled back: {self._verdict_reason}"
         if cur["timings"] is None:
-            cur["timings"] = self.get_json(keys.timings(g))
+            cur["timings"] = self._timings(g)
 
     def _rollback(self, cur: dict[str, Any]) -> None:
-        newcomers = [w for w in cur["members"] if w not in cur["prev"]]
-        for w in newcomers:
-            self.rejected.add(w)
-            self.write(keys.rejected(w), "1")
-        back = [w for w in cur["prev"] if self.alive(w) and not self.valid(keys.done(w))]
-        self.desired = sorted(back)
-        self.store.set(keys.DESIRED, json.dumps(self.desired))
-        cur["ok"] = False
         cur["verified"] = True  # decided, so it is reported
+        for w in cur["members"]:
+            if w not in cur["prev"] and w not in self.rejected:
+                self.rejected.add(w)
+                self.write(keys.rejected(w), "1")
+        back = [w for w in cur["prev"]
+                if w not in self.rejected and self.heartbeats.alive(w) and not self.valid(keys.done(w))]
+        if len(back) < self.min_workers:
+            self.hold(f"rolling back generation {cur['generation']} would leave {len(back)} "
+                      f"worker(s), below the job's minimum of {self.min_workers}")
+            return
+        if self.failed_again(cur["generation"], f"state check failed: {self._verdict_reason}"):
+            return
+        self.set_desired(back)
         self.publish(back, "rollback", f"state check failed; back to {back}")
 
     # ---- what the control socket asks -----------------------------------------------
@@ -273,22 +380,33 @@ class Generations:
         """The job as the control side sees it; a generation counts as verified once its
         timings arrived (or a newer one exists). `forged`: {"count": records that failed
         verification and were ignored (each distinct record once), "last": the key of the
-        newest one (None: none)}."""
+        newest one (None: none)}. `history`: the last HISTORY_KEPT generations of
+        `generations_total`. `abort`, `held`, `unreachable` (null or {reason, ...}),
+        `crashed` and `waiting` (lists) are always present."""
         cur = self.history[-1] if self.history else None
-        settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired)
+        settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired
+                       and self.abort is None and self.held is None)
         return {"generation": self.generation, "members": self.members, "desired": self.desired,
                 "settled": settled, "finished": self.finished, "progress": self.progress,
-                "forged": self.forged.summary(),
+                "forged": self.forged.summary(), "min_workers": self.min_workers,
+                "abort": self.abort, "held": self.held, "unreachable": self.unreachable,
+                "crashed": [self.reports.crashed[w] for w in sorted(self.reports.crashed)],
+                "waiting": self.reports.waiting, "generations_total": self.generation,
                 "history": [dict(h, verified=h["verified"] and (h["timings"] is not None or h is not cur))
                             for h in self.history]}
 
     def resize(self, wanted: Any) -> list[int]:
-        """The desired membership from now on (ValueError: not a non-empty list of ids)."""
-        if not isinstance(wanted, list) or not wanted or not all(isinstance(w, int) for w in wanted):
-            raise ValueError("members must be a non-empty list of worker ids")
-        self.desired = sorted(set(wanted))
+        """The desired membership from now on (ValueError: not a non-empty list of ids, fewer
+        than the job's minimum, or the job was aborted)."""
+        if not _ids(wanted):
+            raise ValueError(f"members must be a non-empty list of worker ids (0..{MAX_WID})")
+        if len(set(wanted)) < self.min_workers:
+            raise ValueError(f"{len(set(wanted))} worker(s) is below the job's minimum of {self.min_workers}")
+        if self.abort is not None:
+            raise ValueError(f"the job was aborted: {self.abort['reason']}")
+        self.set_desired(wanted)
         self.known |= set(self.desired)
-        self.store.set(keys.DESIRED, json.dumps(self.desired))
+        self.unreachable = None
         self._busy = True
         return self.desired
 

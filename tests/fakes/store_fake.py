@@ -5,15 +5,19 @@ from __future__ import annotations
 
 
 class FakeStore:
-    """The TCPStore methods the generation logic uses, over a dict (values kept as bytes)."""
+    """The TCPStore methods the generation logic uses, over a dict (values kept as bytes).
+    `looked_at` lists the keys checked or read, in order (a test may clear it)."""
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self.looked_at: list[str] = []
 
     def check(self, keys: list[str]) -> bool:
+        self.looked_at.extend(keys)
         return all(k in self.data for k in keys)
 
     def get(self, key: str) -> bytes:
+        self.looked_at.append(key)
         return self.data[key]   # a real store would block until the key appears
 
     def set(self, key: str, value: str | bytes) -> None:
