@@ -141,7 +141,7 @@ class Formation:
         had_state = state.has_state
         copied = self._sync_state(g, rank, world)
         t2 = time.time()
-        self._verify(g, rank, received=copied > 0 and not had_state)
+        self._verify(g, rank, received=copied > 0 and not had_state, kind=info["kind"], members=members)
         t3 = time.time()
         self.rdzv.watch_after(g)
         timings = None
@@ -226,10 +226,11 @@ class Formation:
         state.commit()
         return sum(v.numel() * v.element_size() for v in views)
 
-    def _verify(self, g: int, rank: int, received: bool) -> None:
-        """All members compare a checksum of their live state, step and data position."""
+    def _verify(self, g: int, rank: int, received: bool, kind: str, members: list[int]) -> None:
+        """All members compare a checksum of their live state, step and data position; on a
+        mismatch, which part differs and on which member is named in the verdict."""
         state = self.state
-        _, tensors = flatten(state.capture()["objects"])
+        skeleton, tensors = flatten(state.capture()["objects"])
         tv = time.time()
         crc = checksum_tensors(tensors)
         self.checksum_s = time.time() - tv
@@ -237,11 +238,54 @@ class Formation:
         vec = torch.tensor([crc, state.step, pos, -crc, -state.step, -pos], dtype=torch.int64)
         vec = self.group.all_reduce(vec, dist.ReduceOp.MAX)
         if vec[:3].tolist() != (-vec[3:]).tolist():
+            try:
+                what, r = self._differing(tensor_paths(skeleton, "objects"), tensors, rank, len(members))
+                reason = f"state checksum mismatch in {kind}: {what} differs on worker {members[r]} (rank {r})"
+            except (RuntimeError, ValueError) as e:   # the group broke while looking: name nothing
+                reason = f"state checksum mismatch in {kind} ({type(e).__name__} while locating it)"
             if rank == 0:
-                self.rdzv.set(keys.verdict(g), '{"ok": false, "reason": "state checksum mismatch"}')
-            self.log(f"generation {g}: state checksums differ across members; rolling back")
+                self.rdzv.set(keys.verdict(g), json.dumps({"ok": False, "reason": reason}))
+            self.log(f"generation {g}: {reason}; rolling back")
             self._destroy()
             raise StateMismatch(g, received)
+
+    def _differing(self, paths: list[str], tensors: list[torch.Tensor], rank: int, world: int) -> tuple[str, int]:
+        """The first part of the state (a tensor's path, the step or the data position)
+        whose checksum differs across the members, and the rank holding a value other than
+        the majority's (rank 0's on a tie): two more small all-reduces, run on a mismatch only."""
+        state = self.state
+        own = [checksum_tensors([t]) for t in tensors] + [state.step, state.position]
+        names = paths + ["step", "data position"]
+        vec = torch.tensor(own + [-v for v in own], dtype=torch.int64)
+        vec = self.group.all_reduce(vec, dist.ReduceOp.MAX)
+        n = len(own)
+        i = next((i for i in range(n) if int(vec[i]) != -int(vec[n + i])), n - 1)
+        each = torch.zeros(world, dtype=torch.int64)
+        each[rank] = own[i]
+        values = self.group.all_reduce(each).tolist()
+        counts = {v: values.count(v) for v in values}
+        majority = max(counts.values())
+        ref = values[0] if counts[values[0]] == majority else max(counts, key=counts.get)
+        return names[i], next((r for r, v in enumerate(values) if v != ref), 0)
+
+
+def tensor_paths(skeleton: Any, prefix: str) -> list[str]:
+    """The dotted path of each tensor of a flattened tree, by its index
+    ("objects.model.bn1.running_mean", "objects.optimizer.state.0.momentum_buffer")."""
+    out: dict[int, str] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, TensorRef):
+            out[node.i] = path
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                walk(v, f"{path}.{k}")
+        elif isinstance(node, (list, tuple)):
+            for k, v in enumerate(node):
+                walk(v, f"{path}.{k}")
+
+    walk(skeleton, prefix)
+    return [out.get(i, f"{prefix}[{i}]") for i in range(len(out))]
 
 
 MAX_HEADER_BYTES = 1 << 30

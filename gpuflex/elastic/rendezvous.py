@@ -42,6 +42,10 @@ class Leaving(Exception):
     """This worker was retired (a verified shrink, or released before it ever joined): exit 0."""
 
 
+class Aborted(Exception):
+    """The coordinator ended the job (its signed `abort` record): exit ABORTED_EXIT."""
+
+
 class Rendezvous:
     """This worker's connection to the job store. `secret`: the job's HMAC key (None: an
     unauthenticated job, which then accepts only unsigned records, see auth.py)."""
@@ -52,6 +56,7 @@ class Rendezvous:
         self.host, self.port, self.wid = host, int(port), wid
         self.timeout = dt.timedelta(seconds=timeout_s)
         self.forged = ForgeryLog(f"gpuflex[w{wid}]")
+        self.closed = False
         self.store = self._connect()
         self.lost = threading.Event()
         self.signer = self._read_run(Signer(secret), timeout_s)
@@ -60,6 +65,7 @@ class Rendezvous:
         self.newer = threading.Event()   # a generation after `watching` has been published
         self.watching = 0
         self.progress: str | None = None   # rank 0's status, sent by the heartbeat thread
+        self._on_beat: list[Callable[[TCPStore], None]] = []
         self._stop = threading.Event()
         self._hb = threading.Thread(target=self._beat, args=(heartbeat_s,), name="gpuflex-heartbeat",
                                     daemon=True)
@@ -103,6 +109,8 @@ class Rendezvous:
                 progress, self.progress = self.progress, None
                 if progress is not None:
                     store.set(keys.PROGRESS, progress)
+                for fn in self._on_beat:
+                    fn(store)
                 self._stop.wait(WATCH_S)
         except (RuntimeError, OSError, StoreLost):
             self.lost.set()
@@ -130,15 +138,44 @@ class Rendezvous:
         self.watching = g
         self.newer.clear()
 
+    def on_beat(self, fn: Callable[[TCPStore], None]) -> None:
+        """Call `fn(store)` from the heartbeat thread every WATCH_S, on its own connection
+        (the training thread may be blocked on its own in a wait); its store errors count
+        as a lost store."""
+        self._on_beat.append(fn)
+
     def close(self) -> None:
+        """Stop the heartbeat; later store calls raise StoreLost."""
+        self.closed = True
         self._stop.set()
         if self._hb.is_alive() and self._hb is not threading.current_thread():
             self._hb.join(timeout=5)
+
+    def records_on(self, store: TCPStore) -> SignedRecords:
+        """This job's signed records read over another connection (the heartbeat thread's)."""
+        return SignedRecords(lambda key: store.check([key]), store.get, self.signer, self.forged)
+
+    def sign(self, key: str, value: str) -> str:
+        return self.signer.sign(key, value)
+
+    def abort_reason(self) -> str | None:
+        """The coordinator's reason when it ended the job (a signed `abort` record)."""
+        rec = self.get_json(keys.ABORT)
+        if rec is None:
+            return None
+        return str(rec.get("reason") if isinstance(rec, dict) else rec)[:500]
+
+    def check_abort(self) -> None:
+        reason = self.abort_reason()
+        if reason is not None:
+            raise Aborted(reason)
 
     # ---- store access that turns every failure into StoreLost ---------------------------
     def _call(self, fn: Callable, *args) -> Any:
         if self.lost.is_set():
             raise StoreLost("the job store stopped answering heartbeats")
+        if self.closed:
+            raise StoreLost("the connection to the job store was closed")
         try:
             return fn(*args)
         except (RuntimeError, OSError) as e:
@@ -152,6 +189,29 @@ class Rendezvous:
         """A signed record, then the events counter."""
         self._call(self.store.set, key, self.signer.sign(key, value))
         self._call(self.store.add, keys.EVENTS, 1)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(self.store.add, key, amount)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """`desired` if `key` is absent (expected "") or holds `expected`; the value after."""
+        return self._call(self.store.compare_set, key, expected, desired)
+
+    def get_raw(self, key: str) -> bytes:
+        return self._call(self.store.get, key)
+
+    def wait_key(self, key: str, timeout_s: float) -> bool:
+        """Block until `key` exists (True) or `timeout_s` passed (False)."""
+        if self.lost.is_set() or self.closed:
+            raise StoreLost("the job store stopped answering heartbeats")
+        try:
+            self.store.wait([key], dt.timedelta(seconds=timeout_s))
+            return True
+        except (RuntimeError, OSError) as e:
+            if "timeout" in str(e).lower():
+                return False
+            self.lost.set()
+            raise StoreLost(f"job store error: {e}") from None
 
     def valid(self, key: str) -> bool:
         """A signed record is there and verifies (a forged one is logged once)."""
@@ -205,6 +265,7 @@ class Rendezvous:
         polls = 0
         while not stop():
             if polls % 10 == 0:   # the rarer outcomes are looked at every 10th poll
+                self.check_abort()
                 if self.valid(keys.rejected(self.wid)):
                     raise Evicted("the coordinator rejected this worker")
                 if self.valid(keys.released(self.wid)):
@@ -234,6 +295,7 @@ class Rendezvous:
                 return
             if self.newest_after(g):
                 raise Superseded(g)
+            self.check_abort()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"generation {g}: members missing at the barrier: {pending}")
             time.sleep(POLL_S)
@@ -249,5 +311,6 @@ class Rendezvous:
                 return bool(verdict.get("ok"))
             if self.newest_after(g):
                 return False
+            self.check_abort()
             time.sleep(POLL_S)
         return None

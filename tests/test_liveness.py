@@ -1,0 +1,281 @@
+"""Liveness from heartbeats (gpuflex.elastic.liveness): the step barrier waits for a busy
+member and fails, for every member alike, when one is silent, crashed, gone or the job was
+aborted; crash records; a state mismatch named by tensor and member.
+
+The barrier tests run members as threads of this process, each with its own store
+connections and heartbeat thread, against a real TCPStore; every wait is bounded."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from gpuflex.elastic import keys
+from gpuflex.elastic.auth import Signer
+from gpuflex.elastic.formation import Formation, tensor_paths
+from gpuflex.elastic.liveness import (StepBarrier, crash_record, install_crash_hook, outcome_key,
+                                      report_crash)
+from gpuflex.elastic.rendezvous import Aborted, Rendezvous
+from gpuflex.elastic.state import flatten
+
+SECRET = "liveness-test-secret"
+G = 1
+BOUND_S = 30
+
+
+class Job:
+    """A job store with a signed generation G of `members`, and workers joined to it."""
+
+    def __init__(self, members: list[int], hb_timeout_s: float) -> None:
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=dt.timedelta(seconds=BOUND_S))
+        self.signer = Signer(SECRET).for_run("run-1")
+        self.store.set(keys.RUN, Signer(SECRET).sign(keys.RUN, "run-1"))
+        self.write(keys.members(G), json.dumps({"generation": G, "kind": "initial", "members": members,
+                                                "prev": [], "created": 0}))
+        self.members, self.hb_timeout_s = members, hb_timeout_s
+        self.rdzvs: list[Rendezvous] = []
+
+    def write(self, key: str, value: str) -> None:
+        self.store.set(key, self.signer.sign(key, value))
+
+    def read(self, key: str) -> Any:
+        return json.loads(self.signer.verify(key, self.store.get(key))) if self.store.check([key]) else None
+
+    def worker(self, wid: int) -> StepBarrier:
+        rdzv = Rendezvous(f"127.0.0.1:{self.store.port}", wid, secret=SECRET, timeout_s=BOUND_S,
+                          heartbeat_s=0.05)
+        self.rdzvs.append(rdzv)
+        return StepBarrier(rdzv, wid, self.hb_timeout_s)
+
+    def close(self) -> None:
+        for r in self.rdzvs:
+            r.close()
+
+
+@pytest.fixture
+def make_job():
+    jobs: list[Job] = []
+
+    def make(members: list[int], hb_timeout_s: float = 1.0) -> Job:
+        jobs.append(Job(members, hb_timeout_s))
+        return jobs[-1]
+
+    yield make
+    for j in jobs:
+        j.close()
+
+
+def cross_in_thread(barrier: StepBarrier, world: int, phase: str = "backward", times: int = 1,
+                    before: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Cross `times` barriers in a thread; the results land in the returned dict."""
+    out: dict[str, Any] = {"results": []}
+
+    def run() -> None:
+        before()
+        for _ in range(times):
+            out["results"].append(barrier.cross(G, world, phase))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    out["thread"] = t
+    return out
+
+
+def join(*runs: dict[str, Any]) -> list[list[str | None]]:
+    for r in runs:
+        r["thread"].join(BOUND_S)
+        assert not r["thread"].is_alive(), "a barrier did not return (bounded wait)"
+    return [r["results"] for r in runs]
+
+
+def wait_until(pred: Callable[[], Any], what: str) -> Any:
+    end = time.monotonic() + BOUND_S
+    while time.monotonic() < end:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.02)
+    pytest.fail(f"gave up waiting for {what}")
+
+
+def test_every_member_passes_each_barrier_and_spent_outcomes_are_deleted(make_job):
+    job = make_job([0, 1, 2])
+    barriers = [job.worker(w) for w in (0, 1, 2)]
+    runs = [cross_in_thread(b, 3, times=5) for b in barriers]
+    assert join(*runs) == [[None] * 5] * 3
+    assert all(b.crossed == 5 for b in barriers)
+    assert job.store.get(outcome_key(G, 5)) == b"ok"
+    wait_until(lambda: not any(job.store.check([outcome_key(G, n)]) for n in range(1, 5)),
+               "the outcomes nobody reads any more to be deleted")
+
+
+def test_a_busy_member_is_waited_for_without_failing_and_shown_as_waited_for(make_job):
+    job = make_job([0, 1, 2], hb_timeout_s=0.5)   # the busy one is silent at no barrier, yet alive
+    b0, b1, b2 = (job.worker(w) for w in (0, 1, 2))
+    runs = [cross_in_thread(b0, 3), cross_in_thread(b1, 3)]
+    rec = wait_until(lambda: (job.read(keys.waiting(0)) or {}).get("for"), "worker 0's waiting record")
+    assert rec == [2] and job.read(keys.waiting(0))["phase"] == "backward"
+    assert b0.waiting_for == [2] and b1.waiting_for == [2]
+    time.sleep(1.5)   # three heartbeat timeouts: still waited for, since it beats
+    assert all(r["thread"].is_alive() for r in runs)
+    late = cross_in_thread(b2, 3)
+    assert join(*runs, late) == [[None], [None], [None]]
+    assert b0.waiting_for == []
+    wait_until(lambda: job.read(keys.waiting(0)) == {"for": [], "since": job.read(keys.waiting(0))["since"],
+                                                      "phase": ""}, "worker 0's waiting record cleared")
+
+
+def test_a_silent_member_fails_the_barrier_for_everyone_naming_it_and_a_late_one_reads_it(make_job):
+    job = make_job([0, 1, 2], hb_timeout_s=0.5)
+    b0, b1, b2 = (job.worker(w) for w in (0, 1, 2))
+    b2.rdzv.close()   # frozen: its heartbeat stops
+    (r0,), (r1,) = join(cross_in_thread(b0, 3, phase="boundary"), cross_in_thread(b1, 3, phase="boundary"))
+    assert r0 == r1 and r0.startswith("fail: worker 2 sent no heartbeat") and "boundary" in r0
+    resumed = job.worker(2)   # the frozen one, resumed: it arrives last and reads the same outcome
+    assert resumed.cross(G, 3, "boundary") == r0
+
+
+@pytest.mark.parametrize("record,expect", [(keys.crashed(2), "worker 2 crashed"),
+                                           (keys.fail(G, 2), "worker 2 left generation 1"),
+                                           (keys.ABORT, "the job was aborted")])
+def test_a_crashed_departed_or_aborted_job_fails_the_barrier_before_any_heartbeat_timeout(
+        make_job, record, expect):
+    job = make_job([0, 1, 2], hb_timeout_s=600)
+    b0, b1, _ = (job.worker(w) for w in (0, 1, 2))
+    runs = [cross_in_thread(b0, 3), cross_in_thread(b1, 3)]
+    wait_until(lambda: b0.waiting_for == [2], "worker 0 to see who is missing")
+    job.write(record, json.dumps({"reason": "same failure 3 times", "error": "x"}))
+    (r0,), (r1,) = join(*runs)
+    assert r0 == r1 and expect in r0
+
+
+def test_a_forged_crash_record_does_not_fail_the_barrier(make_job):
+    job = make_job([0, 1], hb_timeout_s=600)
+    b0, b1 = job.worker(0), job.worker(1)
+    run = cross_in_thread(b0, 2)
+    job.store.set(keys.crashed(1), json.dumps({"error": "forged"}))   # unsigned
+    wait_until(lambda: b0.rdzv.forged.count >= 1, "the forged record to be noticed")
+    assert run["thread"].is_alive()
+    assert join(run, cross_in_thread(b1, 2)) == [[None], [None]]
+
+
+def test_an_abort_ends_the_wait_for_a_generation(make_job):
+    job = make_job([0])
+    rdzv = job.worker(5).rdzv
+    job.write(keys.ABORT, json.dumps({"reason": "rolled back 3 times in a row"}))
+    polls = iter(range(1000))
+    with pytest.raises(Aborted, match="rolled back 3 times"):
+        rdzv.wait_for_generation(G, False, lambda: next(polls, None) is None)
+
+
+def test_an_exception_escaping_the_script_is_recorded_then_printed_as_before(make_job, monkeypatch):
+    job = make_job([0, 1])
+    rdzv = job.worker(1).rdzv
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda *a: printed.append(a[0]))
+    install_crash_hook(lambda rec: report_crash(rdzv, 1, rec), lambda: "step 7 of generation 1 (rank 1)")
+    try:
+        1 / 0
+    except ZeroDivisionError:
+        sys.excepthook(*sys.exc_info())
+    assert printed == [ZeroDivisionError]    # the previous hook still ran
+    rec = job.read(keys.crashed(1))
+    assert rec["error"] == "ZeroDivisionError: division by zero"
+    assert rec["phase"] == "step 7 of generation 1 (rank 1)"
+    assert rec["traceback"][-1] == "ZeroDivisionError: division by zero" and len(rec["traceback"]) <= 15
+    assert any("1 / 0" in line for line in rec["traceback"])
+    assert rdzv.closed   # the heartbeat stopped: the worker is seen gone at once
+
+
+def test_a_crash_record_keeps_only_the_last_lines_of_a_deep_traceback():
+    def deep(n: int) -> None:   # deep and deeper alternate: no frame repeats to be collapsed
+        if n == 0:
+            raise ValueError("bad batch\nsecond line")
+        deeper(n - 1)
+
+    def deeper(n: int) -> None:
+        deep(n)
+
+    try:
+        deep(30)
+    except ValueError as e:
+        rec = crash_record(type(e), e, e.__traceback__, "warm-up")
+    assert len(rec["traceback"]) == 15 and rec["traceback"][-1] == "second line"
+    assert not rec["traceback"][0].startswith("Traceback")   # the first lines were left out
+    assert rec["error"].startswith("ValueError: bad batch")
+
+
+# ---- a state mismatch named by tensor and member ---------------------------------------------------
+class TwoRanks:
+    """The collectives of rank 0 of two, the other rank's contributions given in order."""
+
+    def __init__(self, others: list[torch.Tensor]) -> None:
+        self.others = others
+
+    def all_reduce(self, vec: torch.Tensor, op: Any = torch.distributed.ReduceOp.SUM) -> torch.Tensor:
+        other = self.others.pop(0)
+        return torch.maximum(vec, other) if op == torch.distributed.ReduceOp.MAX else vec + other
+
+
+class FakeState:
+    def __init__(self, objects: dict[str, Any], step: int = 4, position: int = 256) -> None:
+        self.objects, self.step, self.position = objects, step, position
+
+    def capture(self) -> dict[str, Any]:
+        return {"objects": self.objects}
+
+
+def model_state(bn_mean: float) -> dict[str, Any]:
+    bn = torch.nn.BatchNorm1d(3)
+    bn.running_mean.fill_(bn_mean)
+    return {"model": {"bn1." + k: v for k, v in bn.state_dict().items()},
+            "optimizer": {"state": {0: {"momentum_buffer": torch.ones(3)}}}}
+
+
+def contributions(state: FakeState, rank: int, world: int) -> list[torch.Tensor]:
+    """What `state` held on `rank` adds to each of the verify's collectives (the first
+    tensor of each is recomputed by the formation for rank 0 itself)."""
+    from gpuflex.elastic.state import checksum_tensors
+    _, tensors = flatten(state.capture()["objects"])
+    crc = checksum_tensors(tensors)
+    first = torch.tensor([crc, state.step, state.position, -crc, -state.step, -state.position])
+    own = [checksum_tensors([t]) for t in tensors] + [state.step, state.position]
+    second = torch.tensor(own + [-v for v in own])
+    each = torch.zeros(world, dtype=torch.int64)
+    each[rank] = own[2]   # bn1.running_mean (after weight and bias): the one that differs below
+    return [first, second, each]
+
+
+def test_a_state_mismatch_names_the_tensor_and_the_member_in_the_verdict():
+    mine, theirs = FakeState(model_state(0.0)), FakeState(model_state(0.5))
+    verdicts: dict[str, str] = {}
+
+    class Rdzv:
+        def set(self, key: str, value: str) -> None:
+            verdicts[key] = value
+
+    f = Formation(wid=10, rdzv=Rdzv(), group=TwoRanks(contributions(theirs, 1, 2)), state=mine,
+                  signals=None, timeout_s=1)
+    f._destroy = lambda: None
+    with pytest.raises(Exception) as raised:
+        f._verify(3, 0, received=False, kind="resize", members=[10, 11])
+    assert type(raised.value).__name__ == "StateMismatch"
+    reason = json.loads(verdicts[keys.verdict(3)])["reason"]
+    # two members, two values: the tie goes to rank 0's, so rank 1 is named
+    assert reason == "state checksum mismatch in resize: objects.model.bn1.running_mean differs on worker 11 (rank 1)"
+
+
+def test_tensor_paths_follow_the_state_tree():
+    skeleton, _ = flatten({"model": {"w": torch.zeros(1), "bn.running_var": torch.ones(1)},
+                           "optimizer": {"state": {0: {"exp_avg": torch.zeros(1)}}, "lr": [0.1]}})
+    assert tensor_paths(skeleton, "objects") == [
+        "objects.model.w", "objects.model.bn.running_var", "objects.optimizer.state.0.exp_avg"]
