@@ -44,7 +44,7 @@ _SPACE = re.compile(r"\s+")
 
 def printable(value: Any, limit: int) -> str:
     """`value` as one line of at most `limit` printable characters."""
-    text = value if isinstance(value, str) else str(value)
+    text = (value if isinstance(value, str) else str(value))[:limit + 1]
     text = "".join(c if c.isprintable() else " " for c in text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
