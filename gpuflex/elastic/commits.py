@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from gpuflex.elastic.buffers import BufferSync
 from gpuflex.elastic.checkpoints import CheckpointError, load_newest_good, save_checkpoint
 from gpuflex.elastic.sampler import ElasticSampler
 from gpuflex.elastic.state import LightCommit, Registry, copy_value, rng_state, set_rng_state
@@ -26,8 +27,9 @@ class TrainingState:
     what is done with them at step boundaries and formations."""
 
     def __init__(self, *, registry: Registry, model: torch.nn.Module, sampler: ElasticSampler,
-                 distributed: bool, checkpoint_dir: str | None) -> None:
+                 distributed: bool, checkpoint_dir: str | None, buffers: BufferSync | None = None) -> None:
         self.registry, self.model, self.sampler = registry, model, sampler
+        self.buffers = buffers
         self.distributed = distributed
         self.checkpoint_dir = checkpoint_dir
         self.samples: dict[int, list[int]] = {}
@@ -95,6 +97,15 @@ class TrainingState:
             del self.samples[epoch][c.lens["samples"]:]
             if not self.samples[epoch]:
                 del self.samples[epoch]
+
+    def align_buffers(self) -> None:
+        """In a formation, after the state copy and before the checksum: rank 0's buffers to
+        every member. A step boundary that failed after the members' forwards (a failed
+        agreement or buffer sync) leaves each member's own running statistics in a confirmed
+        step; this makes them equal again (the broadcast rule's truth is rank 0). Raises if
+        the broadcast fails, as the formation's collectives do."""
+        if self.buffers is not None:
+            self.buffers.broadcast()
 
     def apply_tree(self, tree: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
         self.registry.load(tree["objects"], skip=skip)

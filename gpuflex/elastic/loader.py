@@ -88,13 +88,13 @@ class RequestStream:
 class Prefetcher:
     """The run-long DataLoader iterator and its request stream."""
 
-    def __init__(self, dataset: Any, sampler: ElasticSampler, *, num_workers: int, pin_memory: bool,
-                 collate_fn: Any, prefetch_factor: int | None, seed: int) -> None:
+    def __init__(self, dataset: Any, sampler: ElasticSampler, num_workers: int, pin_memory: bool = False,
+                 collate_fn: Any = None, prefetch_factor: int | None = None) -> None:
         self.stream = RequestStream(sampler)
         self.loader = DataLoader(_Requests(dataset, collate_fn), batch_size=None, sampler=self.stream,
                                  collate_fn=_as_is, num_workers=num_workers, pin_memory=pin_memory,
                                  prefetch_factor=prefetch_factor,
-                                 generator=torch.Generator().manual_seed(seed))
+                                 generator=torch.Generator().manual_seed(sampler.seed))
         self.it: Iterator[Any] | None = iter(self.loader)   # forks the workers now
         self.discarded = 0
         self.served = -1   # the step of the last batch given

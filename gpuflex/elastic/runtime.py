@@ -39,14 +39,16 @@ import torch.distributed as dist
 
 from gpuflex.elastic import keys
 from gpuflex.elastic.agreement import Agreement
+from gpuflex.elastic.buffers import BufferSync
 from gpuflex.elastic.collectives import Collectives
 from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.formation import Formation, Formed
 from gpuflex.elastic.gradients import GradPlan, drop_grads
 from gpuflex.elastic.keys import EVICTED_EXIT, STORE_LOST_EXIT
-from gpuflex.elastic.loader import ElasticLoader
+from gpuflex.elastic.loader import ElasticLoader, Prefetcher
 from gpuflex.elastic.logs import ensure_handler
+from gpuflex.elastic.micro import Accumulation, global_mean, share, warm_up_steps
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
 from gpuflex.elastic.signals import StepSignals
@@ -65,42 +67,37 @@ class ElasticRun:
     `rdzv` (the job store) and `formation` (joining generations)."""
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 num_samples: int, global_batch_size: int, epochs: int, seed: int = 0,
-                 scheduler: Any = None, scaler: Any = None, extra: dict[str, Any] | None = None,
-                 track_samples: bool = False, checkpoint_dir: str | None = None,
-                 checkpoint_interval_s: float | None = None) -> None:
+                 num_samples: int, global_batch_size: int, epochs: int | None = None,
+                 steps: int | None = None, seed: int = 0, scheduler: Any = None, scaler: Any = None,
+                 extra: dict[str, Any] | None = None, buffers: str = "broadcast",
+                 warm_up: int | None = None, track_samples: bool = False,
+                 checkpoint_dir: str | None = None, checkpoint_interval_s: float | None = None) -> None:
         self.model, self.optimizer = model, optimizer
-        self.sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, seed=seed)
-        self.registry = Registry()
-        self.registry.add("model", model)
-        self.registry.add("optimizer", optimizer)
-        self.registry.add("scheduler", scheduler)
-        self.registry.add("scaler", scaler)
-        for name, obj in (extra or {}).items():
-            self.registry.add(f"extra.{name}", obj)
-        self.track_samples = track_samples
-        self.stopped = False
+        self.sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, steps=steps, seed=seed)
+        self.registry = Registry.of(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra)
+        self.warm_up_steps = warm_up_steps(model, warm_up)   # a newcomer's passes before it is ready
+        self.track_samples, self.stopped = track_samples, False
         env = self.env = WorkerEnv.from_environ()
-        self.wid = env.worker_id
-        self.store_address = env.store
+        self.wid, self.store_address, self.pg_timeout_s = env.worker_id, env.store, env.pg_timeout_s
         self.checkpoint_dir = checkpoint_dir or env.checkpoint_dir
         self.checkpoint_interval_s = float(checkpoint_interval_s or env.checkpoint_interval_s)
-        self.pg_timeout_s = env.pg_timeout_s
         self.rank, self.world_size, self.generation = 0, 1, 0
         self.device = self._pick_device()
-        self.state = TrainingState(registry=self.registry, model=model, sampler=self.sampler,
+        self.group = Collectives(self.device, self.pg_timeout_s)
+        self.buffers = BufferSync(model, self.group, buffers)
+        self.state = TrainingState(registry=self.registry, model=model, sampler=self.sampler, buffers=self.buffers,
                                    distributed=self.distributed, checkpoint_dir=self.checkpoint_dir)
         self.signals = StepSignals()
-        self.group = Collectives(self.device, self.pg_timeout_s)
         self.agreement = Agreement(batch_size=global_batch_size, track_samples=track_samples,
                                    signals=self.signals, group=self.group, switch_to=self._switch_to)
         self.progress = Progress(global_batch_size, self.status)
+        self.micro = Accumulation()
         self.rdzv: Rendezvous | None = None
         self.formation: Formation | None = None
         self.batch: Batch | None = None       # the step being trained now
         self._last_loss: torch.Tensor | None = None
         self._step_started: float | None = None
-        self._started = False
+        self._started = self._in_epochs = False
         self._store_lost: StoreLost | None = None
         self._grad_plan: GradPlan | None = None
         self._pending_timings: dict[str, Any] | None = None
@@ -163,17 +160,19 @@ class ElasticRun:
         try:
             with self._guard():
                 self._ensure_started()
+            self._in_epochs = True
             while self._more():
                 yield self.epoch
         finally:
             self._close()
 
-    def loader(self, dataset: Any, collate_fn: Any = None) -> ElasticLoader:
-        """Batches of `dataset` for this rank's share of each step of the current epoch."""
-        return ElasticLoader(self._epoch_steps, self.sampler.steps_per_epoch, dataset, collate_fn)
-
-    def _epoch_steps(self) -> Iterator[Batch]:
-        return self._steps(epoch=self.epoch)
+    def loader(self, dataset: Any, num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None,
+               prefetch_factor: int | None = None, persistent_workers: bool = True) -> ElasticLoader:
+        """This rank's share of each step of the current epoch inside `run.epochs()`, else of every
+        remaining step; `num_workers > 0`: read ahead by processes that live for the whole run."""
+        pre = Prefetcher(dataset, self.sampler, num_workers, pin_memory, collate_fn, prefetch_factor) if num_workers else None
+        return ElasticLoader(lambda: (self._steps(self.epoch), self.sampler.steps_per_epoch) if self._in_epochs
+                             else (iter(self), self.sampler.total_steps - self.step), dataset, collate_fn, pre)
 
     def _steps(self, epoch: int | None) -> Iterator[Batch]:
         with self._guard():
@@ -217,7 +216,9 @@ class ElasticRun:
         """Backward of this rank's *mean* loss over its share, weighted by the share's part
         of the global batch, then the gradients summed over the members: exactly the
         full-batch mean gradient, at any world size (as DDP's average is at a fixed one)."""
-        batch = self.batch
+        batch, micro = self.batch, self.micro.take()
+        if self.micro.backward_before_last(loss):   # accumulating: the last micro-batch reduces
+            return
         if self.world_size > 1:   # the large gradients' all-reduces start during backward
             if self._grad_plan is None:
                 self._grad_plan = self._make_grad_plan()
@@ -226,7 +227,7 @@ class ElasticRun:
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
         else:
-            weight = batch.weight if batch is not None else 1.0
+            weight = micro.weight if micro is not None else share(batch)
             (loss * weight if weight != 1.0 else loss).backward()
         self._last_loss = loss.detach()
         if self.world_size > 1 and self.group.failure is not None:
@@ -246,6 +247,21 @@ class ElasticRun:
         if self.world_size == 1:
             return True
         return self.group.call(dist.all_reduce, tensor, op=op) if self.group.failure is None else False
+
+    def accumulate(self, *tensors: torch.Tensor, micro_batch_size: int | None = None,
+                   steps: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Micro-batches (tuples of slices along dim 0) of this rank's share (see micro.py)."""
+        return self.micro.split(tensors, self.batch, micro_batch_size=micro_batch_size, steps=steps)
+
+    def global_mean(self, value: float | torch.Tensor) -> float:
+        """The global batch's mean of this rank's mean (a dead peer: this rank's value)."""
+        return global_mean(self.group, value, share(self.batch))
+
+    def register(self, name: str, obj: Any) -> Any:
+        """`obj` (a dict of the script's scalars, or anything with state_dict/load_state_dict) becomes
+        state: checkpointed, carried to newcomers, undone with a failed step. Call before the loop."""
+        self.registry.add(f"extra.{name}", obj, new=True, sealed=self._started)
+        return obj
 
     # ---- start, boundary, switch ---------------------------------------------------------------
     def _start(self) -> None:
@@ -307,6 +323,7 @@ class ElasticRun:
             self._joined(self.formation.recover(self.generation, why))
             return self._more()
         flags = self.agreement.agree(done_step)
+        flags = flags if flags is None or self.buffers.sync(share(self.batch)) else None   # failed: a failed vote
         if flags is None:   # the agreement failed, after this rank completed its step
             why = self.group.take_failure()
             if done_step:

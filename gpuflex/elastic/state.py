@@ -190,8 +190,11 @@ class Registry:
             reg.add(f"extra.{name}", obj)
         return reg
 
-    def add(self, name: str, obj: Any, new: bool = False) -> None:
-        """Register `obj` under `name`; `new`: a name already taken is a ValueError."""
+    def add(self, name: str, obj: Any, new: bool = False, sealed: bool = False) -> None:
+        """Register `obj` under `name`; `new`: a name already taken is a ValueError; `sealed`:
+        the run has started (a newcomer's state tree must hold the same names)."""
+        if sealed:
+            raise RuntimeError(f"{name}: registered after the run started; register before the loop")
         if new and name in self.objects:
             raise ValueError(f"{name!r} is already registered; pick another name")
         if obj is None:
