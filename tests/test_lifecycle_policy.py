@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gpuflex.elastic.keys import STORE_LOST_EXIT
+from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
 from gpuflex.policy.lifecycle import (Adopt, EndWorker, Finish, JobFacts, Observation, ProcSeen,
                                       Record, Requeue, SetState, WorkerFacts, decide, outcome)
 from gpuflex.states import JobState as J
@@ -76,7 +76,7 @@ def test_an_unreachable_host_is_noted_and_its_workers_lost_once_the_job_went_on_
     facts = job(w(0, "a"), w(1, "b"), w(2, "b", state=W.STARTING, gen=0))
     seen = Observation({0: ALIVE}, unreachable={"b": "b: connection refused"}, coordinator=coord(2, [0]))
     assert decide(facts, seen) == [
-        Record("host-unreachable", "b: connection refused", {"host": "b"}, once=True),
+        Record("host-unreachable", "b: connection refused", {"host": "b"}),
         Adopt(2, (0,)),
         EndWorker(1, W.LOST),          # left behind by generation 2; the starting newcomer is kept
     ]
@@ -91,7 +91,7 @@ def test_an_unreachable_host_whose_workers_are_still_members_loses_nobody():
 def test_a_silent_coordinator_that_is_gone_is_noted_as_a_lost_store():
     facts = job(w(0))
     assert decide(facts, Observation({0: ALIVE}, coordinator=None, coordinator_alive=False)) == \
-        [Record("store-lost", "the job's coordinator (store) is gone", once=True)]
+        [Record("store-lost", "the job's coordinator (store) is gone")]
     assert decide(facts, Observation({0: ALIVE}, coordinator=None, coordinator_alive=True)) == []
 
 
@@ -99,7 +99,7 @@ def test_a_settled_job_below_its_minimum_is_requeued():
     facts = job(w(0), w(1), min_workers=2)
     actions = decide(facts, Observation({0: ALIVE, 1: gone(None)}, coordinator=coord(2, [0])))
     assert actions[-1] == Requeue("fell to 1 worker(s), below its minimum of 2; restarting from its "
-                                  "checkpoint when it fits")
+                                  "checkpoint when it fits", "below-min")
     unsettled = decide(facts, Observation({0: ALIVE, 1: gone(None)}, coordinator=coord(2, [0], settled=False)))
     assert not [a for a in unsettled if isinstance(a, Requeue)]
 
@@ -112,9 +112,9 @@ def test_a_settled_job_below_its_minimum_is_requeued():
     ([w(0, state=W.LOST), w(1, state=W.EXITED, rc=0)],
      Finish(J.FAILED, -9, "worker 0 lost (exit code None)")),
     ([w(0, state=W.FAILED, rc=STORE_LOST_EXIT), w(1, state=W.FAILED, rc=STORE_LOST_EXIT)],
-     Requeue("the job store was lost; restarting from the last checkpoint")),
-    # a leaver of an earlier generation that failed does not fail the job
-    ([w(0, state=W.FAILED, rc=1, gen=1), w(1, state=W.EXITED, rc=0, gen=2)],
+     Requeue("the job store was lost; restarting from the last checkpoint", "store-lost")),
+    # a leaver of an earlier generation that was evicted does not fail the job
+    ([w(0, state=W.FAILED, rc=EVICTED_EXIT, gen=1), w(1, state=W.EXITED, rc=0, gen=2)],
      Finish(J.SUCCEEDED, 0, "all workers exited 0")),
     # workers of an earlier run (before the job's started_at) are history
     ([w(0, state=W.FAILED, rc=STORE_LOST_EXIT, gen=2, started_at=50.0), w(1, state=W.EXITED, rc=0, gen=2)],
@@ -170,4 +170,157 @@ def test_failed_checkpoint_writes_are_one_event_per_new_count_of_each_worker(pro
     facts = dataclasses.replace(job(w(0), w(2)), checkpoint_failures_recorded=already)
     status = {**coord(1, [0, 2]), **({"progress": progress} if progress is not None else {})}
     got = [a for a in decide(facts, Observation({0: ALIVE, 2: ALIVE}, coordinator=status)) if isinstance(a, Record)]
+    assert got == ([want] if want else [])
+
+
+# ---- crashes are bugs, signals are faults ---------------------------------------------------
+ZERO = "ZeroDivisionError: division by zero"
+TB = ["Traceback (most recent call last):", '  File "train.py", line 9, in <module>', "    1 / 0", ZERO]
+
+
+def crashed_record(wid: int) -> dict:
+    return {"wid": wid, "error": ZERO, "traceback": TB, "phase": "forward"}
+
+
+def crash_of(wid: int, rc: int | None, tb=TB, phase: str | None = "forward", error: str = ZERO) -> dict:
+    return {"wid": wid, "host": "a", "error": error, "traceback": list(tb), "phase": phase, "exit_code": rc}
+
+
+def test_an_exception_on_one_rank_fails_the_job_at_once_with_its_traceback():
+    facts = job(w(0), w(1), w(2), min_workers=2)
+    status = {**coord(1, [0, 1, 2]), "crashed": [crashed_record(1)]}
+    actions = decide(facts, Observation({0: ALIVE, 1: gone(1), 2: ALIVE}, coordinator=status))
+    assert actions == [
+        EndWorker(1, W.FAILED, 1, 5.0), Adopt(1, (0, 1, 2)),
+        Record("crash", f"worker 1 on a crashed: {ZERO}", crash_of(1, 1)),
+        Finish(J.FAILED, 1, "\n".join([f"worker 1 on a crashed (exit code 1, in forward): {ZERO}", *TB])),
+    ]
+
+
+def test_a_crashed_record_fails_the_job_before_the_process_is_reaped():
+    facts = job(w(0), w(1))
+    status = {**coord(1, [0, 1]), "crashed": [crashed_record(0)]}
+    actions = decide(facts, Observation({0: ALIVE, 1: ALIVE}, coordinator=status))
+    assert actions[-2:] == [Record("crash", f"worker 0 on a crashed: {ZERO}", crash_of(0, None)),
+                            Finish(J.FAILED, 1, "\n".join([f"worker 0 on a crashed (in forward): {ZERO}", *TB]))]
+
+
+def test_a_crash_without_a_record_takes_its_error_from_the_tail_of_the_log():
+    facts = job(w(0), w(1))
+    tail = ("step 3", "Fatal Python error: Aborted", "")
+    actions = decide(facts, Observation({0: ALIVE, 1: gone(4)}, coordinator=coord(1, [0, 1]), log_tails={1: tail}))
+    assert actions[-2:] == [
+        Record("crash", "worker 1 on a crashed: Fatal Python error: Aborted",
+               crash_of(1, 4, tail, None, "Fatal Python error: Aborted")),
+        Finish(J.FAILED, 4, "worker 1 on a crashed (exit code 4): Fatal Python error: Aborted\n"
+                            "step 3\nFatal Python error: Aborted\n")]
+    # nothing in the log: the exit code is the error
+    quiet = decide(facts, Observation({0: ALIVE, 1: gone(4)}, coordinator=coord(1, [0, 1])))
+    assert quiet[-1] == Finish(J.FAILED, 4, "worker 1 on a crashed (exit code 4): exit code 4")
+
+
+@pytest.mark.parametrize("retries,crash_restarts,restarts,expected", [
+    (0, 0, 0, Finish(J.FAILED, 1, "\n".join([f"worker 1 on a crashed (exit code 1, in forward): {ZERO}", *TB]))),
+    (2, 0, 0, Requeue(f"worker 1 on a crashed: {ZERO}; restart 1 of 2", "crash")),
+    (2, 1, 3, Requeue(f"worker 1 on a crashed: {ZERO}; restart 2 of 2", "crash")),   # faults do not count
+    (2, 2, 2, Finish(J.FAILED, 1, "\n".join([f"worker 1 on a crashed (exit code 1, in forward): {ZERO}", *TB]),
+                     restarts=2)),
+], ids=["no-retries", "first-retry", "faults-do-not-count", "retries-spent"])
+def test_a_crash_restarts_the_job_while_its_retries_allow(retries, crash_restarts, restarts, expected):
+    facts = dataclasses.replace(job(w(0), w(1)), retries=retries, crash_restarts=crash_restarts, restarts=restarts)
+    status = {**coord(1, [0, 1]), "crashed": [crashed_record(1)]}
+    assert decide(facts, Observation({0: ALIVE, 1: gone(1)}, coordinator=status))[-1] == expected
+
+
+@pytest.mark.parametrize("seen", [gone(-9), gone(-11), gone(None), gone(EVICTED_EXIT)],
+                         ids=["sigkill", "sigsegv", "no-exit-record", "evicted"])
+def test_a_death_by_signal_or_the_runtime_s_own_exit_stays_an_elastic_fault(seen):
+    facts = dataclasses.replace(job(w(0), w(1), w(2), min_workers=2), retries=0)
+    actions = decide(facts, Observation({0: ALIVE, 1: seen, 2: ALIVE}, coordinator=coord(1, [0, 1, 2])))
+    assert not [a for a in actions if isinstance(a, (Finish, Requeue))]
+    assert not [a for a in actions if isinstance(a, Record) and a.kind == "crash"]
+
+
+def test_a_crash_of_a_worker_from_an_earlier_run_is_history():
+    facts = job(w(0, state=W.FAILED, rc=1, started_at=50.0), w(1))
+    assert decide(facts, Observation({1: ALIVE}, coordinator=coord(1, [1]))) == [Adopt(1, (1,))]
+
+
+def test_a_crash_in_the_last_reconcile_fails_a_job_whose_workers_all_ended():
+    workers = [w(0, state=W.EXITED, rc=0), w(1, state=W.FAILED, rc=1, gen=1), w(2, state=W.EXITED, rc=0, gen=2)]
+    assert outcome(job(*workers), workers, generation=2) == \
+        Finish(J.FAILED, 1, "worker 1 on a crashed (exit code 1): exit code 1")
+
+
+# ---- held below MIN, abort -----------------------------------------------------------------
+def test_a_job_held_below_its_minimum_is_requeued_and_its_survivors_stopped():
+    facts = job(w(0), w(1), w(2), min_workers=2)
+    status = {**coord(1, [0, 1, 2], settled=False), "held": {"reason": "a recovery would leave 1 worker(s), "
+                                                                        "below the minimum of 2", "since": 9.0}}
+    actions = decide(facts, Observation({0: ALIVE, 1: gone(None), 2: gone(None)}, coordinator=status))
+    assert actions[-1] == Requeue("a recovery would leave 1 worker(s), below the minimum of 2; restarting "
+                                  "from its checkpoint when it fits", "below-min")
+
+
+def test_a_crash_wins_over_the_hold_it_caused():
+    facts = job(w(0), w(1), min_workers=2)
+    status = {**coord(1, [0, 1], settled=False), "crashed": [crashed_record(1)],
+              "held": {"reason": "worker 1 crashed", "since": 9.0}}
+    actions = decide(facts, Observation({0: ALIVE, 1: gone(1)}, coordinator=status))
+    assert isinstance(actions[-1], Finish) and actions[-1].state is J.FAILED
+    assert not [a for a in actions if isinstance(a, Requeue)]
+
+
+def test_an_abort_fails_the_job_with_its_reason():
+    facts = dataclasses.replace(job(w(0), w(1)), restarts=1)
+    reason = "the same failure 3 times: state checksums differ across members (tensor 'bn.running_mean', worker 1)"
+    status = {**coord(4, [0, 1], settled=False), "abort": {"reason": reason}}
+    actions = decide(facts, Observation({0: ALIVE, 1: ALIVE}, coordinator=status))
+    assert actions[-1] == Finish(J.FAILED, ABORTED_EXIT, f"aborted: {reason}", restarts=1)
+    # the workers exited ABORTED_EXIT before the reason could be read: still failed
+    ended = [w(0, state=W.FAILED, rc=ABORTED_EXIT), w(1, state=W.FAILED, rc=ABORTED_EXIT)]
+    assert outcome(job(*ended), ended, generation=1) == \
+        Finish(J.FAILED, ABORTED_EXIT, "aborted by its coordinator: the same failure repeated")
+
+
+# ---- a restarted job never ends plainly ------------------------------------------------------
+def test_a_restarted_job_s_success_carries_its_restarts():
+    ended = [w(0, state=W.EXITED, rc=0), w(1, state=W.EXITED, rc=0)]
+    facts = dataclasses.replace(job(*ended), restarts=2)
+    assert outcome(facts, ended, generation=1) == Finish(J.SUCCEEDED, 0, "all workers exited 0", restarts=2)
+
+
+# ---- history once, waiting -------------------------------------------------------------------
+def test_history_is_recorded_once_per_run_rollbacks_included():
+    hist = [{"kind": "initial", "generation": 1, "verified": True, "message": "formed"},
+            {"kind": "resize", "generation": 2, "verified": True, "message": "resize 1 -> 2; rolled back: x"},
+            {"kind": "rollback", "generation": 3, "verified": True, "message": "state check failed; back to [0]"}]
+    facts = job(w(0), gen=3, recorded=frozenset({3}))   # the newest is enough: 1 and 2 came before it
+    assert not [a for a in decide(facts, Observation({0: ALIVE}, coordinator=coord(3, [0], history=hist)))
+                if isinstance(a, Record)]
+    fresh = [a for a in decide(job(w(0), gen=3), Observation({0: ALIVE}, coordinator=coord(3, [0], history=hist)))
+             if isinstance(a, Record)]
+    assert [(a.kind, a.data["generation"]) for a in fresh] == [("formed", 1), ("scale", 2), ("rollback", 3)]
+
+
+@pytest.mark.parametrize("listed,already,want", [
+    (None, frozenset(), None),
+    ([], frozenset(), None),
+    ([{"wid": 1, "for": [0], "since": 3.0, "phase": "boundary"}], frozenset(),
+     Record("waiting", "worker 1 waits for worker 0 (boundary)",
+            {"waiting": [{"wid": 1, "for": [0], "phase": "boundary", "since": 3.0}]})),
+    # the same wait read again (a later `since` too): no new event
+    ([{"wid": 1, "for": [0], "since": 4.0, "phase": "boundary"}], frozenset({(1, (0,), "boundary")}), None),
+    ([{"wid": 1, "for": [0, 2], "since": 4.0, "phase": "backward"}], frozenset({(1, (0,), "boundary")}),
+     Record("waiting", "worker 1 waits for workers 0, 2 (backward)",
+            {"waiting": [{"wid": 1, "for": [0, 2], "phase": "backward", "since": 4.0}]})),
+    ([{"wid": 1, "for": [], "since": 4.0, "phase": "boundary"}], frozenset({(1, (0,), "boundary")}),
+     Record("waiting", "no member is waiting any more", {"waiting": []})),
+    ([{"wid": "1", "for": [0]}], frozenset(), None),    # not a worker id: nothing believed
+], ids=["absent", "none", "new", "same", "changed", "ended", "malformed"])
+def test_members_waiting_for_busy_ones_are_an_event_per_change(listed, already, want):
+    facts = dataclasses.replace(job(w(0), w(1), w(2)), waiting=already)
+    status = {**coord(1, [0, 1, 2]), **({"waiting": listed} if listed is not None else {})}
+    got = [a for a in decide(facts, Observation({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=status))
+           if isinstance(a, Record)]
     assert got == ([want] if want else [])

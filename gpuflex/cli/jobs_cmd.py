@@ -39,6 +39,9 @@ def submit(
     harvest: bool = typer.Option(False, "--harvest", help="Let 'gpuflex harvest' grow it onto idle GPUs."),
     env: Optional[list[str]] = typer.Option(None, "--env", "-e", help="KEY=VALUE for the workers (repeatable)."),
     workdir: Optional[str] = typer.Option(None, "--workdir", help="Working directory of the workers (default: here)."),
+    retries: int = typer.Option(0, "--retries", help="Restarts (from the last checkpoint) allowed after a worker "
+                                "crashes: an exception or a non-zero exit is a bug, so by default the job fails. "
+                                "Signals and lost hosts are faults the job rides out; they never count."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -56,7 +59,7 @@ def submit(
                          "after it, e.g. gpuflex submit --workers 2 -- python train.py.")
     req = SubmitRequest(argv=argv, name=name, min_workers=lo, max_workers=hi,
                         gpus_per_worker=gpus_per_worker, priority=priority, harvest=harvest,
-                        env=parse_env(env or []), workdir=workdir)
+                        env=parse_env(env or []), workdir=workdir, retries=retries)
     svc = obj(ctx).service()
     job = svc.job(svc.submit(req), events=False)
     if as_json:
@@ -98,7 +101,7 @@ def status(
             if as_json:
                 return [render.job_json(j, progress=svc.progress.get(j.id)) for j in jobs]
             return render.jobs_table(jobs, svc.progress)
-        j = svc.job(job, events=not as_json)
+        j = svc.job(job, events=False)   # the whole history is `gpuflex events`; status reads a few rows
         if as_json:
             return render.job_json(j, progress=svc.progress.get(j.id))
         head = Text.assemble(f"job {j.id} ", (j.name, "bold"), f" {j.state} world {j.world_size} "
@@ -108,12 +111,18 @@ def status(
             head += f" step {prog.get('step')} epoch {prog.get('epoch')}"
             if prog.get("samples_per_s"):
                 head += f" {prog['samples_per_s']:.0f} samples/s"
+        if render.restarts_text(j):
+            head += f" {render.restarts_text(j)}"
+        if j.waiting and j.state.active:
+            head += f"\n{render.waiting_text(j.waiting)}"
         if j.queue_reason and j.state is JobState.QUEUED:
             head += f"\n{j.queue_reason}"
         if j.exit_reason:
             head += f"\n{j.exit_reason}"
-        last = [e for e in j.events if e.kind in ("scale", "fault", "formed", "state")][-5:]
-        return Group(head, render.workers_table(j), render.events_table(j, last))
+        elif j.last_crash and not j.state.final:
+            head += f"\nlast crash: worker {j.last_crash.get('wid')} on {j.last_crash.get('host')}: " \
+                    f"{j.last_crash.get('error')}"
+        return Group(head, render.workers_table(j), render.events_table(j, list(j.recent)))
 
     if job is not None:
         _known(svc, job)

@@ -30,12 +30,38 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None) -> dict[st
         "created_at": job.created_at, "started_at": job.started_at, "ended_at": job.ended_at,
         "step": (progress or {}).get("step"), "progress": progress,
         "workers": [worker_json(w) for w in job.workers],
+        "retries": job.retries, "last_crash": job.last_crash, "waiting": [dict(w) for w in job.waiting],
     }
 
 
 def event_json(e: EventInfo) -> dict[str, Any]:
     return {"id": e.id, "job": e.job_id, "time": e.time, "kind": e.kind, "message": e.message,
-            "data": e.data}
+            "data": e.data, "count": e.count, "last_time": e.last_time}
+
+
+def waiting_text(waiting: tuple[dict[str, Any], ...], now: float | None = None) -> str:
+    """"waiting for worker 0 (boundary) 42 s": who the job's members wait for, per
+    waited-for set, with the longest wait."""
+    now = time.time() if now is None else now
+    groups: dict[tuple, float | None] = {}
+    for w in waiting:
+        key = (tuple(w.get("for") or ()), w.get("phase") or "")
+        since = w.get("since") if isinstance(w.get("since"), (int, float)) else None
+        prev = groups.get(key)
+        groups[key] = since if prev is None else min(prev, since if since is not None else prev)
+    parts = []
+    for (wids, phase), since in groups.items():
+        who = f"worker {wids[0]}" if len(wids) == 1 else "workers " + ", ".join(map(str, wids))
+        parts.append(f"waiting for {who}" + (f" ({phase})" if phase else "")
+                     + (f" {max(0.0, now - since):.0f} s" if since is not None else ""))
+    return "; ".join(parts)
+
+
+def restarts_text(job: JobInfo) -> str:
+    """"restarts 1, --retries 2": empty for a job never restarted that allows no retries."""
+    if not job.restarts and not job.retries:
+        return ""
+    return f"restarts {job.restarts}" + (f", --retries {job.retries}" if job.retries else "")
 
 
 def ago(ts: float | None) -> str:
@@ -58,7 +84,11 @@ def jobs_table(jobs: list[JobInfo], progress: dict[int, dict[str, Any]]) -> Tabl
     for col in ("ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "USER", "AGE", "NOTE"):
         t.add_column(col, no_wrap=col != "NOTE")
     for j in jobs:
-        note = j.queue_reason if j.state is JobState.QUEUED else (j.exit_reason or "")
+        note = j.queue_reason if j.state is JobState.QUEUED else (j.exit_reason or "").split("\n")[0]
+        if j.waiting and j.state.active:
+            note = waiting_text(j.waiting)
+        if j.restarts and not j.state.final:
+            note = f"restarts {j.restarts}" + (f"; {note}" if note else "")
         step = (progress.get(j.id) or {}).get("step")
         t.add_row(str(j.id), j.name, Text(str(j.state), style=_STATE_STYLE.get(j.state, "")),
                   f"{j.world_size}/{j.min_workers}:{j.max_workers}", str(j.generation),
@@ -88,6 +118,12 @@ def events_table(job: JobInfo, events: list[EventInfo]) -> Table:
     for col in ("TIME", "KIND", "WHAT", "PHASES"):
         t.add_column(col)
     for e in events:
-        t.add_row(time.strftime("%H:%M:%S", time.localtime(e.time)) + f".{int(e.time % 1 * 1000):03d}",
-                  e.kind, e.message, phases(e.data))
+        what = e.message
+        if e.count > 1:
+            what += f" (x{e.count}" + (f", last {clock(e.last_time)}" if e.last_time else "") + ")"
+        t.add_row(clock(e.time) + f".{int(e.time % 1 * 1000):03d}", e.kind, what, phases(e.data))
     return t
+
+
+def clock(ts: float) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(ts))

@@ -180,12 +180,24 @@ def stop_job(ops: Ops, job: Job, target: JobState, why: str) -> None:
     journal.set_state(ops.session, job, target, why)
 
 
-def requeue(ops: Ops, job: Job, why: str) -> None:
+def requeue(ops: Ops, job: Job, why: str, cause: str = "requeue") -> None:
     """Stop the job gracefully (the workers checkpoint at their step boundary) and queue it;
-    it restarts from that checkpoint when it fits again."""
+    it restarts from that checkpoint when it fits again. Every requeue of a job that ran
+    is a restart: counted in jobs.restarts; its state event gives the reason, the count
+    and the `cause` ("crash" restarts count against the job's --retries)."""
     stop_processes(ops, job)
     job.restarts += 1
-    journal.set_state(ops.session, job, JobState.QUEUED, why, restarts=job.restarts)
+    journal.set_state(ops.session, job, JobState.QUEUED, why, restarts=job.restarts, cause=cause)
+
+
+def finish(ops: Ops, job: Job, state: JobState, exit_code: int, reason: str, restarts: int = 0) -> None:
+    """End the job: stop what still runs (a crash or an abort ends it with workers alive;
+    otherwise only the coordinator is left), then its final state. A job that was
+    restarted says so: "succeeded after 2 restart(s)"."""
+    stop_processes(ops, job)
+    label = f"{state.value} after {restarts} restart(s)" if restarts else None
+    job.exit_code, job.exit_reason = exit_code, f"{label}: {reason}" if label else reason
+    journal.set_state(ops.session, job, state, reason, label=label, exit_code=exit_code)
 
 
 # ---- the lifecycle policy's decisions -------------------------------------------------------
@@ -198,16 +210,13 @@ def apply(ops: Ops, job: Job, actions: list[P.Action]) -> None:
         elif isinstance(a, P.Adopt):
             adopt(job, a.generation, list(a.members))
         elif isinstance(a, P.Record):
-            (journal.note_once if a.once else journal.record)(ops.session, job, a.kind, a.message, **a.data)
+            journal.record(ops.session, job, a.kind, a.message, **a.data)
         elif isinstance(a, P.SetState):
             journal.set_state(ops.session, job, a.target, a.message)
         elif isinstance(a, P.Requeue):
-            requeue(ops, job, a.reason)
+            requeue(ops, job, a.reason, a.cause)
         elif isinstance(a, P.Finish):
-            stop_coordinator(ops, job)
-            remove_socket_dirs(ops, job)
-            job.exit_code, job.exit_reason = a.exit_code, a.reason
-            journal.set_state(ops.session, job, a.state, a.reason, exit_code=a.exit_code)
+            finish(ops, job, a.state, a.exit_code, a.reason, a.restarts)
         else:
             raise TypeError(f"not a lifecycle action: {a!r}")
 

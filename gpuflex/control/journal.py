@@ -3,40 +3,63 @@
 Events are the job's history (`gpuflex events`, `gpuflex report`, the CLI's waits read
 them); a state change always writes one ("state"), so the history never misses a move.
 Transitions are checked against gpuflex.states before they are written.
+
+An event that repeats the job's last one (same kind, same message once generation numbers
+are set aside) is not a new row: that row's `count` goes up and `last_time` moves, and it
+takes the newest message and data. A failure that recurs thousands of times (a rollback
+loop, a host that stays unreachable) is then one row, and the table, `status` and `events`
+stay small whatever happens. State changes and reclaims are each their own row: every
+move is history, and each reclaim's latency is a figure of `gpuflex report`.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 from sqlalchemy.orm import Session
 
+from gpuflex.db import queries
 from gpuflex.db.models import Event, Job, Worker
 from gpuflex.states import JobState, WorkerState
 
+NEVER_COALESCED = frozenset({"state", "reclaim"})
+_GENERATION = re.compile(r"\bgeneration \d+")
+
+
+def same_event(a: str, b: str) -> bool:
+    """Whether two messages say the same, generation numbers aside ("generation 1808:
+    rolled back" and "generation 1809: rolled back")."""
+    return a == b or _GENERATION.sub("generation N", a) == _GENERATION.sub("generation N", b)
+
 
 def record(session: Session, job: Job, kind: str, message: str, **data) -> Event:
-    """Append one event to the job's history."""
-    ev = Event(job=job, time=time.time(), kind=kind, message=message, data=data)
+    """Append one event to the job's history, or count it on the job's last event when it
+    repeats that one (see the module docstring)."""
+    now = time.time()
+    if kind not in NEVER_COALESCED:
+        if job.id is None:
+            session.flush()
+        last = queries.last_event(session, job.id)
+        if last is not None and last.kind == kind and same_event(last.message, message):
+            last.count = (last.count or 1) + 1
+            last.last_time, last.message, last.data = now, message, data
+            return last
+    ev = Event(job=job, time=now, kind=kind, message=message, data=data, count=1)
     session.add(ev)
     return ev
 
 
-def note_once(session: Session, job: Job, kind: str, message: str, **data) -> None:
-    """Record an event unless the job's last event already says the same (a host that
-    stays unreachable is noted once, not at every command)."""
-    last = job.events[-1] if job.events else None
-    if last is None or last.kind != kind or last.message != message:
-        record(session, job, kind, message, **data)
-
-
-def set_state(session: Session, job: Job, target: JobState, message: str, **data) -> None:
-    """Move the job to `target` (IllegalTransition if its states do not allow it)."""
+def set_state(session: Session, job: Job, target: JobState, message: str, label: str | None = None,
+              **data) -> None:
+    """Move the job to `target` (IllegalTransition if its states do not allow it); the
+    event reads "LABEL: message", LABEL the state unless given ("succeeded after 1
+    restart(s)")."""
     job.state.check_transition(target)
     job.state = target
     if target.final:
         job.ended_at = time.time()
-    record(session, job, "state", f"{target.value}: {message}", state=target.value, **data)
+    record(session, job, "state", f"{label or target.value}: {message}", state=target.value, **data)
 
 
 _HOW = {WorkerState.EXITED: "exited 0", WorkerState.LOST: "was lost (killed, or its host is gone)",

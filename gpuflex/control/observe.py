@@ -12,15 +12,21 @@ import posixpath
 import time
 from typing import Any
 
+from sqlalchemy.orm import object_session
+
 from gpuflex.config import Config
 from gpuflex.control import launch as L
 from gpuflex.control.pool import Pool
+from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import JobError, TransportError
-from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, JobFacts, Observation,
-                                      ProcSeen, WorkerFacts)
+from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, CRASH_CAUSE, FORGED_KIND, HISTORY_KINDS, WAITING_KIND,
+                                      JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
 
 log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 10          # of a crashed worker's log, when it left no crashed record
+LOG_TAIL_BYTES = 8192
 
 
 def coordinator_request(config: Config, pool: Pool, job: Job, message: dict[str, Any],
@@ -67,7 +73,9 @@ def coordinator_status(config: Config, pool: Pool, job: Job) -> dict[str, Any] |
 
 
 def observe(config: Config, pool: Pool, job: Job) -> Observation:
-    """Every live worker's process group (all hosts at once), then the coordinator."""
+    """Every live worker's process group (all hosts at once), then the coordinator, then
+    the tail of the log of each worker that ended with a crash's exit code and left no
+    crashed record (sys.exit(3), a C-level abort: its log is all there is)."""
     by_host: dict[str, list[Worker]] = collections.defaultdict(list)
     for w in job.live_workers:
         by_host[w.host].append(w)
@@ -86,22 +94,48 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
                                     exited=st.exit is not None)
     coord = coordinator_status(config, pool, job)
     alive = True if coord is not None else coordinator_alive(config, pool, job)
-    return Observation(procs, unreachable, coord, alive)
+    recorded = {r.get("wid") for r in (coord or {}).get("crashed") or () if isinstance(r, dict)}
+    crashed = [w for w in job.live_workers if w.wid in procs and not procs[w.wid].alive
+               and procs[w.wid].exited and is_crash_exit(procs[w.wid].returncode) and w.wid not in recorded]
+    tails = {w.wid: log_tail(pool, w) for w in crashed}
+    return Observation(procs, unreachable, coord, alive, log_tails={k: v for k, v in tails.items() if v})
+
+
+def log_tail(pool: Pool, w: Worker, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
+    """The last `lines` lines of a worker's log, read through its host's transport as
+    `gpuflex logs` reads it; () when it cannot be read."""
+    try:
+        t = pool.transport(w.host)
+        size = t.read(w.log_path, 1 << 62, 0).get("size") or 0
+        text = t.read(w.log_path, max(0, size - LOG_TAIL_BYTES), LOG_TAIL_BYTES).get("data") or ""
+    except (TransportError, ValueError, OSError) as e:
+        log.debug("worker %s: cannot read the tail of its log: %s", w.wid, e)
+        return ()
+    return tuple(text.splitlines()[-lines:])
 
 
 def facts(job: Job) -> JobFacts:
-    """The policy's view of a job's record."""
-    run_events = [e for e in job.events if e.time >= (job.started_at or 0)]
-    failed_checkpoints: dict[int, int] = {}
-    for e in run_events:
-        if e.kind == CHECKPOINT_FAILED_KIND and isinstance(e.data.get("wid"), int):
-            wid = e.data["wid"]
-            failed_checkpoints[wid] = max(failed_checkpoints.get(wid, 0), e.data.get("count") or 0)
+    """The policy's view of a job's record. Bounded reads, whatever the job's history
+    holds: the newest event of a kind or an aggregate, never every event."""
+    session = object_session(job)
+    since = job.started_at or 0.0
+    newest_history = queries.last_event_of(session, job.id, HISTORY_KINDS, since)
+    forged = queries.last_event_of(session, job.id, [FORGED_KIND], since)
+    waiting = queries.last_event_of(session, job.id, [WAITING_KIND], since)
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
         workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code)
                       for w in job.workers),
         generation=job.generation, world_size=job.world_size, started_at=job.started_at,
-        recorded=frozenset(e.data.get("generation") for e in job.events if e.kind in HISTORY_KINDS),
-        forged_recorded=max((e.data.get("count") or 0 for e in run_events if e.kind == FORGED_KIND), default=0),
-        checkpoint_failures_recorded=failed_checkpoints)
+        recorded=frozenset(_ints([(newest_history.data if newest_history else {}).get("generation")])),
+        forged_recorded=_ints([(forged.data if forged else {}).get("count")], default=0)[0],
+        checkpoint_failures_recorded=queries.max_count_by_wid(session, job.id, CHECKPOINT_FAILED_KIND, since),
+        retries=job.retries or 0, restarts=job.restarts or 0,
+        crash_restarts=queries.events_with_cause(session, job.id, "state", CRASH_CAUSE),
+        waiting=frozenset((e["wid"], tuple(e["for"]), e.get("phase") or "")
+                          for e in ((waiting.data if waiting else {}).get("waiting") or ())))
+
+
+def _ints(values: list, default: int | None = None) -> list[int]:
+    out = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+    return out or ([] if default is None else [default])

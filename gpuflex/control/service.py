@@ -36,6 +36,7 @@ from gpuflex.states import JobState
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_RETRIES = 1000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,7 @@ class SubmitRequest:
     harvest: bool = False
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     workdir: str | None = None
+    retries: int = 0   # restarts allowed after a worker crashed (a bug); faults never count
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
@@ -68,6 +70,9 @@ class SubmitRequest:
                              f"add a letter (e.g. run-{self.name}).")
         if self.workdir is not None and not os.path.isdir(os.path.expanduser(self.workdir)):
             raise UsageError(f"--workdir {self.workdir!r} is not a directory.")
+        if isinstance(self.retries, bool) or not isinstance(self.retries, int) \
+                or not 0 <= self.retries <= MAX_RETRIES:
+            raise UsageError(f"--retries {self.retries!r}: give a number of restarts from 0 to {MAX_RETRIES}.")
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -193,6 +198,7 @@ class JobService:
                 submit_env=submit_environment(environ, req.env),
                 min_workers=req.min_workers, max_workers=req.max_workers,
                 gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
+                retries=req.retries,
                 user=local_user(),
             )
             session.add(job)

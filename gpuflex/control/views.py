@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from gpuflex.config import Config
 from gpuflex.db import queries
 from gpuflex.db.models import Event, Gpu, Job, Worker
+from gpuflex.policy.lifecycle import CRASH_KIND, WAITING_KIND
 from gpuflex.states import JobState, WorkerState
 
 # what a job's --env values read as in every output: they may be keys or passwords, and
@@ -39,10 +40,12 @@ class WorkerInfo:
 class EventInfo:
     id: int
     job_id: int
-    time: float
+    time: float                  # the first time it happened
     kind: str
-    message: str
-    data: dict[str, Any]
+    message: str                 # the newest wording
+    data: dict[str, Any]         # the newest details
+    count: int = 1               # how many times it happened in a row (gpuflex.control.journal)
+    last_time: float | None = None   # when it last did (None: once)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +74,11 @@ class JobInfo:
     ended_at: float | None
     workers: tuple[WorkerInfo, ...]
     events: tuple[EventInfo, ...] = ()   # only when asked for
+    retries: int = 0             # restarts allowed after a crash (submit --retries)
+    last_crash: dict[str, Any] | None = None   # the newest crash event's details, with its time
+    # members waiting at a step barrier for busy members (running jobs): [{wid, for, phase, since}]
+    waiting: tuple[dict[str, Any], ...] = ()
+    recent: tuple[EventInfo, ...] = ()   # the newest few state and generation events
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -78,11 +86,22 @@ def worker_info(w: Worker) -> WorkerInfo:
                       w.log_path, w.control_path)
 
 
+RECENT_KINDS = ("state", "formed", "scale", "fault", "rollback", CRASH_KIND)
+RECENT = 5
+
+
 def event_info(e: Event) -> EventInfo:
-    return EventInfo(e.id, e.job_id, e.time, e.kind, e.message, e.data)
+    return EventInfo(e.id, e.job_id, e.time, e.kind, e.message, e.data, e.count or 1, e.last_time)
 
 
 def job_info(job: Job, *, events: bool = False) -> JobInfo:
+    """A job as a record. Only `events` reads the job's whole history; the rest reads a
+    few rows whatever the history holds (so `status` stays fast)."""
+    session = object_session(job)
+    crash = queries.last_event_of(session, job.id, [CRASH_KIND]) if session is not None else None
+    waited = queries.last_event_of(session, job.id, [WAITING_KIND], job.started_at or 0.0) \
+        if session is not None and job.state.active else None
+    recent = queries.recent_events(session, job.id, RECENT_KINDS, RECENT) if session is not None else []
     return JobInfo(
         id=job.id, name=job.name, state=job.state, user=job.user, argv=tuple(job.argv),
         workdir=job.workdir, env={k: REDACTED for k in job.env}, min_workers=job.min_workers,
@@ -92,7 +111,11 @@ def job_info(job: Job, *, events: bool = False) -> JobInfo:
         exit_code=job.exit_code, exit_reason=job.exit_reason, created_at=job.created_at,
         started_at=job.started_at, ended_at=job.ended_at,
         workers=tuple(worker_info(w) for w in job.workers),
-        events=tuple(event_info(e) for e in job.events) if events else ())
+        events=tuple(event_info(e) for e in job.events) if events else (),
+        retries=job.retries or 0,
+        last_crash={**crash.data, "time": crash.time} if crash is not None else None,
+        waiting=tuple((waited.data or {}).get("waiting") or ()) if waited is not None else (),
+        recent=tuple(event_info(e) for e in recent))
 
 
 def pool_view(config: Config, session: Session) -> list[dict]:

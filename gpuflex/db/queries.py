@@ -133,3 +133,37 @@ def events_of_kind(session: Session, kind: str, since: float, until: float) -> l
     """Events of `kind` in [since, until], oldest first, with their jobs."""
     return list(session.execute(select(Event, Job).join(Job).where(
         Event.kind == kind, Event.time >= since, Event.time <= until).order_by(Event.time)))
+
+
+def last_event(session: Session, job_id: int) -> Event | None:
+    """The job's newest event (one row, whatever its history holds)."""
+    return session.scalar(select(Event).where(Event.job_id == job_id).order_by(Event.id.desc()).limit(1))
+
+
+def last_event_of(session: Session, job_id: int, kinds: Iterable[str], since: float = 0.0) -> Event | None:
+    """The job's newest event of one of `kinds` recorded at or after `since` (one row)."""
+    return session.scalar(select(Event).where(Event.job_id == job_id, Event.kind.in_(list(kinds)),
+                                              Event.time >= since).order_by(Event.id.desc()).limit(1))
+
+
+def recent_events(session: Session, job_id: int, kinds: Iterable[str], limit: int) -> list[Event]:
+    """The job's newest `limit` events of `kinds`, oldest first."""
+    rows = session.scalars(select(Event).where(Event.job_id == job_id, Event.kind.in_(list(kinds)))
+                           .order_by(Event.id.desc()).limit(limit))
+    return list(rows)[::-1]
+
+
+def max_count_by_wid(session: Session, job_id: int, kind: str, since: float) -> dict[int, int]:
+    """wid -> the largest data["count"] of the job's `kind` events since `since` (one row
+    per worker, computed by the database)."""
+    wid, count = Event.data["wid"].as_integer(), Event.data["count"].as_integer()
+    rows = session.execute(select(wid, func.max(count)).where(
+        Event.job_id == job_id, Event.kind == kind, Event.time >= since, wid.is_not(None)).group_by(wid))
+    return {w: c or 0 for w, c in rows}
+
+
+def events_with_cause(session: Session, job_id: int, kind: str, cause: str) -> int:
+    """How many times the job's `kind` events with data["cause"] == `cause` happened
+    (repeats of a coalesced event included)."""
+    return session.scalar(select(func.coalesce(func.sum(Event.count), 0)).where(
+        Event.job_id == job_id, Event.kind == kind, Event.data["cause"].as_string() == cause)) or 0
