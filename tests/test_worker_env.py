@@ -22,6 +22,7 @@ from gpuflex.control import launch
 from gpuflex.db.models import Job, Worker
 from gpuflex.hosts import hostops
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, db_rows
+from tests.sshbed import host_toml, ssh_bed, ssh_hosts  # noqa: F401 (fixtures)
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_mlp.py")
 VENV_BIN = str(Path(sys.executable).parent)
@@ -213,3 +214,29 @@ def test_a_job_more_than_the_probed_gpus_can_hold_is_refused_and_nothing_changes
     assert p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1
     assert "at most 2 such worker(s) (local: 2 GPUs)" in p.stderr
     assert db_dump(home / "g.db") == before
+
+
+def test_over_ssh_a_worker_gets_the_submit_environment_and_the_hosts_own_home(ssh_bed, home):
+    """A remote host's HOME (its sshd sets it) is the worker's, and `~` in its workdir
+    is that home, not the submitter's; the rest is the submitter's shell."""
+    h = ssh_bed.hosts[0]
+    cfg = home / "g.toml"
+    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
+                   + host_toml(h, ssh_bed, workdir="~/gfwork", cpus=6))
+    cli = GpuflexCLI(home, cfg)
+    code = f"import json, os; open({str(home / 'env.json')!r}, 'w').write(json.dumps(dict(os.environ)))"
+    try:
+        p = cli("submit", "--json", "--", "python", "-c", code,
+                env=_env(cli, f"{VENV_BIN}:/usr/bin:/bin", MARK="submitted", SSH_AUTH_SOCK="/tmp/agent"))
+        assert p.returncode == 0, p.stdout + p.stderr
+        job = cli.wait_final(json.loads(p.stdout)["id"], DEADLINE_S)
+        assert job["state"] == "succeeded", job
+        env = json.loads((home / "env.json").read_text())
+        assert env["HOME"] == str(h.dir / "home") and env["MARK"] == "submitted"
+        assert env["PATH"].startswith(VENV_BIN) and "SSH_AUTH_SOCK" not in env
+        assert env["OMP_NUM_THREADS"] == "3"       # 6 cores // the 2 GPUs the probe found
+        token = db_rows(home / "g.db", "SELECT token FROM jobs")[0][0]
+        assert (h.dir / "home" / "gfwork" / "jobs" / token / "worker-0.log").is_file()
+        assert not [q for q in home.rglob("*") if q.name == "~"]
+    finally:
+        cleanup_jobs(cli, home / "g.db")
