@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
+import signal
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -25,6 +29,7 @@ from gpuflex.elastic.liveness import (StepBarrier, crash_record, install_crash_h
                                       report_crash)
 from gpuflex.elastic.rendezvous import Aborted, Rendezvous
 from gpuflex.elastic.state import flatten
+from tests.conftest import GpuflexCLI, cleanup_jobs
 
 SECRET = "liveness-test-secret"
 G = 1
@@ -279,3 +284,119 @@ def test_tensor_paths_follow_the_state_tree():
                            "optimizer": {"state": {0: {"exp_avg": torch.zeros(1)}}, "lr": [0.1]}})
     assert tensor_paths(skeleton, "objects") == [
         "objects.model.w", "objects.model.bn.running_var", "objects.optimizer.state.0.exp_avg"]
+
+
+# ---- end to end on the local pool --------------------------------------------------------------
+JOB = str(Path(__file__).resolve().parent / "fakes" / "liveness_job.py")
+E2E_DEADLINE_S = 300
+JOB_ARGS = ("--hidden", "32", "--global-batch-size", "64", "--seed", "4")
+
+
+@pytest.fixture
+def lj(home):
+    """CLI whose jobs have a 3 s process-group timeout and a 3 s heartbeat timeout."""
+    cfg = home / "g.toml"
+    cfg.write_text(
+        f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
+        "[jobs]\ncancel_grace_s = 10\ncheckpoint_interval_s = 1\npg_timeout_s = 3\nheartbeat_timeout_s = 3\n\n"
+        f'[[hosts]]\nname = "local"\ngpus = "cpu:4"\nworkdir = "{home}/work"\n')
+    cli = GpuflexCLI(home, cfg)
+    yield cli
+    cleanup_jobs(cli, home / "g.db")
+
+
+_refs: dict[int, dict] = {}
+
+
+def reference(tmp_path_factory, epochs: int) -> dict:
+    """The standalone run of the same script, without the busy wait or the exception."""
+    if epochs not in _refs:
+        out = tmp_path_factory.mktemp("ref") / "ref.json"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
+        subprocess.run([sys.executable, JOB, *JOB_ARGS, "--epochs", str(epochs), "--report", str(out)],
+                       check=True, env=env, timeout=300)
+        _refs[epochs] = json.loads(out.read_text())
+    return _refs[epochs]
+
+
+def assert_matches(report: dict, ref: dict) -> None:
+    assert report["steps"] == ref["steps"]
+    got, want = torch.tensor(report["params"]), torch.tensor(ref["params"])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    for epoch, ids in report["samples"].items():
+        assert sorted(ids) == list(range(2048)), f"epoch {epoch} not exactly once"
+    assert [s for s, _, _ in report["step_log"]] == list(range(ref["steps"]))
+
+
+def poll(cli: GpuflexCLI, job_id: int, pred: Callable[[dict], Any], what: str) -> dict:
+    end = time.monotonic() + E2E_DEADLINE_S
+    while True:
+        job = cli.json("status", str(job_id))
+        if pred(job):
+            return job
+        if job["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > end:
+            pytest.fail(f"job {job_id}: gave up waiting for {what}: {json.dumps(job)[:2000]}\n"
+                        + cli("logs", str(job_id)).stdout[-4000:])
+        time.sleep(0.5)
+
+
+def members_of(job: dict) -> list[dict]:
+    return sorted((w for w in job["workers"] if w["rank"] is not None and w["state"] == "running"),
+                  key=lambda w: w["rank"])
+
+
+def test_rank_0_busy_longer_than_the_process_group_timeout_is_waited_for_without_rollback(
+        lj, tmp_path_factory, home):
+    report = home / "r.json"
+    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--epochs", "2", "--step-sleep", "0.02",
+                     "--busy-at", "5", "--busy-s", "8", "--report", str(report)], "--workers", "2")
+    running = poll(lj, job["id"], lambda j: len(members_of(j)) == 2, "two members")
+    rank0 = members_of(running)[0]["wid"]
+    seen = poll(lj, job["id"], lambda j: any(rank0 in w["for"] for w in j.get("waiting") or ()),
+                "the other member to be shown waiting for rank 0")
+    (w,) = [w for w in seen["waiting"] if rank0 in w["for"]]
+    assert w["wid"] != rank0 and w["phase"] == "backward"
+    done = lj.wait_final(job["id"], E2E_DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    assert done["generation"] == 1   # no recovery, no rollback: the busy member was waited for
+    assert_matches(json.loads(report.read_text()), reference(tmp_path_factory, 2))
+    kinds = {e["kind"] for e in lj.json("events", str(job["id"]))}
+    assert not kinds & {"fault", "rollback"}, kinds
+
+
+def test_a_frozen_member_is_fenced_within_the_heartbeat_timeout_and_the_others_go_on(
+        lj, tmp_path_factory, home):
+    report = home / "r.json"
+    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--epochs", "3", "--step-sleep", "0.05",
+                     "--report", str(report)], "--workers", "2:3")
+    lj.ok("scale", str(job["id"]), "3", "--wait", "--timeout", str(E2E_DEADLINE_S))
+    running = poll(lj, job["id"], lambda j: len(members_of(j)) == 3 and (j.get("step") or 0) >= 10,
+                   "steps at world size 3")
+    frozen = members_of(running)[1]
+    os.kill(frozen["pid"], signal.SIGSTOP)
+    try:
+        after = poll(lj, job["id"], lambda j: j["generation"] > running["generation"] and j["world_size"] == 2
+                     and (j.get("step") or 0) > (running.get("step") or 0) + 5, "the others to go on without it")
+        assert frozen["wid"] not in [w["wid"] for w in members_of(after)]
+    finally:
+        os.kill(frozen["pid"], signal.SIGCONT)
+    done = lj.wait_final(job["id"], E2E_DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    assert_matches(json.loads(report.read_text()), reference(tmp_path_factory, 3))
+
+
+def test_a_worker_that_raises_writes_its_crash_record_and_the_survivor_never_trains_alone(lj, home):
+    report = home / "r.json"
+    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--epochs", "2", "--step-sleep", "0.05",
+                     "--raise-at", "12", "--raise-wid", "1", "--report", str(report)], "--workers", "2")
+    done = lj.wait_final(job["id"], E2E_DEADLINE_S)
+    assert done["state"] == "failed", done
+    text = json.dumps(done)
+    assert "ZeroDivisionError: division by zero" in text, text[:2000]
+    crashed = {w["wid"]: w for w in done["workers"]}[1]
+    assert crashed["exit_code"] == 1
+    survivor = {w["wid"]: w for w in done["workers"]}[0]
+    assert survivor["exit_code"] == 0   # it waited, then the control side stopped it
+    assert done["generation"] == 1      # no generation without the crashed worker: never alone
+    r = json.loads(report.read_text())  # the stopped survivor's report: step 12 undone, none alone
+    assert r["steps"] == 12 and {ws for _, _, ws in r["step_log"]} == {2}

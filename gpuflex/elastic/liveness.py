@@ -30,6 +30,7 @@ barrier/{g}/at/{wid}   the last barrier a waiting member arrived at (who is miss
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -37,7 +38,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, TypeVar
 
 from gpuflex.elastic import keys
 from gpuflex.elastic.rendezvous import Rendezvous, StoreLost
@@ -213,6 +214,27 @@ class StepBarrier:
                 return (f"worker {m} sent no heartbeat for {now - seen[1]:.1f}s "
                         f"(at the {w.phase} barrier)")
         return None
+
+
+T = TypeVar("T")
+
+
+def close_at_exit(close: Callable[[], None]) -> None:
+    """For a loop left early: by a `break` (the script goes on; the worker is done when it
+    exits) or by an exception, which the crash hook must report before anything closes.
+    (Unwinding the script's frames closes the loop's generators before `sys.excepthook`
+    runs, so closing there would mark a crashed worker done.)"""
+    atexit.register(close)
+
+
+def close_after(items: Iterator[T], close: Callable[[], None]) -> Iterator[T]:
+    """`items`, then `close()`; or `close_at_exit(close)` when the loop is left early."""
+    try:
+        yield from items
+    except BaseException:
+        close_at_exit(close)
+        raise
+    close()
 
 
 def crash_record(etype: type[BaseException], exc: BaseException, tb: Any, phase: str) -> dict[str, Any]:

@@ -45,11 +45,12 @@ from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.formation import Formation, Formed
 from gpuflex.elastic.gradients import GradPlan, drop_grads
-from gpuflex.elastic.keys import EVICTED_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.liveness import StepBarrier, close_after, close_at_exit, install_crash_hook, report_crash
 from gpuflex.elastic.loader import ElasticLoader, Prefetcher
 from gpuflex.elastic.logs import ensure_handler
 from gpuflex.elastic.micro import Accumulation, global_mean, share, warm_up_steps
-from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, StoreLost
+from gpuflex.elastic.rendezvous import Aborted, Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
 from gpuflex.elastic.signals import StepSignals
 from gpuflex.elastic.state import Registry
@@ -65,6 +66,9 @@ class ElasticRun:
     the registered objects, commits and checkpoints), `group` (the process group and its
     failures), `agreement` (the step-boundary vote), the gradient plan, and, under gpuflex,
     `rdzv` (the job store) and `formation` (joining generations)."""
+
+    barrier: StepBarrier | None = None   # under gpuflex: the step barrier (liveness.py)
+    _overlap, _crossed = False, ()       # the process's first backward is not overlapped; the last barrier
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  num_samples: int, global_batch_size: int, epochs: int | None = None,
@@ -149,10 +153,7 @@ class ElasticRun:
     # ---- the loop -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
         """Every remaining step of the run, across epochs."""
-        try:
-            yield from self._steps(epoch=None)
-        finally:
-            self._close()
+        yield from close_after(self._steps(epoch=None), self._close)
 
     def epochs(self) -> Iterator[int]:
         """The epochs still to run (a resumed or newly joined worker starts inside one);
@@ -163,8 +164,10 @@ class ElasticRun:
             self._in_epochs = True
             while self._more():
                 yield self.epoch
-        finally:
-            self._close()
+        except BaseException:   # left early: the crash hook reports an exception before the close
+            close_at_exit(self._close)
+            raise
+        self._close()
 
     def loader(self, dataset: Any, num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None,
                prefetch_factor: int | None = None, persistent_workers: bool = True) -> ElasticLoader:
@@ -204,10 +207,10 @@ class ElasticRun:
                      e, STORE_LOST_EXIT)
             self._close()
             os._exit(STORE_LOST_EXIT)
-        except Evicted as e:
-            log.info("gpuflex: worker %d %s; exiting", self.wid, e)
+        except (Evicted, Aborted) as e:
+            log.info("gpuflex: worker %d %s; exiting", self.wid, f"aborted: {e}" if isinstance(e, Aborted) else e)
             self._close()
-            sys.exit(EVICTED_EXIT)
+            sys.exit(ABORTED_EXIT if isinstance(e, Aborted) else EVICTED_EXIT)
         except Leaving:
             self._close()
             sys.exit(0)
@@ -219,10 +222,12 @@ class ElasticRun:
         batch, micro = self.batch, self.micro.take()
         if self.micro.backward_before_last(loss):   # accumulating: the last micro-batch reduces
             return
+        overlap, self._overlap = self._overlap, True   # a first backward may compile: not overlapped
         if self.world_size > 1:   # the large gradients' all-reduces start during backward
             if self._grad_plan is None:
                 self._grad_plan = self._make_grad_plan()
-            self._grad_plan.arm()
+            if overlap and self._cross("backward"):
+                self._grad_plan.arm()
         if batch is not None and len(batch.indices) == 0:   # more ranks than samples this step
             for p in self.model.parameters():
                 p.grad = torch.zeros_like(p)
@@ -230,6 +235,8 @@ class ElasticRun:
             weight = micro.weight if micro is not None else share(batch)
             (loss * weight if weight != 1.0 else loss).backward()
         self._last_loss = loss.detach()
+        if self.world_size > 1 and not overlap and self._cross("backward"):   # then reduce
+            self._grad_plan.arm()
         if self.world_size > 1 and self.group.failure is not None:
             drop_grads(self.model)
         elif self.world_size > 1:
@@ -275,6 +282,9 @@ class ElasticRun:
                                timeout_s=max(60.0, self.pg_timeout_s))
         self.formation = Formation(wid=self.wid, rdzv=self.rdzv, group=self.group, state=self.state,
                                    signals=self.signals, timeout_s=self.pg_timeout_s)
+        self.barrier = StepBarrier(self.rdzv, self.wid, self.env.heartbeat_timeout_s)
+        install_crash_hook(lambda rec: (report_crash(self.rdzv, self.wid, rec), self._close()),
+                           lambda: f"step {self.step} of generation {self.generation} (rank {self.rank})")
         self._warm_up()
         self.rdzv.set(keys.ready(self.wid), str(time.time()))
         self._joined(self.formation.enter(after=0, was_member=False, failed_at=None))
@@ -322,7 +332,8 @@ class ElasticRun:
             state.undo_step()
             self._joined(self.formation.recover(self.generation, why))
             return self._more()
-        flags = self.agreement.agree(done_step)
+        rode = self._crossed == (self.generation, state.step, "backward") and self._grad_plan.fuse   # the vote
+        flags = self.agreement.agree(done_step) if rode or self._cross("boundary") else None
         flags = flags if flags is None or self.buffers.sync(share(self.batch)) else None   # failed: a failed vote
         if flags is None:   # the agreement failed, after this rank completed its step
             why = self.group.take_failure()
@@ -361,6 +372,12 @@ class ElasticRun:
             return self._more()
         return True
 
+    def _cross(self, phase: str) -> bool:
+        """The step barrier before this step's collectives: False (noted as a failed collective)
+        when a member it waits for is dead, crashed or gone (see liveness.py)."""
+        self._crossed = (self.generation, self.state.step, phase)
+        return self.barrier is None or self.barrier.cross_noted(self.group, self.generation, self.world_size, phase)
+
     def _checkpoint(self) -> None:
         """Rank 0 writes a checkpoint; one that failed is reported at once through the
         progress record (the control side turns each new failure into an event)."""
@@ -379,7 +396,7 @@ class ElasticRun:
                 "loss": None if loss is None else float(loss),
                 "checkpoint_failures": self.state.checkpoint_failures,
                 "checkpoint_error": self.state.last_checkpoint_error,
-                "time": time.time()}
+                "waiting_for": list(self.barrier.waiting_for) if self.barrier else [], "time": time.time()}
 
     # ---- shutdown ------------------------------------------------------------------------------
     def _close(self) -> None:
