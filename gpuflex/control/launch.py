@@ -72,7 +72,11 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               "--bind", job.store_addr or store_address(host),   # only where the workers connect
               "--port", str(port), "--members", ",".join(map(str, members)),
               "--control", coordinator_socket(job),
-              "--heartbeat-timeout", str(config.jobs.heartbeat_timeout_s)],
+              "--heartbeat-timeout", str(config.jobs.heartbeat_timeout_s),
+              # never a generation below MIN (the survivors wait; the control side requeues
+              # or fails the job), and the same failure this many times ends the job
+              "--min-workers", str(job.min_workers),
+              "--max-failures", str(config.jobs.max_same_failures)],
         cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_TOKEN: job.token,
                      env_contract.JOB_SECRET: job.secret},
         log=posixpath.join(d, "coordinator.log"),

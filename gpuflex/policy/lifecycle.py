@@ -9,35 +9,29 @@ gpuflex.control.executor writes it. In order:
    rebooted). A host that did not answer is recorded ("host-unreachable").
 2. From the coordinator's status (when it answered): Adopt its generation and members
    (ranks; starting workers it has seen become running), Record each newly verified
-   generation of its history ("formed", "scale", "fault", "rollback" with the phase
-   timings; once: those up to the newest this run's events hold are skipped), RUNNING
-   once a scaling job has settled; Record "forged" when the coordinator has ignored more
-   store records that failed authentication than the run's events say (one event per new
-   count), "checkpoint-failed" when rank 0's progress counts more failed checkpoint
-   writes (a full disk: training goes on) than the run's events say for it, "waiting"
-   when the members it lists as waiting at a step barrier for busy (alive) members
-   changed since the run's last such event.
+   generation of its history ("formed", "scale", "fault", "rollback", with the phase
+   timings; those up to the newest this run's events hold are skipped), RUNNING once a
+   scaling job has settled; Record "forged" (store records that failed authentication),
+   "checkpoint-failed" (rank 0's failed checkpoint writes: training goes on) once per new
+   count, "waiting" when the members waiting at a step barrier for busy ones changed.
 3. A live worker on an unreachable host that the job has gone on without (not in a newer
    generation's members, and not a newcomer still starting) is LOST.
 4. A crash is a bug, not a fault: a worker of this run that ended with a non-zero exit
    code the runtime does not use (keys.RUNTIME_EXITS; a Python exception exits 1), or one
-   the coordinator lists in "crashed" (its record may come before the process is reaped).
-   Record "crash" (worker, host, error, the last lines of its traceback: from its crashed
-   record, else from the tail of its log), then Requeue (cause "crash") while the job's
-   restarts for crashes are fewer than its --retries, else Finish FAILED at once (the
-   executor stops the other workers and the coordinator). A death by signal, or a worker
-   gone without an exit record, stays an elastic fault.
+   the coordinator lists in "crashed" (before the process is even reaped). Record "crash"
+   (worker, host, error, its traceback's last lines: from its crashed record, else the
+   tail of its log), then Requeue (cause "crash") while the job's restarts for crashes
+   are fewer than its --retries, else Finish FAILED at once (the others are stopped). A
+   death by signal, or a worker gone without an exit record, stays an elastic fault.
 5. The coordinator's "abort" (the same failure repeated max_same_failures times): Finish
    FAILED with its reason.
-6. While workers live: "store-lost" when the coordinator neither answers nor
-   runs; Requeue (cause "below-min") when the coordinator holds the job (a recovery would
-   go below MIN: the survivors wait at their step boundary, never training below MIN) or
-   the job settled below its MIN.
+6. While workers live: "store-lost" when the coordinator neither answers nor runs;
+   Requeue (cause "below-min") when the coordinator holds the job (a recovery would go
+   below MIN: the survivors wait at their step boundary) or it settled below its MIN.
 7. Once no worker lives: Requeue (cause "store-lost") when the last generation's members
    exited with STORE_LOST_EXIT; FAILED when one exited ABORTED_EXIT; else SUCCEEDED when
-   they all exited 0, FAILED with the first bad exit code otherwise. A job that was
-   restarted never ends plainly: its Finish carries the restart count, and its final
-   state event says "succeeded after N restart(s)".
+   they all exited 0, FAILED with the first bad exit code otherwise. A restarted job's
+   Finish carries its restarts: its final event says "succeeded after N restart(s)".
 """
 
 from __future__ import annotations
@@ -359,13 +353,13 @@ def first_crash(job: JobFacts, workers: Iterable[WorkerFacts], records: Any,
     for r in records if isinstance(records, list) else ():
         if isinstance(r, Mapping) and _is_int(r.get("wid")) and r["wid"] in current:
             w = current[r["wid"]]
-            tb = tuple(_text(line, 300) for line in r.get("traceback") or () if isinstance(line, str))
+            tb = _lines(line for line in r.get("traceback") or () if isinstance(line, str))
             return Crash(w.wid, w.host, _text(r.get("error"), 300) or "an exception", tb,
                          _text(r.get("phase"), 40) or None,
                          w.exit_code if w.state is WorkerState.FAILED else None)
     for w in current.values():
         if w.state is WorkerState.FAILED and is_crash_exit(w.exit_code):
-            tail = tuple(_text(line, 300) for line in log_tails.get(w.wid, ()))
+            tail = _lines(log_tails.get(w.wid, ()))
             last = next((line.strip() for line in reversed(tail) if line.strip()), "")
             return Crash(w.wid, w.host, last or f"exit code {w.exit_code}", tail, None, w.exit_code)
     return None
@@ -413,6 +407,12 @@ def _reason(value: Any) -> str | None:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _lines(lines: Iterable[str]) -> tuple[str, ...]:
+    """A traceback's lines as shown: printable, without Python's "Traceback (most recent
+    call last):" header (the frames and the error say it all)."""
+    return tuple(_text(line, 300) for line in lines if not line.startswith("Traceback (most recent call"))
 
 
 def _text(value: Any, limit: int) -> str:
