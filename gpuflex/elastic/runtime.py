@@ -1,16 +1,16 @@
 """`ElasticRun`: the training loop driver a torch user adopts in a few lines.
 
-    run = ElasticRun(model=model, optimizer=opt, scheduler=sched,
-                     num_samples=len(dataset), global_batch_size=256, epochs=10, seed=0)
-    loader = run.loader(dataset)           # replaces DistributedSampler + DataLoader
+    run = ElasticRun(model=model, optimizer=opt, scheduler=sched, num_samples=len(dataset),
+                     global_batch_size=256, epochs=10, seed=0)   # or steps=S
+    loader = run.loader(dataset, num_workers=2)   # replaces DistributedSampler + DataLoader
     for epoch in run.epochs():             # a resumed or joining worker starts mid-epoch
         for x, y in loader:                # this rank's share of one global batch
-            loss = loss_fn(model(x), y)    # this rank's mean, as under DDP
-            optimizer.zero_grad()
-            run.backward(loss)             # weighted backward + exact gradient all-reduce
+            optimizer.zero_grad()          # run.backward(loss_fn(model(x), y)) without micro-batches
+            for xb, yb in run.accumulate(x, y, micro_batch_size=32):
+                run.backward(loss_fn(model(xb), yb))   # weighted; the last one all-reduces
             optimizer.step(); scheduler.step()
 
-`for batch in run:` is the same loop over `Batch` objects (sample ids) across epochs.
+`for batch in run:` or a loader outside `run.epochs()` runs every remaining step (docs/converting.md).
 Under gpuflex (GPUFLEX_STORE set) the run joins the job's current generation and
 follows resizes and faults in place; without it the same script runs alone.
 
