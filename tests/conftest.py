@@ -125,6 +125,39 @@ def gf(home, config_path, db_path):
     cleanup_jobs(cli, db_path)
 
 
+BUSY_SLOTS = 3   # of write_config's 4: a job that needs 2 waits now, though the pool could hold it
+
+
+@pytest.fixture
+def busy_slots(home, config_path, db_path) -> dict:
+    """Job 1 ("busy") running on 3 of the 4 slots of the test's host, its workers a real
+    `sleep` that never ends by itself: a job submitted after it that needs 2 or more slots
+    waits because the pool is busy now (a job the pool could never hold is refused).
+    At teardown every job left is cancelled newest first, so no waiting job is ever started
+    by the slots coming free, then leftovers are killed."""
+    from typer.testing import CliRunner
+
+    from gpuflex.cli import app
+
+    env = {"HOME": str(home), "GPUFLEX_CONFIG": str(config_path), "COLUMNS": "200"}
+
+    def invoke(*args: str):
+        r = CliRunner().invoke(app, list(args), env=env)
+        assert r.exit_code == 0, f"gpuflex {' '.join(args)} -> {r.exit_code}\n{r.stdout}\n{r.stderr}"
+        return r
+
+    job = json.loads(invoke("submit", "--json", "--name", "busy", "--workers", str(BUSY_SLOTS),
+                            "--", "sleep", "600").stdout)
+    assert (job["id"], job["state"], len(job["workers"])) == (1, "running", BUSY_SLOTS), job
+    yield job
+    try:
+        for (job_id,) in db_rows(db_path, "SELECT id FROM jobs ORDER BY id DESC"):
+            if db_rows(db_path, "SELECT state FROM jobs WHERE id = ?", (job_id,))[0][0] not in FINAL_STATES:
+                invoke("cancel", str(job_id))
+    finally:
+        cleanup_jobs(GpuflexCLI(home, config_path), db_path)
+
+
 def cleanup_jobs(cli: GpuflexCLI, db_path: Path) -> None:
     """Cancel every job that is not final, then SIGKILL any process group the DB names."""
     if not db_path.exists():

@@ -1,7 +1,8 @@
 """The command line, in-process (typer's CliRunner) and as the installed console script.
 
-These tests start no worker processes: jobs here ask for more slots than the host has,
-so they stay queued. Real workers are in test_local_jobs.py.
+Jobs here that must stay queued are submitted while the `busy_slots` fixture's job holds
+3 of the host's 4 slots (its workers are a `sleep`): they ask for 2 or more, so they wait
+because the pool is busy now. Real training workers are in test_local_jobs.py.
 """
 
 from __future__ import annotations
@@ -72,64 +73,66 @@ def test_hosts_shows_the_configured_slots(cli):
     assert "slot 3" in text and "free" in text
 
 
-def test_submit_records_a_job_that_waits_for_slots(cli, home, db_path):
-    job = cli("submit", "--json", "--name", "big", "--workers", "5:6", "--priority", "3",
+def test_submit_records_a_job_that_waits_for_slots(cli, home, db_path, busy_slots):
+    job = cli("submit", "--json", "--name", "big", "--workers", "2:3", "--priority", "3",
               "--env", "A=1", "--env", "B=x=y", "--workdir", str(home), "--",
               "python", "train.py", "--lr", "0.1").json()
-    assert job["id"] == 1 and job["name"] == "big" and job["state"] == "queued"
-    assert (job["min_workers"], job["max_workers"], job["world_size"], job["generation"]) == (5, 6, 0, 0)
+    assert job["id"] == 2 and job["name"] == "big" and job["state"] == "queued"
+    assert (job["min_workers"], job["max_workers"], job["world_size"], job["generation"]) == (2, 3, 0, 0)
     assert job["argv"] == ["python", "train.py", "--lr", "0.1"]
     assert job["env"] == {"A": "<redacted>", "B": "<redacted>"}   # issue 17: names, never values
-    assert db_rows(db_path, "SELECT env FROM jobs") == [('{"A": "1", "B": "x=y"}',)]
+    assert db_rows(db_path, "SELECT env FROM jobs WHERE id = 2") == [('{"A": "1", "B": "x=y"}',)]
     assert (job["priority"], job["workdir"], job["workers"]) == (3, str(home), [])
-    assert job["queue_reason"] == "waiting for 5 free slots on local (4 free now)"
-    assert db_rows(db_path, "SELECT name, state, min_workers, max_workers, priority FROM jobs") == [
-        ("big", "queued", 5, 6, 3)]
-    assert db_rows(db_path, "SELECT count(*) FROM workers") == [(0,)]
-    events = cli("events", "1", "--json").json()
+    assert job["queue_reason"] == "waiting for 2 free slots on local (1 free now)"
+    assert db_rows(db_path, "SELECT name, state, min_workers, max_workers, priority FROM jobs ORDER BY id") == [
+        ("busy", "running", 3, 3, 0), ("big", "queued", 2, 3, 3)]
+    assert db_rows(db_path, "SELECT count(*) FROM workers WHERE job_id = 2") == [(0,)]
+    events = cli("events", "2", "--json").json()
     assert [e["kind"] for e in events] == ["submitted", "queued"]
     assert events[1]["message"] == job["queue_reason"]
 
 
-def test_submit_prints_the_id_and_why_it_waits(cli):
-    r = cli("submit", "--workers", "9", "--", "python", "x.py")
+def test_submit_prints_the_id_and_why_it_waits(cli, busy_slots):
+    r = cli("submit", "--workers", "2", "--", "python", "x.py")
     assert r.code == 0
-    assert r.stdout.strip() == "job 1 (python) queued: waiting for 9 free slots on local (4 free now)"
+    assert r.stdout.strip() == "job 2 (python) queued: waiting for 2 free slots on local (1 free now)"
 
 
-def test_status_of_one_job_and_of_all(cli_fast):
-    cli_fast("submit", "--name", "a", "--workers", "5", "--", "true")
-    cli_fast("submit", "--name", "b", "--workers", "6", "--", "true")
-    one = cli_fast("status", "2", "--json").json()
-    assert (one["id"], one["name"], one["state"]) == (2, "b", "queued")
-    assert cli_fast("status", "b", "--json").json()["id"] == 2
+def test_status_of_one_job_and_of_all(cli_fast, busy_slots):
+    cli_fast("submit", "--name", "a", "--workers", "2", "--", "true")
+    cli_fast("submit", "--name", "b", "--workers", "3", "--", "true")
+    one = cli_fast("status", "3", "--json").json()
+    assert (one["id"], one["name"], one["state"]) == (3, "b", "queued")
+    assert cli_fast("status", "b", "--json").json()["id"] == 3
     all_jobs = cli_fast("status", "--json").json()
-    assert isinstance(all_jobs, list) and [j["name"] for j in all_jobs] == ["a", "b"]
+    assert isinstance(all_jobs, list) and [(j["name"], j["state"]) for j in all_jobs] == [
+        ("busy", "running"), ("a", "queued"), ("b", "queued")]
     assert all(set(j) >= {"id", "name", "state", "min_workers", "max_workers", "world_size",
                           "generation", "workers"} for j in all_jobs)
     text = cli_fast("status", "a").stdout
-    assert "job 1" in text and "queued" in text and "waiting for 5 free slots on local" in text
+    assert "job 2" in text and "queued" in text and "waiting for 2 free slots on local (1 free now)" in text
 
 
-def test_a_name_refers_to_the_newest_job_of_that_name(cli_fast):
-    cli_fast("submit", "--name", "same", "--workers", "5", "--", "true")
-    cli_fast("submit", "--name", "same", "--workers", "7", "--", "true")
-    assert cli_fast("status", "same", "--json").json()["min_workers"] == 7
+def test_a_name_refers_to_the_newest_job_of_that_name(cli_fast, busy_slots):
+    cli_fast("submit", "--name", "same", "--workers", "2", "--", "true")
+    cli_fast("submit", "--name", "same", "--workers", "3", "--", "true")
+    assert cli_fast("status", "same", "--json").json()["min_workers"] == 3
 
 
-def test_cancel_a_queued_job(cli_fast, db_path):
-    cli_fast("submit", "--name", "q", "--workers", "5", "--", "true")
+def test_cancel_a_queued_job(cli_fast, db_path, busy_slots):
+    cli_fast("submit", "--name", "q", "--workers", "2", "--", "true")
     r = cli_fast("cancel", "q")
-    assert (r.code, r.stdout.strip()) == (0, "job 1 cancelled")
-    st = cli_fast("status", "1", "--json").json()
-    assert st["state"] == "cancelled" and st["ended_at"] is not None
-    assert cli_fast("events", "1", "--json").json()[-1]["message"] == "cancelled: cancelled by user"
+    assert (r.code, r.stdout.strip()) == (0, "job 2 cancelled")
+    st = cli_fast("status", "2", "--json").json()
+    assert st["state"] == "cancelled" and st["ended_at"] is not None and st["workers"] == []
+    assert cli_fast("events", "2", "--json").json()[-1]["message"] == "cancelled: cancelled by user"
+    assert cli_fast("status", "busy", "--json").json()["state"] == "running"   # only the one named
 
 
-def test_scale_a_queued_job_is_refused_and_changes_nothing(cli_fast, db_path):
-    cli_fast("submit", "--workers", "5:8", "--", "true")
+def test_scale_a_queued_job_is_refused_and_changes_nothing(cli_fast, db_path, busy_slots):
+    cli_fast("submit", "--workers", "2:3", "--", "true")
     before = db_dump(db_path)
-    r = cli_fast("scale", "1", "6")
+    r = cli_fast("scale", "2", "3")
     assert r.code == 2 and "only running jobs can be scaled" in r.stderr
     assert db_dump(db_path) == before
 
@@ -192,12 +195,13 @@ def test_a_host_python_that_cannot_run_is_reported_not_a_traceback(home):
 
 
 @pytest.mark.parametrize("interval, n", [("0.2", 2), ("3600", 1)], ids=["refreshes", "ctrl-c-in-the-sleep"])
-def test_status_watch_json_streams_one_document_per_refresh_until_ctrl_c(home, config_path, interval, n):
+def test_status_watch_json_streams_one_document_per_refresh_until_ctrl_c(home, config_path, busy_slots,
+                                                                        interval, n):
     """With an hour between refreshes, only a signal that ends the sleep lets it exit in time."""
     import signal
 
     g = GpuflexCLI(home, config_path)
-    g.ok("submit", "--name", "w", "--workers", "9", "--", "true")
+    g.ok("submit", "--name", "w", "--workers", "2", "--", "true")
     p = subprocess.Popen([g.script, "status", "w", "--json", "--watch", "--interval", interval],
                          env=g.env(), cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -205,7 +209,7 @@ def test_status_watch_json_streams_one_document_per_refresh_until_ctrl_c(home, c
     finally:
         p.send_signal(signal.SIGINT)
         rest, err = p.communicate(timeout=60)
-    assert [(d["id"], d["name"], d["state"]) for d in docs] == [(1, "w", "queued")] * n
+    assert [(d["id"], d["name"], d["state"]) for d in docs] == [(2, "w", "queued")] * n
     assert all(json.loads(line)["state"] == "queued" for line in rest.splitlines())
     assert p.returncode == 0 and err == ""
 

@@ -183,18 +183,21 @@ def cli_run(home: Path, config: Path, *args: str) -> str:
     return r.stdout + r.stderr
 
 
-def test_status_and_events_never_print_the_secret_or_an_env_value(home, config_path, db_path):
-    out = cli_run(home, config_path, "submit", "--json", "--workers", "9", "--env", f"API_KEY={ENV_VALUE}",
+def test_status_and_events_never_print_the_secret_or_an_env_value(home, config_path, db_path, busy_slots):
+    out = cli_run(home, config_path, "submit", "--json", "--workers", "2", "--env", f"API_KEY={ENV_VALUE}",
                   "--", "python", "train.py")
     job = json.loads(out)
-    assert job["env"] == {"API_KEY": "<redacted>"}
-    [(secret, env)] = db_rows(db_path, "SELECT secret, env FROM jobs")
+    assert (job["id"], job["state"], job["env"]) == (2, "queued", {"API_KEY": "<redacted>"})
+    [(secret, env)] = db_rows(db_path, "SELECT secret, env FROM jobs WHERE id = 2")
     assert json.loads(env) == {"API_KEY": ENV_VALUE}     # the job still gets it
+    all_secrets = [s for (s,) in db_rows(db_path, "SELECT secret FROM jobs")]   # the running job's too
+    assert secret in all_secrets and all(all_secrets)
     outputs = [out] + [cli_run(home, config_path, *args) for args in (
-        ("status",), ("status", "--json"), ("status", "1"), ("status", "1", "--json"),
-        ("events", "1"), ("events", "1", "--json"), ("-v", "status", "1", "--json"))]
+        ("status",), ("status", "--json"), ("status", "2"), ("status", "2", "--json"),
+        ("events", "2"), ("events", "2", "--json"), ("-v", "status", "2", "--json"),
+        ("-v", "status", "1", "--json"))]
     for text in outputs:
-        assert ENV_VALUE not in text and secret not in text
+        assert ENV_VALUE not in text and not any(s in text for s in all_secrets)
     assert "API_KEY" in outputs[4]
 
 
