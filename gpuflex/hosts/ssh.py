@@ -7,7 +7,8 @@ Security: key authentication only (the configured `identity_file`, else the agen
 the default keys), and the server's host key must already be in the host's
 `known_hosts` (paramiko.RejectPolicy: an unknown key is refused; pinning a new host is
 the explicit `gpuflex hosts trust NAME`). Remote commands are argv lists joined once
-with `shlex.join`.
+with `transport.shell_join`: every word quoted, except that a program path starting with
+`~/` keeps that prefix unquoted, so the remote shell expands it to the remote user's home.
 
 One SSH connection per transport, opened on first use and reused by every call
 (paramiko multiplexes channels, so threads may share it); a dropped connection is
@@ -24,7 +25,6 @@ import json
 import logging
 import os
 import select
-import shlex
 import socket
 import threading
 import time
@@ -34,7 +34,7 @@ import paramiko
 
 from gpuflex.config import HostConfig
 from gpuflex.errors import TransportError
-from gpuflex.hosts.transport import CommandResult, Transport, register_transport
+from gpuflex.hosts.transport import CommandResult, Transport, register_transport, shell_join
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +194,7 @@ class SSHTransport(Transport):
     def run(self, argv: list[str], *, input: str | None = None,
             timeout: float | None = None) -> CommandResult:
         timeout = self.host.command_timeout_s if timeout is None else timeout
-        command = shlex.join(argv)
+        command = shell_join(argv)
         chan = self._open_session()
         try:
             chan.settimeout(timeout)
