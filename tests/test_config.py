@@ -256,7 +256,11 @@ def test_paths_keep_their_tilde_until_used_where_they_belong():
     (["/opt/my env/python"], "'/opt/my env/python'"),
     (["~"], "'~'"),
     (["python", "~/not-expanded"], "python '~/not-expanded'"),
-], ids=["home", "other-user-with-space", "no-tilde", "bare-tilde", "only-the-program"])
+    (["~-/p"], "'~-/p'"),
+    (["~+/p"], "'~+/p'"),
+    (["~-1/p"], "'~-1/p'"),
+], ids=["home", "other-user-with-space", "no-tilde", "bare-tilde", "only-the-program",
+        "oldpwd", "pwd", "dirstack"])
 def test_a_remote_program_path_with_tilde_is_left_for_the_remote_shell(argv, command):
     from gpuflex.hosts.transport import shell_join
 

@@ -176,7 +176,7 @@ class LocalTransport(Transport):
             raise TransportError(self.host.name, f"control socket {path}: {e}") from None
 
 
-_TILDE = re.compile(r"^(~[A-Za-z0-9._-]*/)")
+_TILDE = re.compile(r"^(~(?:[A-Za-z_][A-Za-z0-9._-]*)?/)")   # ~/ or ~user/; never ~-/ or ~+/ (OLDPWD, PWD)
 
 
 def shell_join(argv: list[str]) -> str:
