@@ -101,7 +101,7 @@ def test_cnn_with_batchnorm_and_loader_workers_resized_3_2_3(pool, request, home
     scale(cli, job["id"], 2)   # the newcomer's start takes seconds: the two train meanwhile
     scale(cli, job["id"], 3)
     done = cli.wait_final(job["id"], DEADLINE_S)
-    assert done["state"] == "succeeded", done
+    assert done["state"] == "succeeded", (done.get("exit_reason"), done["workers"])
 
     r = json.loads(report.read_text())
     assert world_sizes(r)[-3:] == [3, 2, 3]
@@ -137,7 +137,7 @@ def test_transformer_with_a_rank0_evaluation_longer_than_the_pg_timeout_resized_
     two = wait_for(cli, job["id"], lambda j: step_of(j) >= 3 and j["world_size"] == 2, "steps at world size 2")
     scale(cli, job["id"], 3)
     done = cli.wait_final(job["id"], DEADLINE_S)
-    assert done["state"] == "succeeded", done
+    assert done["state"] == "succeeded", (done.get("exit_reason"), done["workers"])
     assert not restarts_and_rollbacks(cli, job["id"])
     assert done["generation"] <= two["generation"] + 1   # the resize, nothing else
 
