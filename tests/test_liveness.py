@@ -367,11 +367,13 @@ def test_rank_0_busy_longer_than_the_process_group_timeout_is_waited_for_without
 def test_a_frozen_member_is_fenced_within_the_heartbeat_timeout_and_the_others_go_on(
         lj, tmp_path_factory, home):
     report = home / "r.json"
-    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--epochs", "3", "--step-sleep", "0.05",
+    # 8 epochs of 32 steps, >= 50 ms each: the freeze lands long before the end, even on a busy host
+    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--epochs", "8", "--step-sleep", "0.05",
                      "--report", str(report)], "--workers", "2:3")
     lj.ok("scale", str(job["id"]), "3", "--wait", "--timeout", str(E2E_DEADLINE_S))
-    running = poll(lj, job["id"], lambda j: len(members_of(j)) == 3 and (j.get("step") or 0) >= 10,
+    running = poll(lj, job["id"], lambda j: len(members_of(j)) == 3 and (j.get("step") or 0) >= 3,
                    "steps at world size 3")
+    assert running["step"] < 200, "the job is too close to its end for the test to mean anything"
     frozen = members_of(running)[1]
     os.kill(frozen["pid"], signal.SIGSTOP)
     try:
@@ -382,7 +384,7 @@ def test_a_frozen_member_is_fenced_within_the_heartbeat_timeout_and_the_others_g
         os.kill(frozen["pid"], signal.SIGCONT)
     done = lj.wait_final(job["id"], E2E_DEADLINE_S)
     assert done["state"] == "succeeded", done
-    assert_matches(json.loads(report.read_text()), reference(tmp_path_factory, 3))
+    assert_matches(json.loads(report.read_text()), reference(tmp_path_factory, 8))
 
 
 def test_a_worker_that_raises_writes_its_crash_record_and_the_survivor_never_trains_alone(lj, home):
