@@ -169,12 +169,12 @@ def scale(
                 err_console.print(f"job {j.id}: stopped waiting; the resize goes on (see gpuflex status {j.id}).")
                 raise typer.Exit(130)
             svc.refresh()
-            cur = svc.job(j.id)
+            cur = svc.job(j.id, events=False)
             if cur.state.final:
                 raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
             if cur.state is JobState.RUNNING and cur.world_size == n:
                 switched = switched or time.monotonic()
-                ev = [e for e in cur.events if e.kind in ("scale", "fault")
+                ev = [e for e in cur.recent if e.kind in ("scale", "fault", "formed")
                       and e.data.get("generation") == cur.generation]
                 # the phase timings come with the first step after the switch
                 if ev or time.monotonic() - switched > 10:
