@@ -51,8 +51,8 @@ def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:
 def place_queued(ops: Ops) -> None:
     """Start queued jobs that fit, by priority then age; record why the others wait."""
     for job in queries.queued_jobs(ops.session):
-        failed = [e.time for e in job.events if e.kind == "launch-failed"]
-        if failed and time.time() - failed[-1] < LAUNCH_RETRY_S:
+        failed = queries.last_event_of(ops.session, job.id, ["launch-failed"])   # one row, not the history
+        if failed is not None and time.time() - (failed.last_time or failed.time) < LAUNCH_RETRY_S:
             continue   # a host failed us a moment ago: do not hammer it on every command
         want_max = job.target_workers or job.max_workers
         p = place(ops.pool.free(ops.session), job.min_workers, max(want_max, job.min_workers),
