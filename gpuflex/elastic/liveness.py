@@ -11,8 +11,9 @@ even while the training thread is busy), and gives up only when one of them is d
 failure). A frozen (SIGSTOP) or partitioned member is thus fenced within the heartbeat
 timeout, and a busy one is waited for without rollback.
 
-The hot path is one `add` on a per-generation counter and, for all but the last arriver,
-one `wait` and one `get` of the barrier's outcome key; the last arriver sets the outcome.
+The hot path is two store round trips: one `add` on a per-generation counter, then, for
+all but the last arriver, one blocking `get` of the barrier's outcome key (the store
+answers when it is set), and for the last arriver the `compare_set` that sets it.
 The outcome is decided once, by `compare_set` on that key: "ok" from the last arriver, or
 a failure reason from a member that gave up. Every member reads the same outcome, so a
 barrier that failed leaves nobody inside a collective the others will not enter, and a
@@ -114,9 +115,9 @@ class StepBarrier:
             with self._lock:
                 self._wait = _Wait(g, n, phase, time.monotonic(), time.time())
             try:
-                while not rdzv.wait_key(done, WAIT_SLICE_S):
-                    pass
-                outcome = rdzv.get_raw(done)
+                outcome = None
+                while outcome is None:
+                    outcome = rdzv.wait_get(done, WAIT_SLICE_S)
             finally:
                 with self._lock:
                     self._wait = None

@@ -197,21 +197,21 @@ class Rendezvous:
         """`desired` if `key` is absent (expected "") or holds `expected`; the value after."""
         return self._call(self.store.compare_set, key, expected, desired)
 
-    def get_raw(self, key: str) -> bytes:
-        return self._call(self.store.get, key)
-
-    def wait_key(self, key: str, timeout_s: float) -> bool:
-        """Block until `key` exists (True) or `timeout_s` passed (False)."""
+    def wait_get(self, key: str, timeout_s: float) -> bytes | None:
+        """The value of `key` once it exists (one round trip: the store answers when it is
+        set); None when `timeout_s` passed first."""
         if self.lost.is_set() or self.closed:
             raise StoreLost("the job store stopped answering heartbeats")
+        self.store.set_timeout(dt.timedelta(seconds=timeout_s))
         try:
-            self.store.wait([key], dt.timedelta(seconds=timeout_s))
-            return True
+            return self.store.get(key)
         except (RuntimeError, OSError) as e:
             if "timeout" in str(e).lower():
-                return False
+                return None
             self.lost.set()
             raise StoreLost(f"job store error: {e}") from None
+        finally:
+            self.store.set_timeout(self.timeout)
 
     def valid(self, key: str) -> bool:
         """A signed record is there and verifies (a forged one is logged once)."""
