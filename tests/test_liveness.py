@@ -144,7 +144,7 @@ def test_a_silent_member_fails_the_barrier_for_everyone_naming_it_and_a_late_one
     b0, b1, b2 = (job.worker(w) for w in (0, 1, 2))
     b2.rdzv.close()   # frozen: its heartbeat stops
     (r0,), (r1,) = join(cross_in_thread(b0, 3, phase="boundary"), cross_in_thread(b1, 3, phase="boundary"))
-    assert r0 == r1 and r0.startswith("fail: worker 2 sent no heartbeat") and "boundary" in r0
+    assert r0 == r1 == "worker 2 sent no heartbeat for 0.5s (at the boundary barrier)"
     resumed = job.worker(2)   # the frozen one, resumed: it arrives last and reads the same outcome
     assert resumed.cross(G, 3, "boundary") == r0
 

@@ -125,7 +125,7 @@ class StepBarrier:
         if outcome == OK:
             self.crossed += 1
             return None
-        return outcome.decode(errors="replace")
+        return outcome.decode(errors="replace").removeprefix("fail: ")
 
     def cross_noted(self, group: Any, g: int, world: int, phase: str) -> bool:
         """`cross` before a step's collectives on `group` (Collectives): False when it
@@ -180,10 +180,11 @@ class StepBarrier:
             w.marked = True
         records = self.rdzv.records_on(store)
         members = self._members.get(w.g)
-        if members is None:
+        if members is None:   # read once a generation (a record that does not verify: next time)
             rec = records.json(keys.members(w.g))
             members = [m for m in rec.get("members", []) if isinstance(m, int)] if isinstance(rec, dict) else []
-            self._members = {w.g: members}
+            if members:
+                self._members = {w.g: members}
         missing = []
         for m in members:
             if m == self.wid:
@@ -211,9 +212,8 @@ class StepBarrier:
             seen = w.beats.get(m)
             if seen is None or seen[0] != beat:
                 w.beats[m] = (beat, now)
-            elif now - seen[1] >= self.hb_timeout_s:
-                return (f"worker {m} sent no heartbeat for {now - seen[1]:.1f}s "
-                        f"(at the {w.phase} barrier)")
+            elif now - seen[1] >= self.hb_timeout_s:   # the same words each time: a repeat is recognised
+                return f"worker {m} sent no heartbeat for {self.hb_timeout_s:g}s (at the {w.phase} barrier)"
         return None
 
 
