@@ -246,18 +246,43 @@ def model_state(bn_mean: float) -> dict[str, Any]:
             "optimizer": {"state": {0: {"momentum_buffer": torch.ones(3)}}}}
 
 
-def contributions(state: FakeState, rank: int, world: int) -> list[torch.Tensor]:
+def contributions(state: FakeState, rank: int, world: int, differing: int = 2) -> list[torch.Tensor]:
     """What `state` held on `rank` adds to each of the verify's collectives (the first
-    tensor of each is recomputed by the formation for rank 0 itself)."""
+    tensor of each is recomputed by the formation for rank 0 itself); `differing`: the
+    index of the part that differs (2: bn1.running_mean, after weight and bias)."""
+    from gpuflex.elastic.formation import skeleton_crc
     from gpuflex.elastic.state import checksum_tensors
-    _, tensors = flatten(state.capture()["objects"])
-    crc = checksum_tensors(tensors)
+    skeleton, tensors = flatten(state.capture()["objects"])
+    crc = checksum_tensors(tensors) ^ skeleton_crc(skeleton)
     first = torch.tensor([crc, state.step, state.position, -crc, -state.step, -state.position])
-    own = [checksum_tensors([t]) for t in tensors] + [state.step, state.position]
+    own = [checksum_tensors([t]) for t in tensors] + [skeleton_crc(skeleton), state.step, state.position]
     second = torch.tensor(own + [-v for v in own])
     each = torch.zeros(world, dtype=torch.int64)
-    each[rank] = own[2]   # bn1.running_mean (after weight and bias): the one that differs below
+    each[rank] = own[differing]
     return [first, second, each]
+
+
+def test_a_registered_scalar_that_differs_is_a_mismatch_named_as_such():
+    """Registered state must be equal on every member: a scalar only rank 0 updated (a
+    best_val_loss) is caught by the checksum, not carried silently."""
+    from gpuflex.elastic.formation import NON_TENSOR
+    mine, theirs = model_state(0.0), model_state(0.0)
+    mine["extra.best"], theirs["extra.best"] = {"val_loss": 1.5}, {"val_loss": 1e9}
+    verdicts: dict[str, str] = {}
+
+    class Rdzv:
+        def set(self, key: str, value: str) -> None:
+            verdicts[key] = value
+
+    n_tensors = len(flatten(theirs)[1])
+    f = Formation(wid=10, rdzv=Rdzv(), group=TwoRanks(contributions(FakeState(theirs), 1, 2, n_tensors)),
+                  state=FakeState(mine), signals=None, timeout_s=1)
+    f._destroy = lambda: None
+    with pytest.raises(Exception) as raised:
+        f._verify(3, 0, received=False, kind="resize", members=[10, 11])
+    assert type(raised.value).__name__ == "StateMismatch"
+    reason = json.loads(verdicts[keys.verdict(3)])["reason"]
+    assert reason == f"state checksum mismatch in resize: {NON_TENSOR} differs on worker 11 (rank 1)"
 
 
 def test_a_state_mismatch_names_the_tensor_and_the_member_in_the_verdict():

@@ -160,11 +160,15 @@ def main():
         step = run.step
         for group in opt.param_groups:
             group["lr"] = get_lr(step, args)
-        if step % args.eval_interval == 0 and run.is_primary:
-            losses = estimate_loss(model, {"train": train_ds, "val": val_ds}, args)
-            evals.append([step, losses["train"], losses["val"]])
-            print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
-            best["val_loss"] = min(best["val_loss"], losses["val"])
+        if step % args.eval_interval == 0:
+            val = torch.zeros(1, dtype=torch.float64)   # registered state is equal on every rank:
+            if run.is_primary:                          # rank 0's result goes to all (a sum)
+                losses = estimate_loss(model, {"train": train_ds, "val": val_ds}, args)
+                evals.append([step, losses["train"], losses["val"]])
+                print(f"step {step}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}", flush=True)
+                val += losses["val"]
+            if run.all_reduce(val):
+                best["val_loss"] = min(best["val_loss"], float(val))
         maybe_raise(args, step, run.rank)
         step_loss = 0.0
         for xb, yb in run.accumulate(x, y, micro_batch_size=args.micro_batch_size):

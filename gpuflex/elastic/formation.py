@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import time
+import zlib
 from typing import Any
 
 import torch
@@ -140,6 +141,7 @@ class Formation:
         self.marks = []
         had_state = state.has_state
         copied = self._sync_state(g, rank, world)
+        state.align_buffers()   # a boundary that failed after the forwards left each member's own
         t2 = time.time()
         self._verify(g, rank, received=copied > 0 and not had_state, kind=info["kind"], members=members)
         t3 = time.time()
@@ -232,14 +234,14 @@ class Formation:
         state = self.state
         skeleton, tensors = flatten(state.capture()["objects"])
         tv = time.time()
-        crc = checksum_tensors(tensors)
+        crc = checksum_tensors(tensors) ^ skeleton_crc(skeleton)
         self.checksum_s = time.time() - tv
         pos = state.position
         vec = torch.tensor([crc, state.step, pos, -crc, -state.step, -pos], dtype=torch.int64)
         vec = self.group.all_reduce(vec, dist.ReduceOp.MAX)
         if vec[:3].tolist() != (-vec[3:]).tolist():
             try:
-                what, r = self._differing(tensor_paths(skeleton, "objects"), tensors, rank, len(members))
+                what, r = self._differing(tensor_paths(skeleton, "objects"), tensors, skeleton, rank, len(members))
                 reason = f"state checksum mismatch in {kind}: {what} differs on worker {members[r]} (rank {r})"
             except (RuntimeError, ValueError) as e:   # the group broke while looking: name nothing
                 reason = f"state checksum mismatch in {kind} ({type(e).__name__} while locating it)"
@@ -249,13 +251,14 @@ class Formation:
             self._destroy()
             raise StateMismatch(g, received)
 
-    def _differing(self, paths: list[str], tensors: list[torch.Tensor], rank: int, world: int) -> tuple[str, int]:
+    def _differing(self, paths: list[str], tensors: list[torch.Tensor], skeleton: Any, rank: int,
+                   world: int) -> tuple[str, int]:
         """The first part of the state (a tensor's path, the step or the data position)
         whose checksum differs across the members, and the rank holding a value other than
         the majority's (rank 0's on a tie): two more small all-reduces, run on a mismatch only."""
         state = self.state
-        own = [checksum_tensors([t]) for t in tensors] + [state.step, state.position]
-        names = paths + ["step", "data position"]
+        own = [checksum_tensors([t]) for t in tensors] + [skeleton_crc(skeleton), state.step, state.position]
+        names = paths + [NON_TENSOR, "step", "data position"]
         vec = torch.tensor(own + [-v for v in own], dtype=torch.int64)
         vec = self.group.all_reduce(vec, dist.ReduceOp.MAX)
         n = len(own)
@@ -267,6 +270,19 @@ class Formation:
         majority = max(counts.values())
         ref = values[0] if counts[values[0]] == majority else max(counts, key=counts.get)
         return names[i], next((r for r, v in enumerate(values) if v != ref), 0)
+
+
+NON_TENSOR = "a non-tensor value (a registered scalar, an optimizer or scheduler setting)"
+
+
+def skeleton_crc(skeleton: Any) -> int:
+    """A checksum of the state's non-tensor values (registered scalars, optimizer and
+    scheduler settings): they must be equal on every member too. 0 where the codec cannot
+    encode them (such state cannot be copied to a newcomer either; that copy says why)."""
+    try:
+        return zlib.crc32(codec.encode(skeleton, TensorRef).encode())
+    except codec.CodecError:
+        return 0
 
 
 def tensor_paths(skeleton: Any, prefix: str) -> list[str]:

@@ -56,6 +56,14 @@ waiting/{wid}    signed JSON {for: [wids], since, phase}: this member has waited
 abort            signed JSON {reason}: written by the coordinator when the same failure
                  (a rollback, a failed formation) repeated max_same_failures times; every
                  worker exits ABORTED_EXIT and the job fails with the reason
+barrier/{g}      unsigned counter of arrivals at generation g's step barriers (liveness.py:
+                 the n-th barrier is passed at n x world); barrier/{g}/{n} its outcome ("ok"
+                 or "fail: reason", decided once for every member); barrier/{g}/at/{wid} the
+                 last barrier a waiting member reached (who is missing). Unsigned: a forged
+                 one can only let a member into a collective early (the process-group
+                 timeout still fences it) or delay it
+abort            see above; the coordinator also writes it when failures with different
+                 causes follow each other too often without training progress
 events           unsigned counter every worker bumps after writing a key the coordinator acts
                  on, so an idle coordinator reads one key per tick instead of all of them; a
                  forged bump only causes a full read
@@ -136,6 +144,18 @@ def crashed(wid: int) -> str:
 
 def waiting(wid: int) -> str:
     return f"waiting/{wid}"
+
+
+def counter_key(g: int) -> str:
+    return f"barrier/{g}"
+
+
+def outcome_key(g: int, n: int) -> str:
+    return f"barrier/{g}/{n}"
+
+
+def arrival_key(g: int, wid: int) -> str:
+    return f"barrier/{g}/at/{wid}"
 
 
 def pg_prefix(g: int) -> str:

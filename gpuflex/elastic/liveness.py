@@ -42,6 +42,7 @@ import traceback
 from typing import Any, Callable, Iterator, TypeVar
 
 from gpuflex.elastic import keys
+from gpuflex.elastic.keys import arrival_key, counter_key, outcome_key
 from gpuflex.elastic.rendezvous import Rendezvous, StoreLost
 
 log = logging.getLogger(__name__)
@@ -52,18 +53,6 @@ CHECK_EVERY_S = 0.25   # how often a long wait looks at the missing members
 POST_AFTER_S = 1.0     # a wait longer than this is shown (waiting/{wid})
 WAIT_SLICE_S = 10.0    # the training thread's wait, in slices (a dead heartbeat thread cannot hang it)
 TRACEBACK_LINES = 15
-
-
-def counter_key(g: int) -> str:
-    return f"barrier/{g}"
-
-
-def outcome_key(g: int, n: int) -> str:
-    return f"barrier/{g}/{n}"
-
-
-def arrival_key(g: int, wid: int) -> str:
-    return f"barrier/{g}/at/{wid}"
 
 
 @dataclasses.dataclass
@@ -141,6 +130,18 @@ class StepBarrier:
         if why is not None:
             group.failure = why
         return why is None
+
+    def cross_user(self, group: Any, g: int, world: int) -> bool:
+        """`cross` before a user collective (`run.all_reduce`, `run.global_mean`; every member
+        makes the same calls): False when it failed. Not noted as the step's failure: the
+        gradients may be applied already, so an undo would replay the step; the step's own
+        boundary meets the failure (a lost store: `rdzv.lost`)."""
+        if world == 1 or group.failure is not None:
+            return group.failure is None
+        try:
+            return self.cross(g, world, "user") is None
+        except StoreLost:
+            return False
 
     # ---- the heartbeat thread ---------------------------------------------------------------
     def watch(self, store: Any) -> None:

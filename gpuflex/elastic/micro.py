@@ -117,13 +117,13 @@ def warm_up_steps(model: torch.nn.Module, warm_up: int | None) -> int:
     return 1 if cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo") else 0
 
 
-def global_mean(group: Collectives, value: float | torch.Tensor, weight: float) -> float:
+def global_mean(group: Collectives, value: float | torch.Tensor, weight: float, local_only: bool = False) -> float:
     """The global-batch mean of a per-rank mean `value` whose share is `weight` of the global
     batch: the weighted sum over the members. A failed collective (a dead peer) is not this
     helper's to handle, nor does it undo the step (the gradients may already be applied):
     the local value comes back, and the step's own collectives meet the failure."""
     local = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
-    if group.world_size == 1 or group.failure is not None or group.pg is None:
+    if local_only or group.world_size == 1 or group.failure is not None or group.pg is None:
         return local
     vec = torch.tensor([local * weight], dtype=torch.float64)
     dev = vec.to(group.device) if group.backend == "nccl" else vec

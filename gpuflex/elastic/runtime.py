@@ -19,7 +19,8 @@ samples processed in the step just done, on stopping, on a checkpoint and on a s
 a newer generation; then the state is committed in memory. A collective that fails (a
 dead peer) is noted and handled at the next boundary: the survivors report it, the
 coordinator publishes the next generation, and the members continue from the newest
-state any of them holds (see formation.py).
+state any of them holds (see formation.py). Before a step's collectives the members pass
+a barrier over the job store (liveness.py): a busy member is waited for, a silent one fenced.
 """
 
 from __future__ import annotations
@@ -115,21 +116,11 @@ class ElasticRun:
     def is_primary(self) -> bool:
         return self.rank == 0
 
-    @property
-    def step(self) -> int:
-        return self.state.step
-
-    @property
-    def epoch(self) -> int:
-        return self.state.epoch
-
-    @property
-    def step_log(self) -> list[list[float]]:
-        return self.state.step_log
-
-    @property
-    def samples(self) -> dict[int, list[int]]:
-        return self.state.samples
+    # the training state's counters and logs, read through the run
+    step = property(lambda self: self.state.step, doc="Global steps done (across epochs).")
+    epoch = property(lambda self: self.state.epoch, doc="The current epoch.")
+    step_log = property(lambda self: self.state.step_log, doc="[step, time, world size] per step done.")
+    samples = property(lambda self: self.state.samples, doc="Sample ids per epoch (track_samples).")
 
     @property
     def distributed(self) -> bool:
@@ -253,7 +244,7 @@ class ElasticRun:
         """A user collective that a dead peer cannot crash; False if it failed."""
         if self.world_size == 1:
             return True
-        return self.group.call(dist.all_reduce, tensor, op=op) if self.group.failure is None else False
+        return self._cross_user() and self.group.call(dist.all_reduce, tensor, op=op)
 
     def accumulate(self, *tensors: torch.Tensor, micro_batch_size: int | None = None,
                    steps: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
@@ -262,6 +253,8 @@ class ElasticRun:
 
     def global_mean(self, value: float | torch.Tensor) -> float:
         """The global batch's mean of this rank's mean (a dead peer: this rank's value)."""
+        if not self._cross_user():
+            return global_mean(self.group, value, share(self.batch), local_only=True)
         return global_mean(self.group, value, share(self.batch))
 
     def register(self, name: str, obj: Any) -> Any:
@@ -333,6 +326,7 @@ class ElasticRun:
             self._joined(self.formation.recover(self.generation, why))
             return self._more()
         rode = self._crossed == (self.generation, state.step, "backward") and self._grad_plan.fuse   # the vote
+        rode = rode and not self.buffers.needed()   # the buffers' sync is a collective after user code
         flags = self.agreement.agree(done_step) if rode or self._cross("boundary") else None
         flags = flags if flags is None or self.buffers.sync(share(self.batch)) else None   # failed: a failed vote
         if flags is None:   # the agreement failed, after this rank completed its step
@@ -377,6 +371,10 @@ class ElasticRun:
         when a member it waits for is dead, crashed or gone (see liveness.py)."""
         self._crossed = (self.generation, self.state.step, phase)
         return self.barrier is None or self.barrier.cross_noted(self.group, self.generation, self.world_size, phase)
+
+    def _cross_user(self) -> bool:
+        """The step barrier before a user collective (StepBarrier.cross_user)."""
+        return self.barrier is None or self.barrier.cross_user(self.group, self.generation, self.world_size)
 
     def _checkpoint(self) -> None:
         """Rank 0 writes a checkpoint; one that failed is reported at once through the
