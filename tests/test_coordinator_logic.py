@@ -22,11 +22,11 @@ class Job:
     """A store, a clock, the logic (with a job secret), and the workers' side of the
     protocol: their records signed as Rendezvous.set signs them."""
 
-    def __init__(self, initial: list[int], start_timeout_s: float = 600, min_workers: int = 1,
+    def __init__(self, initial: list[int], formation_timeout_s: float = 600, min_workers: int = 1,
                  max_failures: int = 3) -> None:
         self.store, self.clock = FakeStore(), Clock()
         self.gens = Generations(self.store, initial, hb_timeout_s=HB_TIMEOUT_S,
-                                start_timeout_s=start_timeout_s, clock=self.clock, wall=self.clock,
+                                formation_timeout_s=formation_timeout_s, clock=self.clock, wall=self.clock,
                                 secret=SECRET, min_workers=min_workers, max_failures=max_failures)
         self.signer = self.gens.signer
 
@@ -85,11 +85,11 @@ class Job:
 @pytest.mark.parametrize("initial,ready,waited,published", [
     ([0, 1], [0, 1], 0, [0, 1]),        # everyone ready: at once
     ([0, 1], [0], 0, None),              # one missing: wait
-    ([0, 1], [0], 601, [0]),             # past the start timeout: go with those ready
+    ([0, 1], [0], 601, [0]),             # past the formation timeout: go with those ready
     ([0, 1], [], 601, None),             # nobody ready: nothing to form
 ])
 def test_the_first_generation_waits_for_the_initial_workers(initial, ready, waited, published):
-    job = Job(initial, start_timeout_s=600)
+    job = Job(initial, formation_timeout_s=600)
     job.ready(*ready)
     job.clock.advance(waited)
     job.gens.tick()
@@ -301,7 +301,8 @@ def test_a_held_job_keeps_the_time_it_was_first_held():
 
 
 @pytest.mark.parametrize("ready,waited,held", [
-    ([0], 601, "1 of 3 worker(s) ready after 601 s, below the job's minimum of 2"),
+    ([0], 601, "worker(s) [1, 2] did not become ready within 600 s while starting generation 1: "
+               "1 worker(s) left, below the job's minimum of 2"),
     ([0, 1], 601, None),                         # past the timeout with MIN ready: published
     ([0], 10, None),                             # still within the start timeout: waiting
 ])
@@ -588,3 +589,118 @@ def test_the_coordinator_refuses_limits_below_one(argv, capsys):
 def test_generations_refuse_limits_below_one(kwargs):
     with pytest.raises(ValueError, match="at least 1"):
         Job([0], **kwargs)
+
+
+# ---- formation deadlines (forming.py) -------------------------------------------------------
+FORMATION_S = 30.0
+
+
+def wait(job: Job, seconds: float, beating: tuple[int, ...] = ()) -> None:
+    """Let `seconds` pass a second at a time, the `beating` workers' heartbeats running."""
+    for _ in range(int(seconds)):
+        job.clock.advance(1.0)
+        job.beat(*beating)
+        job.gens.tick()
+
+
+def joined(job: Job, g: int, *wids: int) -> None:
+    for w in wids:
+        job.write(keys.joined(g, w))
+
+
+def test_a_worker_killed_before_it_ever_beat_is_left_out_of_the_first_generation():
+    job = Job([0, 1, 2], formation_timeout_s=FORMATION_S, min_workers=2)
+    job.ready(1, 2)                   # worker 0 died importing torch: no heartbeat, never ready
+    job.gens.tick()
+    forming = job.gens.status()["forming"]
+    assert forming == {"generation": 1, "since": 1000.0, "waiting_for": [0], "phase": "starting"}
+    wait(job, FORMATION_S - 1, beating=(1, 2))
+    assert job.latest() == 0          # it might still be importing: wait for the deadline
+    wait(job, 2, beating=(1, 2))
+    rec = job.record(1)
+    assert (rec["members"], rec["kind"]) == ([1, 2], "initial")
+    assert rec["message"] == ("formed without them: worker(s) [0] did not become ready within 30 s "
+                              "while starting generation 1")
+    assert job.store.check([keys.rejected(0)]) and job.gens.desired == [1, 2]
+    assert job.gens.status()["forming"]["generation"] == 1 and job.gens.status()["forming"]["phase"] == "joining"
+
+
+def test_a_worker_that_dies_before_the_first_generation_is_left_out_without_waiting_for_the_deadline():
+    job = Job([0, 1, 2], formation_timeout_s=FORMATION_S, min_workers=2)
+    job.beat(0)                       # its heartbeat ran, then it was killed
+    job.ready(1, 2)
+    job.gens.tick()
+    wait(job, HB_TIMEOUT_S + 1, beating=(1, 2))
+    rec = job.record(1)
+    assert rec["members"] == [1, 2]
+    assert rec["message"] == "formed without them: worker(s) [0] died (no heartbeat) while starting generation 1"
+
+
+def test_a_first_generation_that_would_fall_below_min_is_held_naming_who_and_the_phase():
+    job = Job([0, 1, 2], formation_timeout_s=FORMATION_S, min_workers=3)
+    job.ready(1, 2)
+    wait(job, FORMATION_S + 1, beating=(1, 2))
+    status = job.gens.status()
+    assert job.latest() == 0 and status["forming"] is None
+    assert status["held"]["reason"] == ("worker(s) [0] did not become ready within 30 s while starting "
+                                        "generation 1: 2 worker(s) left, below the job's minimum of 3")
+    assert not job.store.check([keys.rejected(0)])
+
+
+def grown(start: tuple[int, ...] = (0, 1), min_workers: int = 1) -> Job:
+    """A settled job growing by one newcomer: generation 2 published, nobody joined yet."""
+    new = max(start) + 1
+    job = Job(list(start), formation_timeout_s=FORMATION_S, min_workers=min_workers).settled(list(start))
+    job.gens.resize([*start, new])
+    job.ready(new)
+    job.gens.tick()
+    assert job.record(2)["members"] == [*start, new]
+    return job
+
+
+def test_a_newcomer_that_dies_before_joining_a_resize_is_formed_without_at_once():
+    job = grown()
+    joined(job, 2, 0, 1)
+    job.gens.tick()
+    assert job.gens.status()["forming"]["waiting_for"] == [2]
+    wait(job, HB_TIMEOUT_S + 1, beating=(0, 1))   # worker 2 went silent: dead
+    rec = job.record(3)
+    assert (rec["members"], rec["kind"], rec["prev"]) == ([0, 1], "recover", [0, 1, 2])
+    assert rec["message"] == "formed without them: worker(s) [2] died (no heartbeat) while joining generation 2"
+    assert job.store.check([keys.rejected(2)]) and job.gens.desired == [0, 1]
+
+
+def test_a_member_alive_but_not_joined_is_dropped_only_after_the_formation_timeout():
+    job = grown()
+    joined(job, 2, 0, 2)
+    wait(job, FORMATION_S - 1, beating=(0, 1, 2))   # worker 1 beats but never arrives
+    assert job.latest() == 2 and job.gens.status()["forming"]["waiting_for"] == [1]
+    wait(job, 2, beating=(0, 1, 2))
+    rec = job.record(3)
+    assert rec["members"] == [0, 2]
+    assert rec["message"] == "formed without them: worker(s) [1] did not join within 30 s while joining generation 2"
+
+
+def test_everyone_joined_in_time_is_not_cut_short_by_the_deadline():
+    job = grown()
+    joined(job, 2, 0, 1, 2)
+    wait(job, FORMATION_S + 5, beating=(0, 1, 2))   # a slow state copy: the process group's business
+    forming = job.gens.status()["forming"]
+    assert job.latest() == 2 and forming["waiting_for"] == [] and forming["phase"].startswith("forming")
+    job.verify(2)
+    assert job.gens.status()["forming"] is None and job.latest() == 2
+
+
+def test_a_formation_below_min_is_held_with_the_worker_and_the_phase():
+    job = grown((0, 1, 2), min_workers=3)
+    joined(job, 2, 0, 2)
+    wait(job, HB_TIMEOUT_S + 1, beating=(0, 2))
+    assert job.latest() == 2
+    assert job.gens.status()["held"]["reason"] == (
+        "worker(s) [1, 3] died (no heartbeat) while joining generation 2: 2 worker(s) left, below the job's "
+        "minimum of 3")
+
+
+def test_the_formation_timeout_must_be_positive():
+    with pytest.raises(ValueError, match="formation timeout"):
+        Job([0], formation_timeout_s=0)

@@ -6,6 +6,9 @@ Each full read decides, in this order:
 - finished or aborted: nothing more is published;
 - crashed: a worker's training code raised (its signed `crashed/{wid}`): a bug, not a
   fault. The job is held, no generation is formed without it, whatever the survivors;
+- forming: a worker of the first generation, or a member of a published generation not
+  verified yet, died or did not arrive within `formation_timeout_s`: the generation is
+  formed without it, or held below MIN (forming.py);
 - recover: a member of the current generation reported a failure or stopped beating;
   once every member has reported, gone stale or finished, the reporters (plus ready
   newcomers) form the next generation;
@@ -23,19 +26,14 @@ control side requeues or fails it. No unbounded retry: each rollback and recover
 failed generation for `FailureStreak` (failures.py); when it says so, the coordinator
 writes the signed `abort` record instead (every worker exits ABORTED_EXIT).
 
-Every tick reads one key, the events counter that workers bump after each write the
-coordinator acts on. The full read (a dozen keys per member) runs when that counter moved,
-while anything is pending (a formation, a resize, a failure), and every IDLE_TICK_S in a
-settled, held or aborted job (crash and waiting records: only when the counter moved), so
-a settled job costs almost no CPU beside the workers it shares a host with.
+Every tick reads one key, the events counter workers bump after each write the coordinator
+acts on; the full read (a dozen keys per member) runs when it moved, while anything is
+pending, and every IDLE_TICK_S otherwise (crash and waiting records: only when it moved).
 
 Nothing a worker writes is believed unless it verifies (auth.py): a record that does not is
-ignored as if absent, counted and logged, and `status()["forged"]` reports it. The records
-the coordinator wrote itself (`run`, `latest`, the newest `members/{g}`, `abort`) are checked
-at each full read and put back when someone changed them; a record published ahead of it
-(a forged `members/{g+1}`, an `abort` it did not write) is deleted.
-
-The store is reached through the few TCPStore methods in `Store`, and time through
+ignored as if absent, counted and logged (`status()["forged"]`). The coordinator's own
+records (`run`, `latest`, the newest `members/{g}`, `abort`) are put back when changed; one
+published ahead of it (a forged `members/{g+1}`, an `abort`) is deleted. Time comes from
 injected clocks, so the decisions run in tests without processes (tests/fakes/store_fake.py).
 """
 
@@ -50,6 +48,7 @@ from typing import Any, Callable, Protocol
 from gpuflex.elastic import keys
 from gpuflex.elastic.auth import ForgeryLog, SignedRecords, Signer
 from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, printable
+from gpuflex.elastic.forming import FormationWatch, Outcome
 
 log = logging.getLogger(__name__)
 
@@ -79,14 +78,14 @@ class Generations:
     """The coordinator's decisions over the job store: which generation comes next.
 
     `store` is the job's TCPStore (or any object with its check/get/set/add); `clock`
-    (monotonic: heartbeat staleness, idle ticks) and `wall` (time.time: records, the start
-    timeout) are injected so the decisions can be tested without processes. `secret` is
-    the job's HMAC key (None: an unauthenticated job, see auth.py). `min_workers`: no
-    generation is ever smaller; `max_failures`: the same failure this many times in a row
-    ends the job. Not thread-safe: the coordinator serializes calls."""
+    (monotonic: heartbeat staleness, idle ticks, formation deadlines) and `wall` (time.time:
+    records) are injected so the decisions can be tested without processes. `secret`: the
+    job's HMAC key (None: unauthenticated, see auth.py). `min_workers`: no generation is
+    ever smaller; `max_failures`: the same failure this many times in a row ends the job;
+    `formation_timeout_s`: how long a formation waits for a worker. Not thread-safe."""
 
     def __init__(self, store: Store, initial: list[int], hb_timeout_s: float,
-                 start_timeout_s: float = 600, *, clock: Callable[[], float] = time.monotonic,
+                 formation_timeout_s: float = 60, *, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time, secret: str | None = None,
                  min_workers: int = 1, max_failures: int = 3) -> None:
         if min_workers < 1:
@@ -99,7 +98,6 @@ class Generations:
         self.records = SignedRecords(self.has, store.get, self.signer, self.forged)
         self._request_seq = 0                    # the newest desired_request acted on
         self._own: dict[str, str] = {keys.RUN: self._run_text}   # records it wrote and keeps
-        self.start_timeout_s = start_timeout_s
         self.min_workers = min_workers
         self.streak = FailureStreak(max_failures)
         self.clock, self.wall = clock, wall
@@ -116,13 +114,12 @@ class Generations:
         self.held: dict[str, Any] | None = None
         self.unreachable: dict[str, Any] | None = None
         self.reports = WorkerReports(self.get_json, self.has)   # crash and waiting records
-        self.started = wall()
         self.heartbeats = Heartbeats(self.has, store.get, hb_timeout_s, clock)
+        self.formation = FormationWatch(formation_timeout_s, self.heartbeats, self.valid, clock=clock, wall=wall)
         self.progress: dict[str, Any] | None = None
         self._verdict_reason = ""
-        self._events = -1
+        self._events, self._last_full = -1, 0.0
         self._busy = True          # something is pending: read everything every tick
-        self._last_full = 0.0
         store.set(keys.RUN, self._run_text)
         store.set(keys.DESIRED, json.dumps(self.desired))
 
@@ -141,8 +138,7 @@ class Generations:
         self.store.set(key, self.signer.sign(key, value))
 
     def keep(self, key: str, value: str) -> None:   # a record put back if changed
-        text = self.signer.sign(key, value)
-        self._own[key] = text
+        self._own[key] = text = self.signer.sign(key, value)
         self.store.set(key, text)
 
     def gone(self, wid: int) -> bool:
@@ -162,6 +158,7 @@ class Generations:
         self._own[keys.LATEST] = str(g)
         self.store.set(keys.LATEST, str(g))
         self.generation, self.members = g, list(members)
+        self.formation.begin(g)
         self.ever_members |= set(members)
         self.held = self.unreachable = None
         self.history.append({**rec, "verified": False, "ok": None, "timings": None})
@@ -189,8 +186,7 @@ class Generations:
         return True
 
     def tick(self) -> None:
-        """One look at the store: the events counter, and everything when it moved, while
-        anything is pending, or every IDLE_TICK_S."""
+        """One look: the events counter, and everything when it moved, while pending, or every IDLE_TICK_S."""
         events = self.store.add(keys.EVENTS, 0)
         now = self.clock()
         moved = events != self._events
@@ -223,8 +219,9 @@ class Generations:
                        if w not in self.ever_members and w not in self.rejected]
         alive = self.heartbeats.alive
         ready_new = [w for w in desired_new if self.valid(keys.ready(w)) and alive(w)]
-        if self.generation == 0:
-            self._first(desired_new, ready_new)
+        if self.generation == 0:   # the first: everyone ready, or without the dead and the late
+            if (out := self.formation.first(desired_new, ready_new, self.min_workers)) is not None:
+                self._formed(out, "initial")
             return
         g, cur = self.generation, self.history[-1]
         self._read_verdict(g, cur)
@@ -233,24 +230,26 @@ class Generations:
                 h["timings"] = self._timings(h["generation"])
         failed = [w for w in self.members if self.valid(keys.fail(g, w))]
         stale = [w for w in self.members if not self.gone(w) and not alive(w)]
+        out = self.formation.joining(self.members, self.gone, self.min_workers) if cur["ok"] is None else None
         if cur["ok"] is False:
             self._rollback(cur)
+        elif out is not None:
+            self._formed(out, "recover")
         elif failed or stale:
             self._recover(g, failed, stale, ready_new)
         elif cur["verified"]:
             self._resize(desired_new, ready_new)
 
-    def _first(self, desired_new: list[int], ready_new: list[int]) -> None:
-        """The first generation: everyone ready, or those ready once the start timeout passed."""
-        waited = self.wall() - self.started
-        everyone = len(ready_new) == len(desired_new)
-        if not everyone and waited <= self.start_timeout_s:
-            return
-        if ready_new and len(ready_new) >= self.min_workers:
-            self.publish(ready_new, "initial", f"{len(ready_new)} worker(s) ready")
-        else:
-            self.hold(f"{len(ready_new)} of {len(desired_new)} worker(s) ready after "
-                      f"{waited:.0f} s, below the job's minimum of {self.min_workers}")
+    def _formed(self, out: Outcome, kind: str) -> None:
+        """A formation's outcome: hold, or publish without the workers it dropped."""
+        if out.hold is not None:
+            self.hold(out.hold)
+        elif not (out.dropped and kind == "recover" and self.failed_again(self.generation, out.message)):
+            for w in out.dropped:
+                self.rejected.add(w)
+                self.write(keys.rejected(w), "1")
+            self.set_desired([w for w in self.desired if w not in out.dropped])
+            self.publish(out.members, kind, out.message)
 
     def _recover(self, g: int, failed: list[int], stale: list[int], ready_new: list[int]) -> None:
         undecided = [w for w in self.members
@@ -270,10 +269,8 @@ class Generations:
             return
         if self.failed_again(g, reason):
             return
-        if lost:
-            message = f"lost worker(s) {lost}: {reason}"
-        else:
-            message = f"re-formed after a failed collective in generation {g} (no worker lost): {reason}"
+        message = (f"lost worker(s) {lost}: {reason}" if lost else
+                   f"re-formed after a failed collective in generation {g} (no worker lost): {reason}")
         self.set_desired([w for w in self.desired if w not in lost])
         self.publish(nxt, "recover", message)
 
@@ -350,6 +347,7 @@ class Generations:
         if cur["ok"] is None:
             v = self.get_json(keys.verdict(g))
             if isinstance(v, dict):
+                self.formation.done()
                 cur["ok"] = bool(v.get("ok"))
                 cur["verified"] = cur["ok"]
                 if not cur["ok"]:
@@ -382,7 +380,8 @@ class Generations:
         verification and were ignored (each distinct record once), "last": the key of the
         newest one (None: none)}. `history`: the last HISTORY_KEPT generations of
         `generations_total`. `abort`, `held`, `unreachable` (null or {reason, ...}),
-        `crashed` and `waiting` (lists) are always present."""
+        `crashed` and `waiting` (lists), `forming` (null or {generation, since, waiting_for,
+        phase}) are always present."""
         cur = self.history[-1] if self.history else None
         settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired
                        and self.abort is None and self.held is None)
@@ -390,6 +389,7 @@ class Generations:
                 "settled": settled, "finished": self.finished, "progress": self.progress,
                 "forged": self.forged.summary(), "min_workers": self.min_workers,
                 "abort": self.abort, "held": self.held, "unreachable": self.unreachable,
+                "forming": None if self.finished or self.abort or self.held else self.formation.record(),
                 "crashed": [self.reports.crashed[w] for w in sorted(self.reports.crashed)],
                 "waiting": self.reports.waiting, "generations_total": self.generation,
                 "history": [dict(h, verified=h["verified"] and (h["timings"] is not None or h is not cur))
