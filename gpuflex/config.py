@@ -110,6 +110,7 @@ class JobSettings:
     pg_timeout_s: Number = Field(10, ge=1)                  # process-group timeout inside workers
     heartbeat_timeout_s: Number = Field(3, ge=1)            # a worker silent this long is taken for dead
     max_same_failures: StrictInt = Field(3, ge=1, le=1000)  # the same rollback/formation failure this often ends the job
+    formation_timeout_s: Number = Field(60, ge=1, le=86400)  # a worker not ready/joined this long is formed without
 
 
 @dataclass(frozen=True, config=_TABLE)
