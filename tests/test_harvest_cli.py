@@ -18,9 +18,10 @@ from typer.testing import CliRunner
 
 from gpuflex.cli import app
 from gpuflex.config import load_config
-from gpuflex.control.harvest import run_tick, tick_lock
+from gpuflex.control.harvest import SHRINK_SHARE, run_tick, tick_lock
 from gpuflex.control.service import JobService
 from gpuflex.db.models import Event, Host, Job, Worker
+from gpuflex.hosts import hostops
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, db_rows
 from tests.sshbed import FAKE_SMI, default_gpus
 
@@ -136,15 +137,46 @@ def test_bad_input_exits_2_with_one_line_and_changes_nothing(box, home, args, fr
 
 
 # ---- a leaver that does not leave is killed within the deadline ------------------------------
-def test_a_reclaim_escalates_to_sigkill_within_the_deadline(box, home):
-    cfg, state = box
+def sleep_job_on_both_gpus(cfg: Path, home: Path) -> dict:
+    """A 1:2 job of `sleep` (it never leaves on a shrink) on both GPUs, as if both had
+    joined a generation (the survivor holds the state), its coordinator listening (it
+    imports torch: seconds on a loaded host; a shrink it cannot take yet is a failed
+    action of the tick)."""
     tick(cfg)
     tick(cfg)                                        # both GPUs idle
     job = json.loads(invoke(cfg, "submit", "--workers", "1:2", "--json", "--", "sleep", "300").stdout)
     assert sorted(w["gpus"][0] for w in job["workers"]) == [0, 1]
-    # as if both had joined a generation (`sleep` never does): the survivor holds the state
     with sqlite3.connect(home / "g.db") as con:
         con.execute("UPDATE workers SET state = 'running'")
+    ((socket_dir,),) = db_rows(home / "g.db", "SELECT socket_dir FROM jobs WHERE id = ?", (job["id"],))
+    end = time.monotonic() + 120
+    while not os.path.exists(os.path.join(socket_dir, "coord.sock")):
+        assert time.monotonic() < end, "the coordinator never listened"
+        time.sleep(0.1)
+    return job
+
+
+def owner_on_gpu0(state: Path, pid: int) -> None:
+    uuid = default_gpus("box")[0]["uuid"]
+    set_smi(state, util=90, mem=8000, processes=[{"gpu_uuid": uuid, "pid": pid, "used_memory": 8000}])
+
+
+def reclaim_timestamps(home: Path, out: dict) -> tuple[dict, float, int]:
+    """The tick's reclaim action, its stored event's data, and the reclaimed worker's
+    recorded end and process group; checks they tell one story."""
+    (rc,) = [a for a in out["actions"] if a["action"] == "reclaim"]
+    ((data,),) = db_rows(home / "g.db", "SELECT data FROM events WHERE kind = 'reclaim'")
+    data = json.loads(data)
+    ((ended_at, pgid),) = db_rows(home / "g.db", "SELECT ended_at, pgid FROM workers WHERE wid = ?",
+                                  (rc["wids"][0],))
+    assert data["clock_from"] == rc["clock_from"] and data["latency_s"] == rc["latency_s"]
+    assert data["latency_s"] == pytest.approx(ended_at - data["clock_from"], abs=1e-3)
+    return data, ended_at, pgid
+
+
+def test_a_reclaim_escalates_to_sigkill_within_the_deadline(box, home):
+    cfg, state = box
+    job = sleep_job_on_both_gpus(cfg, home)
     assert db_rows(home / "g.db", "SELECT DISTINCT state FROM workers") == [("running",)]
     owner = subprocess.Popen(["sleep", "300"])
     try:
@@ -161,6 +193,58 @@ def test_a_reclaim_escalates_to_sigkill_within_the_deadline(box, home):
     finally:
         owner.kill()
         owner.wait()
+
+
+def test_the_reclaim_clock_starts_with_the_tick_that_saw_the_owner(box, home):
+    cfg, state = box
+    sleep_job_on_both_gpus(cfg, home)
+    owner = subprocess.Popen(["sleep", "300"])
+    try:
+        owner_on_gpu0(state, owner.pid)
+        out = tick(cfg)
+        data, ended_at, _ = reclaim_timestamps(home, out)
+        # the probe that saw the owner is dated by its tick's start, and so is the clock
+        assert db_rows(home / "g.db", "SELECT max(time) FROM gpu_samples") == [(out["time"],)]
+        assert data["clock_from"] == out["time"]
+        assert data["method"] == "sigkill" and data["deadline_s"] == 4
+        assert data["killed_at"] >= data["clock_from"] + SHRINK_SHARE * data["deadline_s"]
+        assert data["killed_at"] <= ended_at
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_a_reclaim_on_a_saturated_host_frees_the_gpu_by_its_deadline(home):
+    """Every core busy (a `while True: pass` per core): the GPU's worker is gone within the
+    deadline counted from the tick's start, by the event's own clock and by /proc."""
+    state, table = fake_host(home)
+    cfg = home / "g.toml"
+    cfg.write_text(f'[database]\nurl = "sqlite:///{home / "g.db"}"\n\n'
+                   "[harvest]\nidle_samples = 2\nreclaim_deadline_s = 10\n\n"
+                   "[jobs]\ncancel_grace_s = 2\n\n" + table)
+    busy: list[subprocess.Popen] = []
+    owner = subprocess.Popen(["sleep", "300"])
+    try:
+        sleep_job_on_both_gpus(cfg, home)
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        owner_on_gpu0(state, owner.pid)
+        out = tick(cfg)
+        data, ended_at, pgid = reclaim_timestamps(home, out)
+        assert data["clock_from"] == out["time"] and data["method"] == "sigkill"
+        assert data["clock_from"] + SHRINK_SHARE * data["deadline_s"] <= data["killed_at"] <= ended_at
+        assert ended_at - data["clock_from"] <= data["deadline_s"] == 10
+        assert data["within_deadline"] is True
+        assert not hostops.group_alive(pgid)
+        ((listed,),) = db_rows(home / "g.db", "SELECT count(*) FROM workers WHERE pgid = ? AND "
+                                              "state IN ('starting', 'running', 'leaving')", (pgid,))
+        assert listed == 0
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+        owner.kill()
+        owner.wait()
+        cleanup_jobs(GpuflexCLI(home, cfg), home / "g.db")
 
 
 # ---- the report's arithmetic ------------------------------------------------------------------

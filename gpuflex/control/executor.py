@@ -12,6 +12,7 @@ import collections
 import dataclasses
 import logging
 import posixpath
+import signal
 import time
 
 from sqlalchemy.orm import Session
@@ -21,6 +22,7 @@ from gpuflex.control import journal
 from gpuflex.control import launch as L
 from gpuflex.control.observe import coordinator_request
 from gpuflex.control.pool import Pool
+from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import TransportError
 from gpuflex.policy import lifecycle as P
@@ -53,8 +55,8 @@ def start_job(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
     job.socket_dir = L.new_socket_dir()   # fresh each run: a name seen before cannot be squatted
     if job.checkpoint_dir is None:
         job.checkpoint_dir = posixpath.join(L.job_dir(first, job), "checkpoints")
-    next_wid = max((w.wid for w in job.workers), default=-1) + 1
-    wids = list(range(next_wid, next_wid + len(assignments)))
+    first_wid = next_wid(ops, job)
+    wids = list(range(first_wid, first_wid + len(assignments)))
     spawned = t.spawn(L.coordinator_spec(ops.config, first, job, job.store_port, wids))
     job.store_pgid = spawned.pgid
     for rank, (wid, a) in enumerate(zip(wids, assignments)):
@@ -68,7 +70,20 @@ def start_job(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
                       world_size=len(assignments))
 
 
+def next_wid(ops: Ops, job: Job) -> int:
+    """The job's next worker id: past every id its rows ever held (a row is written before
+    its process starts, so an id once spawned is never given again)."""
+    ops.session.flush()
+    return queries.max_wid(ops.session, job.id) + 1
+
+
 def spawn_worker(ops: Ops, job: Job, wid: int, a: Assignment, rank: int, world: int) -> Worker:
+    return launch_worker(ops, job, reserve_worker(ops, job, wid, a, rank), rank, world)
+
+
+def reserve_worker(ops: Ops, job: Job, wid: int, a: Assignment, rank: int) -> Worker:
+    """The worker's row (STARTING, no process yet): written before the spawn, so a command
+    killed after it leaves a row that reconcile finds."""
     host = ops.config.host(a.host)
     log_path, exit_path = L.worker_paths(host, job, wid)
     # initial workers get their launch rank; newcomers get one when their generation forms
@@ -76,9 +91,48 @@ def spawn_worker(ops: Ops, job: Job, wid: int, a: Assignment, rank: int, world: 
                gpus=list(a.devices), state=WorkerState.STARTING, log_path=log_path, exit_path=exit_path,
                control_path=L.worker_socket(job, wid))
     ops.session.add(w)
+    return w
+
+
+def launch_worker(ops: Ops, job: Job, w: Worker, rank: int, world: int) -> Worker:
+    """Start the process of a reserved row and record its group."""
+    host = ops.config.host(w.host)
     spawned = ops.pool.transport(host).spawn(L.worker_spec(ops.config, host, job, w, rank, world))
     w.pid, w.pgid = spawned.pid, spawned.pgid
     return w
+
+
+def stop_workers(ops: Ops, job: Job, workers: list[Worker], why: str) -> None:
+    """SIGKILL these workers' groups (all hosts at once) and end their rows: newcomers of a
+    resize that was refused or never asked for, leavers that never left. SIGKILL, as a
+    reclaim does: the runtime reads SIGTERM as "stop the whole job", and the coordinator
+    takes a killed member as any lost one. A row with no group recorded (its command died
+    between spawn and record) gets the control socket's stop, which a worker waiting to
+    join reads at once."""
+    by_host: dict[str, list[Worker]] = collections.defaultdict(list)
+    for w in workers:
+        by_host[w.host].append(w)
+    hosts = [ops.config.host(h) for h in by_host]
+
+    def stop_host(t) -> None:
+        ws = by_host[t.host.name]
+        if any(w.pgid for w in ws):
+            t.signal([w.pgid for w in ws if w.pgid], signal.SIGKILL)
+        for w in ws:
+            if not w.pgid and w.control_path:
+                try:
+                    t.control_request(w.control_path, {"op": "stop"}, timeout=POKE_TIMEOUT_S)
+                except (TransportError, ValueError) as e:
+                    log.debug("job %s: no stop for worker %s (no process group known): %s", job.id, w.wid, e)
+
+    limit = max((h.connect_timeout_s + h.command_timeout_s + POKE_TIMEOUT_S * len(by_host[h.name])
+                 for h in hosts), default=0) + 5
+    for name, result in ops.pool.fan_out(hosts, stop_host, limit).items():
+        for w in by_host[name]:
+            if not w.state.final:
+                journal.end_worker(ops.session, job, w, WorkerState.STOPPED if result.ok else WorkerState.LOST, None)
+    journal.record(ops.session, job, "workers-stopped", f"stopped worker(s) {', '.join(str(w.wid) for w in workers)}: "
+                   f"{why}", wids=[w.wid for w in workers])
 
 
 # ---- resizing -------------------------------------------------------------------------------

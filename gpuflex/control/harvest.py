@@ -4,16 +4,19 @@ them out through the pool's transports and records what happened.
 
 A tick, in order:
 1. probe every GPU host in parallel (outside any lock; bounded by the hosts' timeouts) and
-   record verdicts and idle streaks;
+   record verdicts and idle streaks, each sample dated by the tick's start: an owner's wait
+   for their GPU begins with the tick that saw them, not once its probing is done, so the
+   reclaim's clock (SIGKILL budget and the event's latency) starts there too;
 2. `JobService.refresh()`: reconcile jobs with reality and start queued jobs that fit;
 3. plan; requeue the jobs that cannot yield above MIN (under the lock: SIGTERM = checkpoint
    and stop, the owner's GPUs killed if that takes too long), ask the others to retire the
    workers on reclaimed GPUs (in-place shrink);
 4. outside the lock, wait for the leavers to exit; a leaver still alive at
-   SHRINK_SHARE x reclaim_deadline_s after the owner was first seen is SIGKILLed (the
+   SHRINK_SHARE x reclaim_deadline_s after that tick's start is SIGKILLed (the
    survivors recover without it, as from any crashed worker). SIGTERM is not used for a
    single leaver: the worker runtime reads SIGTERM as "stop the whole job";
-5. record each reclaim (event "reclaim": host, gpu, latency_s, deadline_s, method), start
+5. record each reclaim (event "reclaim": host, gpu, latency_s from `clock_from`, the start
+   of the tick that saw the owner; deadline_s, method, `killed_at` of a SIGKILL), start
    queued jobs that now fit, plan again and grow --harvest jobs onto idle GPUs.
 
 Ticks never overlap: a second one finds the tick lock (beside the DB) held and skips.
@@ -41,6 +44,8 @@ from gpuflex.db import queries
 from gpuflex.db.locks import database_lock
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
+from gpuflex.hosts.fanout import Result
+from gpuflex.hosts.probe import HostProbe
 from gpuflex.policy.harvest import Grow, Plan, Requeue, Yield
 from gpuflex.policy.placement import Assignment
 from gpuflex.states import JobState, WorkerState
@@ -106,7 +111,7 @@ def run_tick(svc: JobService, *, dry_run: bool = False) -> TickResult:
 
 def _tick(svc: JobService, dry_run: bool) -> TickResult:
     t = TickResult(time.time(), dry_run=dry_run)
-    results = svc.collect_probes()
+    results = dated(svc.collect_probes(), t.started_at)
     t.hosts = {name: None if r.ok else str(r.error) for name, r in results.items()}
     errors = {h: e for h, e in t.hosts.items() if e}
     if dry_run:
@@ -129,17 +134,26 @@ def _tick(svc: JobService, dry_run: bool) -> TickResult:
         for a in t.plan.of(Yield):
             pending.append(_start_yield(ops, a, t))
     outcomes = _watch_exits(svc.config, svc.pool, [x for p in pending for x in p.leavers])
-    with svc.locked() as session:
-        ops = svc.ops(session)
-        for p in pending:
-            t.actions += _record(ops, p, outcomes)
-        t.actions += _place(ops)
-        if time.time() - t.started_at > budget_s(svc.config):
+    with database_lock(svc.config.database_url, "ops").held():   # one lock, several commits
+        with svc.sessions.begin() as session:
+            ops = svc.ops(session)
+            for p in pending:
+                t.actions += _record(ops, p, outcomes)
+            t.actions += _place(ops)
+            late = time.time() - t.started_at > budget_s(svc.config)
+            grows = [] if late else current_plan(ops, errors).of(Grow)
+        if late:
             t.actions.append({"action": "grow", "ok": None, "skipped": "the tick ran out of time; "
                               "growth is left to the next tick"})
-        else:
-            t.actions += _grow(ops, current_plan(ops, errors).of(Grow))
+        t.actions += _grow(svc, grows)
     return _done(t)
+
+
+def dated(results: dict[str, Result[HostProbe]], when: float) -> dict[str, Result[HostProbe]]:
+    """The probes as seen at `when` (the tick's start): a foreign process they find is
+    the owner's from that moment."""
+    return {name: dataclasses.replace(r, value=dataclasses.replace(r.value, time=when)) if r.ok else r
+            for name, r in results.items()}
 
 
 def _done(t: TickResult) -> TickResult:
@@ -165,6 +179,7 @@ class _Exit:
     gone_at: float | None         # None: still alive when we gave up
     returncode: int | None
     killed: bool
+    killed_at: float | None = None  # when the SIGKILL was sent
 
 
 @dataclasses.dataclass
@@ -236,7 +251,7 @@ def _watch_exits(config: Config, pool: Pool, leavers: list[_Leaver]) -> dict[tup
     cfgs = [config.host(h) for h in by_host]
 
     def watch(t) -> dict[tuple[int, int], _Exit]:
-        pending, out, killed = list(by_host[t.host.name]), {}, set()
+        pending, out, killed = list(by_host[t.host.name]), {}, {}
         while pending:
             try:
                 states = t.status([(x.pgid, x.exit_path) for x in pending])
@@ -246,7 +261,8 @@ def _watch_exits(config: Config, pool: Pool, leavers: list[_Leaver]) -> dict[tup
             now = time.time()
             for x, st in zip(pending, states or []):
                 if not st.alive:
-                    out[(x.job, x.wid)] = _Exit(now, st.returncode, (x.job, x.wid) in killed)
+                    k = killed.get((x.job, x.wid))
+                    out[(x.job, x.wid)] = _Exit(now, st.returncode, k is not None, k)
             pending = [x for x in pending if (x.job, x.wid) not in out]
             due = [x for x in pending if now >= x.kill_at and (x.job, x.wid) not in killed]
             if due:
@@ -254,13 +270,14 @@ def _watch_exits(config: Config, pool: Pool, leavers: list[_Leaver]) -> dict[tup
                     t.signal([x.pgid for x in due], signal.SIGKILL)
                 except GpuflexError as e:
                     log.debug("%s: SIGKILL of leavers failed: %s", t.host.name, e)
-                killed.update((x.job, x.wid) for x in due)
+                killed.update({(x.job, x.wid): now for x in due})
                 continue
             if not pending or now >= max(x.give_up_at for x in pending):
                 break
             time.sleep(POLL_S)
         for x in pending:
-            out[(x.job, x.wid)] = _Exit(None, None, (x.job, x.wid) in killed)
+            k = killed.get((x.job, x.wid))
+            out[(x.job, x.wid)] = _Exit(None, None, k is not None, k)
         return out
 
     limit = max(x.give_up_at for x in leavers) - time.time() + 10
@@ -298,7 +315,9 @@ def _record(ops: Ops, p: _Reclaim, outcomes: dict[tuple[int, int], _Exit]) -> li
         method = "sigkill" if any(o.killed for o in mine) else p.method
         if not ok:
             method = "failed"
+        killed_at = min((o.killed_at for o in mine if o.killed_at is not None), default=None)
         data = {"host": host, "gpu": gpu, "latency_s": latency, "deadline_s": deadline, "method": method,
+                "clock_from": p.action.since, "killed_at": killed_at,
                 "wids": [x.wid for x in p.leavers if x.host == host and gpu in x.gpus],
                 "within_deadline": ok and latency <= deadline}
         took = f"in {latency:.2f} s" if ok else "FAILED: a worker is still alive"
@@ -317,21 +336,23 @@ def _place(ops: Ops) -> list[dict[str, Any]]:
             for j in queued if j.state is not JobState.QUEUED]
 
 
-def _grow(ops: Ops, grows: list[Grow]) -> list[dict[str, Any]]:
+def _grow(svc: JobService, grows: list[Grow]) -> list[dict[str, Any]]:
+    """Grow each job in committed steps (scaling.grow_in_steps); the caller holds the ops
+    lock. A failed grow has stopped its newcomers; it is recorded and the others go on."""
     by_job: dict[int, list[Grow]] = collections.defaultdict(list)
     for g in grows:
         by_job[g.job].append(g)
     out = []
     for job_id, gs in by_job.items():
-        job = queries.job(ops.session, job_id)
         where = [[g.host, d] for g in gs for d in g.devices]
         text = ", ".join(f"{h}:{d}" for h, d in where)
         try:
-            new = scaling.grow(ops, job, [Assignment(g.host, g.devices) for g in gs],
-                               why=f"harvesting idle {text}")
-            out.append({"action": "grow", "job": job_id, "ok": True, "gpus": where,
-                        "wids": [w.wid for w in new]})
+            wids = scaling.grow_in_steps(svc.sessions.begin, svc.config, svc.pool, job_id,
+                                         [Assignment(g.host, g.devices) for g in gs], why=f"harvesting idle {text}")
+            out.append({"action": "grow", "job": job_id, "ok": True, "gpus": where, "wids": wids})
         except GpuflexError as e:
-            journal.record(ops.session, job, "harvest-failed", f"could not grow onto {text}: {e}")
+            with svc.sessions.begin() as session:
+                journal.record(session, queries.job(session, job_id), "harvest-failed",
+                               f"could not grow onto {text}: {e}")
             out.append({"action": "grow", "job": job_id, "ok": False, "gpus": where, "error": str(e)})
     return out

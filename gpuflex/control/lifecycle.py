@@ -3,38 +3,82 @@
 Reconciling is read, decide, write: gpuflex.control.observe reads what the hosts and the
 coordinator say, gpuflex.policy.lifecycle decides (pure), gpuflex.control.executor writes
 the decision and acts on it.
+
+Before the policy, reconcile makes the database match the processes where a command died
+half-way (gpuflex.control.scaling writes a newcomer's row before its process and asks the
+coordinator last, all under the ops lock, so no reconcile runs between): a STARTING
+worker that the coordinator neither counts nor wants was never asked for, and is stopped;
+a LEAVING worker still alive LEAVE_BOUND_S after the shrink was asked, that the
+coordinator no longer wants, never left, and is stopped too (it held its devices from
+every later grow).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
+
+from sqlalchemy.orm import object_session
 
 from gpuflex.control import executor, journal
 from gpuflex.control import launch as L
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import facts, observe
 from gpuflex.db import queries
-from gpuflex.db.models import Job
+from gpuflex.db.models import Job, Worker
 from gpuflex.errors import TransportError
 from gpuflex.hosts import hostops
-from gpuflex.policy.lifecycle import decide
+from gpuflex.policy.lifecycle import Observation, decide
 from gpuflex.policy.placement import place
-from gpuflex.states import JobState
+from gpuflex.states import JobState, WorkerState
 
 log = logging.getLogger(__name__)
 
 LAUNCH_RETRY_S = 30   # wait this long before launching a job again after a host failed it
 SWEEP_MIN_AGE_S = 600  # a socket directory changed more recently than this may be a run starting
+LEAVE_BOUND_S = 120    # after the shrink's request: a leaver still alive then never left
 
 
 def reconcile(ops: Ops, job: Job) -> dict[str, Any] | None:
     """Bring one running job's record in line with its processes and coordinator; returns
     the coordinator's status (None when it did not answer)."""
     seen = observe(ops.config, ops.pool, job)
+    stray = strays(job, seen, time.time() - LEAVE_BOUND_S)
+    if stray:
+        executor.stop_workers(ops, job, stray, "the database and the coordinator disagree: "
+                              "a resize that was never asked for, or a leaver that never left")
+        gone = {w.wid for w in stray}
+        seen = dataclasses.replace(seen, procs={k: v for k, v in seen.procs.items() if k not in gone})
     executor.apply(ops, job, decide(facts(job), seen))
     return seen.coordinator
+
+
+def strays(job: Job, seen: Observation, asked_before: float) -> list[Worker]:
+    """Live workers the coordinator does not want: STARTING ones that are neither members
+    nor desired, alive or with no group recorded (never asked for), and LEAVING ones not
+    desired and still alive when the job's newest resize request is older than
+    `asked_before`. None when the coordinator did not answer: without its word nothing is
+    a stray."""
+    coord = seen.coordinator or {}
+    desired, members = coord.get("desired"), coord.get("members")
+    if not isinstance(desired, list) or not isinstance(members, list):
+        return []
+
+    def running(w: Worker) -> bool:
+        p = seen.procs.get(w.wid)
+        return p is not None and p.alive
+
+    out = [w for w in job.live_workers if w.wid not in desired and w.state is WorkerState.STARTING
+           and w.wid not in members and (w.pgid is None or running(w))]
+    leavers = [w for w in job.live_workers if w.wid not in desired and w.state is WorkerState.LEAVING
+               and running(w)]
+    if leavers:   # one row read, only when a leaver is still there
+        asked = queries.last_event_of(object_session(job), job.id, ["scale-request", "state"])
+        if asked is None or (asked.last_time or asked.time) < asked_before:
+            out += leavers
+    return out
 
 
 def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:

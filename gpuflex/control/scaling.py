@@ -3,20 +3,49 @@
 `gpuflex scale` (a count) and `gpuflex harvest` (specific GPUs) both end here: newcomers
 are spawned and warm up, the coordinator gets the desired membership, and the workers
 switch at their next step boundary. (Requeueing a job is `executor.requeue`.)
+
+The database must match the processes: a newcomer's row and id are written before its
+process starts, and a resize the coordinator refuses stops its newcomers and ends their
+rows. `grow` does it all in the caller's one transaction: a refusal leaves no process, but
+a command killed mid-grow takes its rows with it. `grow_in_steps` (and `scale_in_steps`)
+commits the rows first, then each process's group, then asks, all under the ops lock the
+caller holds: a command killed at any point leaves rows that the next reconcile matches
+with their processes (gpuflex.control.lifecycle stops newcomers the coordinator was never
+asked for).
 """
 
 from __future__ import annotations
 
+from typing import Callable, ContextManager
+
+from sqlalchemy.orm import Session
+
+from gpuflex.config import Config
 from gpuflex.control import executor, journal
 from gpuflex.control.executor import Ops
+from gpuflex.control.pool import Pool
+from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
-from gpuflex.errors import JobError, UsageError
+from gpuflex.errors import GpuflexError, JobError, UsageError
 from gpuflex.policy.placement import Assignment, place
+
+# a new transaction per call, committed when its block ends without error; the caller
+# holds the ops lock over all of them (gpuflex.db.locks)
+Transactions = Callable[[], ContextManager[Session]]
 
 
 def scale(ops: Ops, job: Job, n: int) -> Job:
     """Ask a running job for `n` workers: start newcomers on free devices, or retire the
     newest workers."""
+    grows = plan_scale(ops, job, n)
+    if grows:
+        grow(ops, job, grows)
+    return job
+
+
+def plan_scale(ops: Ops, job: Job, n: int) -> list[Assignment]:
+    """Check `n` against the job; retire the newest workers for a shrink (done: []), or
+    the devices of the newcomers a grow needs (UsageError / JobError when it cannot)."""
     if not job.state.active:
         raise UsageError(f"job {job.id} is {job.state}; only running jobs can be scaled.")
     if not job.min_workers <= n <= job.max_workers:
@@ -27,22 +56,91 @@ def scale(ops: Ops, job: Job, n: int) -> Job:
         p = place(ops.pool.free(ops.session), n - len(current), n - len(current), job.gpus_per_worker)
         if not p.ok:
             raise JobError(f"job {job.id}: cannot grow to {n}: {p.reason}.")
-        grow(ops, job, list(p.assignments))
-    elif n < len(current):
+        return list(p.assignments)
+    if n < len(current):
         newest_first = sorted(current, key=lambda w: w.wid, reverse=True)
         retire(ops, job, [w.wid for w in newest_first[:len(current) - n]])
-    return job
+    return []
 
 
 def grow(ops: Ops, job: Job, assignments: list[Assignment], why: str = "") -> list[Worker]:
-    """Start one newcomer per assignment and ask for the larger membership."""
-    current = job.members
-    n = len(current) + len(assignments)
-    next_wid = max(w.wid for w in job.workers) + 1
-    new = [executor.spawn_worker(ops, job, next_wid + i, a, len(current) + i, n)
-           for i, a in enumerate(assignments)]
-    executor.ask_membership(ops, job, f"grow to {n} worker(s)" + (f": {why}" if why else ""))
+    """Start one newcomer per assignment and ask for the larger membership, in the
+    caller's transaction. A refused request stops the newcomers (and ends their rows)
+    before the error goes on."""
+    new = reserve(ops, job, assignments)
+    try:
+        for w in new:
+            launch(ops, job, w)
+    except GpuflexError as e:
+        executor.stop_workers(ops, job, new, f"a newcomer could not start: {e}")
+        raise
+    ask_for_newcomers(ops, job, new, why)
     return new
+
+
+def reserve(ops: Ops, job: Job, assignments: list[Assignment]) -> list[Worker]:
+    """The newcomers' rows and ids, no process yet."""
+    first = executor.next_wid(ops, job)
+    new = [executor.reserve_worker(ops, job, first + i, a, 0) for i, a in enumerate(assignments)]
+    ops.session.flush()
+    return new
+
+
+def launch(ops: Ops, job: Job, w: Worker) -> None:
+    """Start a reserved newcomer (its launch rank and world: after the current members)."""
+    members = job.members
+    executor.launch_worker(ops, job, w, members.index(w), len(members))
+
+
+def ask_for_newcomers(ops: Ops, job: Job, new: list[Worker], why: str = "") -> None:
+    """Ask the coordinator for the membership with the newcomers; if it refuses or cannot
+    be asked, stop them and end their rows, then raise."""
+    n = len(job.members)
+    try:
+        executor.ask_membership(ops, job, f"grow to {n} worker(s)" + (f": {why}" if why else ""))
+    except GpuflexError as e:
+        executor.stop_workers(ops, job, new, f"the resize was not taken: {e}")
+        raise
+
+
+def grow_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
+                  assignments: list[Assignment], why: str = "") -> list[int]:
+    """`grow` as committed steps (see the module docstring); the newcomers' ids. The
+    caller holds the ops lock over the call."""
+    with tx() as session:
+        wids = [w.wid for w in reserve(Ops(config, pool, session), queries.job(session, job_id), assignments)]
+    failure: GpuflexError | None = None
+    for wid in wids:
+        with tx() as session:
+            job = queries.job(session, job_id)
+            try:
+                launch(Ops(config, pool, session), job, next(w for w in job.workers if w.wid == wid))
+            except GpuflexError as e:
+                failure = e
+        if failure is not None:
+            break
+    with tx() as session:   # the request, or the clean-up of a failure: committed either way
+        job, ops = queries.job(session, job_id), Ops(config, pool, session)
+        new = [w for w in job.workers if w.wid in wids]
+        if failure is not None:
+            executor.stop_workers(ops, job, new, f"a newcomer could not start: {failure}")
+        else:
+            try:
+                ask_for_newcomers(ops, job, new, why)
+            except GpuflexError as e:
+                failure = e
+    if failure is not None:
+        raise failure
+    return wids
+
+
+def scale_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int, n: int) -> None:
+    """`scale` with a grow's steps committed one by one (see `grow_in_steps`). A bad `n`
+    changes nothing."""
+    with tx() as session:
+        grows = plan_scale(Ops(config, pool, session), queries.job(session, job_id), n)
+    if grows:
+        grow_in_steps(tx, config, pool, job_id, grows)
 
 
 def retire(ops: Ops, job: Job, wids: list[int], why: str = "", wait_s: float = 30) -> None:

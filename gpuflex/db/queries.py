@@ -53,6 +53,12 @@ def held_devices(session: Session) -> dict[str, set[int]]:
     return held
 
 
+def max_wid(session: Session, job_id: int) -> int:
+    """The largest worker id the job's rows ever held; -1 when it has none."""
+    top = session.scalar(select(func.max(Worker.wid)).where(Worker.job_id == job_id))
+    return -1 if top is None else top
+
+
 def live_workers_by_device(session: Session) -> dict[tuple[str, int], tuple[Job, Worker]]:
     """(host, device) -> the job and live worker holding it."""
     out: dict[tuple[str, int], tuple[Job, Worker]] = {}
