@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from gpuflex.cli.render import clock, forming_text
 from tests.conftest import GpuflexCLI, cleanup_jobs
 from tests.test_elastic_jobs import ARGS, DEADLINE_S, EXAMPLE, assert_matches_reference, reference
 
@@ -91,3 +92,16 @@ def test_a_worker_killed_before_it_joined_requeues_the_job_when_min_would_not_ho
     assert ("worker(s) [0] did not become ready within" in log
             and "starting generation 1: 2 worker(s) left, below the job's minimum of 3" in log), log
     assert_matches_reference(json.loads((home / "r.json").read_text()), reference(tmp_path_factory, 2))
+
+
+@pytest.mark.parametrize("forming,text", [
+    (None, ""),
+    ({"generation": 1, "since": 1000.0, "waiting_for": [0], "phase": "starting"},
+     "forming generation 1 since {at} (12 s), waiting for worker 0 (starting)"),
+    ({"generation": 4, "since": 1000.0, "waiting_for": [2, 5], "phase": "joining"},
+     "forming generation 4 since {at} (12 s), waiting for workers 2, 5 (joining)"),
+    ({"generation": 4, "since": None, "waiting_for": [], "phase": ""}, "forming generation 4"),
+    ({"generation": "4"}, ""),
+])
+def test_status_says_which_generation_is_forming_since_when_and_for_whom(forming, text):
+    assert forming_text(forming, now=1012.0) == text.format(at=clock(1000.0))

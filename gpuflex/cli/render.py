@@ -18,7 +18,8 @@ def worker_json(w: WorkerInfo) -> dict[str, Any]:
             "control": w.control_path}
 
 
-def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
+             forming: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": job.id, "name": job.name, "state": job.state, "user": job.user,
         "argv": list(job.argv), "workdir": job.workdir, "env": dict(job.env),
@@ -31,6 +32,7 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None) -> dict[st
         "step": (progress or {}).get("step"), "progress": progress,
         "workers": [worker_json(w) for w in job.workers],
         "retries": job.retries, "last_crash": job.last_crash, "waiting": [dict(w) for w in job.waiting],
+        "forming": forming,   # the coordinator's {generation, since, waiting_for, phase}, or null
     }
 
 
@@ -55,6 +57,23 @@ def waiting_text(waiting: tuple[dict[str, Any], ...], now: float | None = None) 
         parts.append(f"waiting for {who}" + (f" ({phase})" if phase else "")
                      + (f" {max(0.0, now - since):.0f} s" if since is not None else ""))
     return "; ".join(parts)
+
+
+def forming_text(forming: dict[str, Any] | None, now: float | None = None) -> str:
+    """"forming generation 2 since 10:42:07 (12 s), waiting for worker 0 (joining)": the
+    generation the coordinator is forming and who it still waits for; "" when none."""
+    if not isinstance(forming, dict) or not isinstance(forming.get("generation"), int):
+        return ""
+    now = time.time() if now is None else now
+    since = forming.get("since")
+    text = f"forming generation {forming['generation']}"
+    if isinstance(since, (int, float)):
+        text += f" since {clock(since)} ({max(0.0, now - since):.0f} s)"
+    wids = [w for w in forming.get("waiting_for") or () if isinstance(w, int)]
+    if wids:
+        text += ", waiting for " + (f"worker {wids[0]}" if len(wids) == 1 else "workers " + ", ".join(map(str, wids)))
+    phase = forming.get("phase")
+    return text + (f" ({phase})" if isinstance(phase, str) and phase else "")
 
 
 def restarts_text(job: JobInfo) -> str:
