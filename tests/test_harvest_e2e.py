@@ -8,6 +8,7 @@ Few and lean on purpose: every elastic worker imports torch (2-3 s on a small ma
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -148,6 +149,44 @@ def test_grow_onto_idle_gpus_then_give_them_back(hv, ssh_bed, home):
         assert [r["host"] for r in report["by_host"]] == ["gpu01"] and report["gpu_hours"] > 0
         assert report["reclaims"]["count"] == 2 and report["reclaims"]["max_s"] <= DEADLINE_S
     finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_a_reclaim_with_every_core_busy_frees_the_gpu_by_its_deadline(hv, ssh_bed, home):
+    """The control host saturated (a `while True: pass` per core) while a tick reclaims a
+    grown worker: the reclaim's clock starts with the tick, and the worker is gone (by
+    /proc, beyond what the fake nvidia-smi is told) within the deadline by that clock."""
+    g1 = ssh_bed.host("gpu01")
+    g1.set_smi(gpus=[gpu(g1, 0, mem=30000), gpu(g1, 1, util=90, mem=100)])   # zombie; its owner's
+    job = hv.json("submit", "--name", "hv", "--harvest", "--workers", "1:2", "--", sys.executable, EXAMPLE,
+                  "--hidden", "16", "--epochs", "500", "--step-sleep", "0.05")
+    g1.set_smi(gpus=[gpu(g1, 0, mem=30000), gpu(g1, 1)])                      # the owner leaves
+    hv.tick()
+    grown = hv.tick()
+    assert [(a["action"], a["ok"]) for a in grown["actions"]] == [("grow", True)], grown
+    joined = wait_job(hv, job["id"], lambda j: j["state"] == "running" and j["world_size"] == 2,
+                      "the newcomer on gpu01:1 to join")
+    newcomer = next(w for w in live(joined) if w["host"] == "gpu01")
+    busy: list[subprocess.Popen] = []
+    owner = subprocess.Popen(["sleep", "300"])
+    try:
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 1)]
+        g1.set_smi(gpus=[gpu(g1, 0, mem=30000), gpu(g1, 1, util=99, mem=12000)],
+                   processes=[proc(g1, 1, newcomer["pid"]), proc(g1, 1, owner.pid, 8000)])
+        out = hv.tick()
+        (reclaim,) = [a for a in out["actions"] if a["action"] == "reclaim"]
+        assert reclaim["ok"] and reclaim["clock_from"] == out["time"], out
+        assert reclaim["latency_s"] <= reclaim["deadline_s"] == DEADLINE_S
+        assert not Path(f"/proc/{newcomer['pid']}/status").exists() or \
+            "State:\tZ" in Path(f"/proc/{newcomer['pid']}/status").read_text()
+        (event,) = [e for e in hv.json("events", str(job["id"])) if e["kind"] == "reclaim"]
+        assert event["data"]["clock_from"] == out["time"] and event["data"]["latency_s"] == reclaim["latency_s"]
+        assert event["time"] >= out["time"] + reclaim["latency_s"]
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
         owner.kill()
         owner.wait()
 
