@@ -76,14 +76,24 @@ def _gpus(value: Any) -> Any:
         return value
     if not isinstance(value, list):
         raise _invalid(f"expected str or list, got {value!r}.")
-    if not value or not all(isinstance(g, int) and not isinstance(g, bool) and g >= 0 for g in value) \
-            or len(set(value)) != len(value):
-        raise _invalid(f"expected distinct non-negative GPU indices, got {value!r}.")
+    if not value or not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g < MAX_CPU_SLOTS
+                            for g in value) or len(set(value)) != len(value):
+        raise _invalid(f"expected distinct GPU indices from 0 to {MAX_CPU_SLOTS - 1}, got {value!r}.")
+    return value
+
+
+def _text(value: str) -> str:
+    """A path, command or address: never blank (an empty `workdir` or `python` would fail
+    on the host at the first launch, long after the mistake), never a NUL byte."""
+    if not value.strip():
+        raise _invalid(f"must not be empty, got {value!r}.")
+    if "\0" in value:
+        raise _invalid(f"must not hold a NUL byte, got {value!r}.")
     return value
 
 
 def _database_url(value: str) -> str:
-    if "://" not in value:
+    if "://" not in value or "\0" in value:
         raise _invalid(f"not a database URL: {value!r} (e.g. sqlite:///path/gpuflex.db).")
     return value
 
@@ -91,43 +101,52 @@ def _database_url(value: str) -> str:
 # int or float as written (an int stays an int), finite; never a bool
 Number = Annotated[Union[int, float], BeforeValidator(_number)]
 HostName = Annotated[StrictStr, AfterValidator(_host_name)]
+Text = Annotated[StrictStr, AfterValidator(_text)]
 Gpus = Annotated[Union[str, list[int]], PlainValidator(_gpus)]  # "all", "cpu:N" or [indices]
+
+
+# Upper bounds on every number: a typo such as 1e10 seconds must be refused here, not
+# overflow time.sleep or a deadline (time_t) in the middle of `cancel`. A day is the
+# longest wait any setting needs; an hour for what a user would sit through.
+DAY_S = 86400
+HOUR_S = 3600
 
 
 @dataclass(frozen=True, config=_TABLE)
 class HarvestSettings:
-    interval_s: Number = Field(60, ge=1)
-    idle_util_pct: Number = Field(5, ge=0)
-    idle_memory_mib: Number = Field(512, ge=0)
-    idle_samples: StrictInt = Field(3, ge=1)
-    reclaim_deadline_s: Number = Field(30, ge=1)
+    interval_s: Number = Field(60, ge=1, le=DAY_S)
+    idle_util_pct: Number = Field(5, ge=0, le=100)
+    idle_memory_mib: Number = Field(512, ge=0, le=1 << 24)   # 16 TiB
+    idle_samples: StrictInt = Field(3, ge=1, le=1000)
+    reclaim_deadline_s: Number = Field(30, ge=1, le=HOUR_S)
 
 
 @dataclass(frozen=True, config=_TABLE)
 class JobSettings:
-    cancel_grace_s: Number = Field(10, ge=0)                # SIGTERM, then SIGKILL after this
-    checkpoint_interval_s: Number = Field(60, ge=0.1)       # on-disk checkpoints of elastic jobs
-    pg_timeout_s: Number = Field(10, ge=1)                  # process-group timeout inside workers
-    heartbeat_timeout_s: Number = Field(3, ge=1)            # a worker silent this long is taken for dead
+    cancel_grace_s: Number = Field(10, ge=0, le=HOUR_S)            # SIGTERM, then SIGKILL after this
+    checkpoint_interval_s: Number = Field(60, ge=0.1, le=DAY_S)    # on-disk checkpoints of elastic jobs
+    pg_timeout_s: Number = Field(10, ge=1, le=HOUR_S)              # process-group timeout inside workers
+    heartbeat_timeout_s: Number = Field(3, ge=1, le=HOUR_S)        # a worker silent this long is taken for dead
     max_same_failures: StrictInt = Field(3, ge=1, le=1000)  # the same rollback/formation failure this often ends the job
-    formation_timeout_s: Number = Field(60, ge=1, le=86400)  # a worker not ready/joined this long is formed without
+    orphan_timeout_s: Number = Field(120, gt=0, le=DAY_S)          # a coordinator without heartbeats or commands this long ends itself
+    formation_timeout_s: Number = Field(60, ge=1, le=DAY_S)        # a worker not ready/joined this long is formed without
 
 
 @dataclass(frozen=True, config=_TABLE)
 class HostConfig:
     name: HostName
-    address: StrictStr = "local"
+    address: Text = "local"
     port: StrictInt = Field(22, ge=1, le=65535)
-    user: Optional[StrictStr] = None
-    identity_file: Optional[StrictStr] = None
-    known_hosts: StrictStr = "~/.ssh/known_hosts"
+    user: Optional[Text] = None
+    identity_file: Optional[Text] = None
+    known_hosts: Text = "~/.ssh/known_hosts"
     gpus: Gpus = "all"
-    owner: Optional[StrictStr] = None
-    nvidia_smi: StrictStr = "nvidia-smi"
-    python: StrictStr = sys.executable
-    workdir: StrictStr = "~/.local/state/gpuflex/work"
-    connect_timeout_s: Number = Field(5, ge=0.1)
-    command_timeout_s: Number = Field(30, ge=0.1)
+    owner: Optional[Text] = None
+    nvidia_smi: Text = "nvidia-smi"
+    python: Text = sys.executable
+    workdir: Text = "~/.local/state/gpuflex/work"
+    connect_timeout_s: Number = Field(5, ge=0.1, le=HOUR_S)
+    command_timeout_s: Number = Field(30, ge=0.1, le=DAY_S)
     cpus: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)  # CPU cores, for OMP_NUM_THREADS
 
     @property
@@ -238,6 +257,8 @@ def load_config(explicit: str | None = None) -> Config:
         raise ConfigError(str(path), f"cannot read: {e.strerror}.") from None
     except UnicodeDecodeError as e:
         raise ConfigError(str(path), f"not UTF-8 text (byte {e.start}); TOML files are UTF-8.") from None
+    except ValueError:   # a NUL byte: no file can be named so
+        raise ConfigError(repr(str(path)), "not a file name (it holds a NUL byte).") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:

@@ -270,3 +270,118 @@ def test_bad_config_through_the_environment_is_the_same_error(home):
     p = GpuflexCLI(home, f)("hosts")
     assert_rejected((p.returncode, p.stdout, p.stderr), str(f), "hosts[0].colour", "unknown key")
     _no_db(home)
+
+
+# ---- issue 16: values past what the database or time_t holds, and text it cannot store -------------
+BIG = "1" + "0" * 25   # 10^25: past SQLite's 64-bit and PostgreSQL's 32-bit INTEGER
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["submit", "--workers", BIG, "--", "true"], "at most 65536 workers"),
+    (["submit", "--workers", f"1:{BIG}", "--", "true"], "at most 65536 workers"),
+    (["submit", "--priority", BIG, "--", "true"], "--priority 1000"),
+    (["submit", "--priority", "-2147483648", "--", "true"], "from -2147483647 to 2147483647"),
+    (["submit", "--gpus-per-worker", BIG, "--", "true"], "from 1 to 4096"),
+    (["status", BIG], "job ids go from 1 to 2147483647"),
+    (["cancel", "2147483648"], "job ids go from 1 to 2147483647"),
+    (["scale", "1", BIG], "N 1000"),
+], ids=["workers", "workers-max", "priority", "priority-low", "gpus-per-worker", "status-id", "cancel-id",
+        "scale-n"])
+def test_integers_too_large_for_the_database_are_refused_with_their_bounds(run, seeded, db_path, args, fragment):
+    check_unchanged(run, seeded, db_path, args, fragment)
+
+
+@pytest.mark.parametrize("ref", ["²", "٣", "１２"])
+def test_unicode_digits_are_not_a_job_id(run_fast, seeded, db_path, ref):
+    check_unchanged(run_fast, seeded, db_path, ["status", ref], f"no job {ref!r}")
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["status", "1", "--watch", "--interval", "1e10"], "--interval 10000000000.0: give seconds from 0.2 to 86400"),
+    (["status", "--watch", "--interval", "nan"], "--interval nan"),
+    (["status", "--watch", "--interval", "inf"], "--interval inf"),
+    (["watch", "--interval", "9999999999999d"], "give seconds from 0 to 86400"),
+    (["watch", "--ticks", BIG], "at most 1000000"),
+    (["scale", "1", "2", "--wait", "--timeout", "1e300"], "--timeout 1e+300"),
+    (["report", "--since", "9999999999999d"], "reaches back before 1970-01-01"),
+    (["report", "--since", "0001-01-01"], "reaches back before 1970-01-01"),
+], ids=["status-watch", "status-nan", "status-inf", "watch", "ticks", "scale-timeout", "since-duration",
+        "since-date"])
+def test_times_past_what_time_t_holds_are_refused(run, seeded, db_path, args, fragment):
+    check_unchanged(run, seeded, db_path, args, fragment)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["submit", "--", "\udcff"], "not UTF-8"),
+    (["submit", "--", "python", "caf\udce9.py"], "the command's argument 1"),
+    (["submit", "--workdir", "/tmp/\udcff", "--", "true"], "--workdir"),
+    (["submit", "--env", "A=\udcff", "--", "true"], "--env A=... holds bytes that are not UTF-8"),
+    (["status", "\udcff"], "no job"),
+], ids=["program", "argument", "workdir", "env", "job-ref"])
+def test_bytes_that_are_not_utf8_are_refused_not_a_traceback(run, seeded, db_path, args, fragment):
+    """The shell hands them over as surrogate escapes; the console script gets real bytes."""
+    line = check_unchanged(run, seeded, db_path, args, fragment)
+    assert "--env" in args or "\\udc" in line or "\\x" in line   # shown escaped, not written raw
+
+
+def test_an_env_value_is_never_shown_even_when_refused(run_fast, seeded, db_path):
+    line = check_unchanged(run_fast, seeded, db_path, ["submit", "--env", "TOKEN=s3cr\udcffet", "--", "true"],
+                           "--env TOKEN=...")
+    assert "s3cr" not in line
+
+
+def test_a_rejected_priority_creates_no_database(run, config_path, db_path):
+    assert_rejected(run(config_path, "submit", "--priority", "x", "--", "true"), "--priority",
+                    "valid integer")
+    assert not db_path.exists() and not list(db_path.parent.glob("g.db*"))
+
+
+def test_a_rejected_priority_leaves_the_database_unchanged(run, seeded, db_path):
+    check_unchanged(run, seeded, db_path, ["submit", "--priority", "x", "--", "true"], "--priority")
+
+
+# ---- the parser's own errors: one line too ------------------------------------------------------------
+@pytest.mark.parametrize("args,fragments", [
+    (["status", "--bogus"], ("No such option", "--bogus", "gpuflex status --help")),
+    (["cancel"], ("Missing argument", "'job'", "gpuflex cancel --help")),
+    (["logs", "1", "--worker", "x"], ("--worker", "valid integer")),
+    (["stauts"], ("No such command", "stauts", "status")),
+    (["--bogus", "status"], ("No such option", "--bogus")),
+    (["db", "upgrade", "now"], ("unexpected extra argument", "now")),
+    (["status", "--json=1"], ("does not take a value",)),
+    (["status", "--interval"], ("requires an argument",)),
+], ids=["unknown-option", "missing-argument", "bad-int", "unknown-command", "root-option", "extra-argument",
+        "flag-value", "no-value"])
+def test_parser_errors_are_one_error_line_with_exit_2(run, seeded, db_path, args, fragments):
+    line = check_unchanged(run, seeded, db_path, args, *fragments)
+    assert "╭" not in line and "Usage:" not in line
+
+
+def test_help_is_still_the_full_help(run_fast, seeded):
+    code, out, err = run_fast(seeded, "submit", "--help")
+    assert code == 0 and "Usage:" in out and "--gpus-per-worker" in out and err == ""
+
+
+# ---- config: every number bounded, no empty paths or commands ----------------------------------------
+@pytest.mark.parametrize("table,key,value,fragment", [
+    ("jobs", "cancel_grace_s", "1e10", "must be <= 3600"),
+    ("jobs", "pg_timeout_s", "1e10", "must be <= 3600"),
+    ("jobs", "heartbeat_timeout_s", "1e10", "must be <= 3600"),
+    ("jobs", "checkpoint_interval_s", "1e10", "must be <= 86400"),
+    ("harvest", "interval_s", "1e10", "must be <= 86400"),
+    ("harvest", "reclaim_deadline_s", "1e10", "must be <= 3600"),
+    ("harvest", "idle_util_pct", "101", "must be <= 100"),
+], ids=lambda v: v if isinstance(v, str) and v.isidentifier() else None)
+def test_config_numbers_past_their_bound_are_refused_before_any_command(run, home, table, key, value, fragment):
+    f = _config(home, f"[{table}]\n{key} = {value}\n")
+    assert_rejected(run(f, "cancel", "1"), str(f), f"{table}.{key}", fragment)
+    _no_db(home)
+
+
+@pytest.mark.parametrize("key", ["workdir", "python", "address", "nvidia_smi", "known_hosts", "owner"])
+@pytest.mark.parametrize("value", ["", "  "], ids=["empty", "blank"])
+def test_empty_host_strings_are_refused_before_the_database_exists(run_fast, home, key, value):
+    f = _config(home, f'[[hosts]]\nname = "local"\ngpus = "cpu:2"\n{key} = "{value}"\n')
+    assert_rejected(run_fast(f, "submit", "--", "true"), str(f), f"hosts[0].{key}", "must not be empty")
+    _no_db(home)
+    assert sorted(p.name for p in home.iterdir()) == ["bad.toml"]

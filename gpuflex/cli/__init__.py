@@ -1,13 +1,67 @@
-"""The `gpuflex` command line: thin typer commands over gpuflex.control.service."""
+"""The `gpuflex` command line: thin typer commands over gpuflex.control.service.
+
+Every error a user can cause reads the same: one `error: ...` line on stderr and exit 2.
+gpuflex's own errors get there through `common.command`; the parser's (an unknown
+option, a missing argument, a value that is not a number) would come as typer's
+multi-line boxes, so the root group runs the parser in click's non-standalone mode and
+prints them as that one line instead. Help (`--help`, or a group given no command)
+prints as it always has.
+"""
 
 from __future__ import annotations
 
+import sys
+from typing import Any, Sequence
+
 import typer
+from typer.core import TyperGroup
 
 from gpuflex.cli import common, db_cmd, harvest_cmd, hosts_cmd, jobs_cmd
 
+
+class OneLineErrors(TyperGroup):
+    """The root group: parser errors as one `error:` line (exit 2), the rest as typer does."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as e:   # click's ClickException family
+            if _is_help(e):
+                e.show()
+            else:
+                common.print_error(_parser_message(e))
+            code = getattr(e, "exit_code", 2)
+            if not standalone_mode:
+                raise
+            sys.exit(code)
+        except typer.Abort:
+            common.print_error("aborted.")
+            if not standalone_mode:
+                raise
+            sys.exit(1)
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _is_help(e: Exception) -> bool:
+    """click's NoArgsIsHelpError: a group run without a command shows its help."""
+    ctx = getattr(e, "ctx", None)
+    return type(e).__name__ == "NoArgsIsHelpError" and ctx is not None
+
+
+def _parser_message(e: typer.TyperException) -> str:
+    ctx = getattr(e, "ctx", None)
+    message = e.format_message().strip().rstrip(".")
+    if ctx is not None and ctx.command.get_help_option(ctx) is not None:
+        return f"{message}. See '{ctx.command_path} --help'."
+    return f"{message}."
+
+
 app = typer.Typer(
     name="gpuflex",
+    cls=OneLineErrors,
     help="Elastic training jobs on a lab's GPU servers.\n\nExample: gpuflex submit --workers 1:4 -- python train.py",
     no_args_is_help=True,
     add_completion=False,
@@ -35,5 +89,5 @@ app.add_typer(db_cmd.app, name="db")
 
 
 def main() -> None:
-    """The console script: typer reports usage errors itself (exit 2)."""
+    """The console script: every usage error is one `error:` line and exit 2."""
     app(prog_name="gpuflex")

@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import signal
 import sys
 import time
@@ -15,9 +16,9 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from gpuflex.config import Config, load_config
+from gpuflex.config import DAY_S, Config, load_config
 from gpuflex.control.service import JobService
-from gpuflex.errors import GpuflexError
+from gpuflex.errors import GpuflexError, UsageError
 
 # markup off: job names, commands, messages and paths are the users' text, and "[/x]" in
 # one of them must print as itself, not break every later `status` (our own styles are
@@ -73,6 +74,27 @@ class Context:
             self._service.close()
 
 
+def one_line(text: str) -> str:
+    """`text` as one printable line: newlines folded, bytes that are not UTF-8 (argv
+    comes surrogate-escaped) shown as backslash escapes instead of failing the write."""
+    flat = " ".join(text.split()) if "\n" in text or "\r" in text else text
+    return flat.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def print_error(message: str) -> None:
+    # escape: messages quote user values and name TOML tables ("[database] url")
+    err_console.print(f"[red]error:[/red] {escape(one_line(message))}", markup=True)
+
+
+def seconds(option: str, value: float, low: float, high: float = DAY_S) -> float:
+    """`value` if it is a finite number of seconds in [low, high]; UsageError otherwise
+    (typer's own `min=` lets nan through, and inf or 1e300 overflow time.sleep). A day is
+    the longest wait a user may ask for, as for the config's settings."""
+    if not math.isfinite(value) or not low <= value <= high:
+        raise UsageError(f"{option} {value!r}: give seconds from {low:g} to {high:g}.")
+    return value
+
+
 def command(fn: Callable) -> Callable:
     """Turn gpuflex errors into one clean line and an exit code (2 bad input, 1 failed)."""
 
@@ -82,8 +104,7 @@ def command(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except GpuflexError as e:
-            # escape: messages quote user values and name TOML tables ("[database] url")
-            err_console.print(f"[red]error:[/red] {escape(str(e))}", markup=True)
+            print_error(str(e))
             raise typer.Exit(e.exit_code) from None
         finally:
             if ctx is not None and isinstance(ctx.obj, Context):

@@ -4,6 +4,7 @@ foreground) and `gpuflex report` (what harvesting gained)."""
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from typing import Optional
@@ -12,8 +13,11 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json
+from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
 from gpuflex.errors import GpuflexError, UsageError
+
+
+MAX_TICKS = 1_000_000   # a typo of many digits is not a service that runs for ever
 
 
 def register(app: typer.Typer) -> None:
@@ -85,6 +89,21 @@ def show_tick(result, as_json: bool, *, lines: bool = False) -> None:
         console.print("  nothing to do", markup=False)
 
 
+def _since(text: str) -> float:
+    """report's --since as a unix time from 1970 on: nothing gpuflex recorded is older, and
+    a date like 0001-01-01 or a duration like 9999999999999d is past what time_t holds."""
+    from gpuflex.control.report import parse_since
+
+    try:
+        start = parse_since(text)
+    except (OverflowError, OSError, ValueError):
+        start = -math.inf
+    if not math.isfinite(start) or start < 0:
+        raise UsageError(f"--since {text!r} reaches back before 1970-01-01; give a later date or a shorter "
+                         "duration (e.g. 30d).")
+    return start
+
+
 # ---- commands ------------------------------------------------------------------------
 @command
 def harvest(
@@ -126,9 +145,10 @@ def watch(
     from gpuflex.control.report import parse_duration
 
     cfg = obj(ctx).config()
-    every = parse_duration(interval, "--interval") if interval is not None else cfg.harvest.interval_s
-    if ticks is not None and ticks < 1:
-        raise UsageError(f"--ticks {ticks}: must be 1 or more.")
+    every = seconds("--interval", parse_duration(interval, "--interval"), 0.0) if interval is not None \
+        else cfg.harvest.interval_s
+    if ticks is not None and not 1 <= ticks <= MAX_TICKS:
+        raise UsageError(f"--ticks {ticks}: must be 1 or more (at most {MAX_TICKS}).")
     svc = obj(ctx).service()
     done = 0
     with StopSignals(notice="stopping after this tick (Ctrl-C again to abort it)") as stop:
@@ -166,7 +186,7 @@ def report(
 
     if as_json and as_csv:
         raise UsageError("--json and --csv: choose one.")
-    start = R.parse_since(since)
+    start = _since(since)
     svc = obj(ctx).service()
     svc.refresh()
     data = svc.report(start)

@@ -13,8 +13,8 @@ from rich.live import Live
 from rich.text import Text
 
 import gpuflex.cli.render as render
-from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json
-from gpuflex.control.service import SubmitRequest, parse_env, parse_workers
+from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
+from gpuflex.control.service import SubmitRequest, parse_count, parse_env, parse_ref, parse_workers
 from gpuflex.errors import JobError, UsageError
 from gpuflex.states import JobState
 
@@ -86,12 +86,15 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or an array of all jobs)."),
     watch: bool = typer.Option(False, "--watch", help="Refresh every --interval seconds until Ctrl-C "
                                "(with --json: one JSON document per line per refresh)."),
-    interval: float = typer.Option(2.0, "--interval", min=0.2, help="Seconds between refreshes with --watch."),
+    interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch (0.2 to 86400)."),
 ) -> None:
     """Show jobs, or one job with its workers and last scale events.
 
     Example: gpuflex status 3 --json
     """
+    seconds("--interval", interval, 0.2)
+    if job is not None:
+        parse_ref(job)
     svc = obj(ctx).service()
 
     def snapshot():
@@ -148,12 +151,15 @@ def scale(
     job: str = typer.Argument(..., help="A job id or name."),
     n: int = typer.Argument(..., help="The number of workers wanted (within the job's MIN:MAX)."),
     wait: bool = typer.Option(False, "--wait", help="Wait until the workers have switched."),
-    timeout: float = typer.Option(300, "--timeout", help="Seconds to wait with --wait."),
+    timeout: float = typer.Option(300, "--timeout", help="Seconds to wait with --wait (at most 86400)."),
 ) -> None:
     """Resize a running elastic job in place to N workers.
 
     Example: gpuflex scale 3 4 --wait
     """
+    parse_ref(job)
+    parse_count("N", n, 1)
+    seconds("--timeout", timeout, 0.0)
     svc = obj(ctx).service()
     _known(svc, job)
     svc.refresh()
@@ -190,6 +196,7 @@ def cancel(ctx: typer.Context, job: str = typer.Argument(..., help="A job id or 
 
     Example: gpuflex cancel 3
     """
+    parse_ref(job)
     svc = obj(ctx).service()
     j = svc.cancel(job)
     console.print(f"job {j.id} cancelled")
@@ -206,6 +213,7 @@ def logs(
 
     Example: gpuflex logs 3 --worker 0 --follow
     """
+    parse_ref(job)
     svc = obj(ctx).service()
     _known(svc, job)
     svc.refresh()
@@ -269,6 +277,7 @@ def events(
 
     Example: gpuflex events 3 --json
     """
+    parse_ref(job)
     svc = obj(ctx).service()
     _known(svc, job)
     svc.refresh()

@@ -36,7 +36,35 @@ from gpuflex.states import JobState
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_ID = re.compile(r"[0-9]+")   # ASCII only: str.isdigit() takes '²', which int() refuses
 MAX_RETRIES = 1000
+# Every count the CLI takes lands in an INTEGER column, 32 bits wide in PostgreSQL (and
+# 64 in SQLite): bounds at the edge so a typo is a clear refusal, never an OverflowError.
+INT_MAX = 2**31 - 1
+MAX_WORKERS = 65536
+MAX_GPUS_PER_WORKER = 4096   # config.MAX_CPU_SLOTS: no host holds more devices
+
+
+def parse_count(option: str, value: int, low: int, high: int = INT_MAX) -> int:
+    """`value` if it is an int in [low, high]; UsageError naming the option and the range."""
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UsageError(f"{option} {value!r}: give a whole number from {low} to {high}.")
+    return value
+
+
+def check_text(what: str, text: str, *, shown: bool = True) -> str:
+    """`text` if the database can store it and a process can be given it: UTF-8 (the
+    shell hands Python bytes that are not UTF-8 as surrogate escapes, which no column
+    or JSON document can hold, and storing them re-encoded would run a different
+    command) and no NUL byte (execve cannot pass one)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise UsageError(f"{what}{f' {text!r}' if shown else ''} holds bytes that are not UTF-8 (at "
+                         f"{e.start}); gpuflex stores commands, paths and variables as UTF-8 text.") from None
+    if "\0" in text:
+        raise UsageError(f"{what}{f' {text!r}' if shown else ''} holds a NUL byte.")
+    return text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +86,21 @@ class SubmitRequest:
     def __post_init__(self) -> None:
         if not self.argv or not self.argv[0].strip():
             raise UsageError("no command to run; put it after '--', e.g. gpuflex submit -- python train.py.")
+        for i, arg in enumerate(self.argv):
+            check_text(f"the command's argument {i}", arg)
         if self.min_workers < 1 or self.max_workers < self.min_workers:
             raise UsageError(f"bad worker range {self.min_workers}:{self.max_workers}.")
+        parse_count("--workers", self.max_workers, 1, MAX_WORKERS)
         if self.gpus_per_worker < 1:   # 0 would be a worker that holds nothing: never placed, never counted
             raise UsageError(f"--gpus-per-worker {self.gpus_per_worker}: a worker holds at least 1 GPU "
                              "(or CPU slot).")
-        if self.name is not None and not _NAME.match(self.name):
+        parse_count("--gpus-per-worker", self.gpus_per_worker, 1, MAX_GPUS_PER_WORKER)
+        parse_count("--priority", self.priority, -INT_MAX, INT_MAX)
+        for key, value in self.env.items():
+            check_text(f"--env {key}=...", value, shown=False)
+        if self.workdir is not None:
+            check_text("--workdir", self.workdir)
+        if self.name is not None and not _NAME.fullmatch(self.name):
             raise UsageError(f"--name {self.name!r}: use letters, digits, '.', '_' or '-' (at most 64).")
         if self.name is not None and self.name.isdigit():
             raise UsageError(f"--name {self.name!r}: a name of digits only would read as a job id; "
@@ -77,7 +114,7 @@ class SubmitRequest:
 
 def parse_workers(text: str) -> tuple[int, int]:
     """'N' or 'MIN:MAX' -> (min, max); raises UsageError naming the value."""
-    m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", text)
+    m = re.fullmatch(r"\s*([0-9]+)\s*(?::\s*([0-9]+)\s*)?", text)
     if not m:
         raise UsageError(f"--workers {text!r} is not N or MIN:MAX (e.g. 2 or 1:4).")
     lo = int(m.group(1))
@@ -86,7 +123,23 @@ def parse_workers(text: str) -> tuple[int, int]:
         raise UsageError(f"--workers {text!r}: at least 1 worker is needed.")
     if hi < lo:
         raise UsageError(f"--workers {text!r}: MAX ({hi}) is below MIN ({lo}); write MIN:MAX.")
+    if hi > MAX_WORKERS:
+        raise UsageError(f"--workers {text!r}: at most {MAX_WORKERS} workers.")
     return lo, hi
+
+
+def parse_ref(ref: str | int) -> int | str:
+    """A job reference as the id (int) or the name (str) it can be, checked before any
+    database is opened; UnknownJobError for what can be neither."""
+    text = str(ref).strip()
+    if _ID.fullmatch(text):
+        if len(text) > 10 or int(text) > INT_MAX:   # no such row can exist; the driver would overflow
+            raise UsageError(f"job id {text[:20]}{'...' if len(text) > 20 else ''}: job ids go from 1 "
+                             f"to {INT_MAX}.", hint="Run 'gpuflex status' to list jobs.")
+        return int(text)
+    if _NAME.fullmatch(text):
+        return text
+    raise UnknownJobError(text)
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -95,7 +148,7 @@ def parse_env(items: list[str]) -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep:
             raise UsageError(f"--env {item!r} has no '='; write --env KEY=VALUE.")
-        if not _ENV_KEY.match(key):
+        if not _ENV_KEY.fullmatch(key):
             raise UsageError(f"--env {key}=...: {key!r} is not a valid variable name.")  # never the value
         env[key] = value
     return env
@@ -128,14 +181,10 @@ class JobService:
     # ---- reads -------------------------------------------------------------------
     def get(self, session: Session, ref: str | int) -> Job:
         """A job by id or name (the newest of that name); UnknownJobError otherwise."""
-        text = str(ref).strip()
-        job = None
-        if text.isdigit():
-            job = queries.job(session, int(text))
-        elif _NAME.match(text):
-            job = queries.newest_job_named(session, text)
+        key = parse_ref(ref)
+        job = queries.job(session, key) if isinstance(key, int) else queries.newest_job_named(session, key)
         if job is None:
-            raise UnknownJobError(text)
+            raise UnknownJobError(str(ref).strip())
         return job
 
     def job(self, ref: str | int, *, events: bool = True) -> views.JobInfo:
