@@ -362,6 +362,11 @@ def test_help_is_still_the_full_help(run_fast, seeded):
     assert code == 0 and "Usage:" in out and "--gpus-per-worker" in out and err == ""
 
 
+def test_a_group_given_no_command_prints_its_help_not_an_error(run_fast, seeded):
+    code, out, err = run_fast(seeded, "db")
+    assert "Usage: gpuflex db" in out and "upgrade" in out and err == ""
+
+
 # ---- config: every number bounded, no empty paths or commands ----------------------------------------
 @pytest.mark.parametrize("table,key,value,fragment", [
     ("jobs", "cancel_grace_s", "1e10", "must be <= 3600"),

@@ -27,9 +27,7 @@ class OneLineErrors(TyperGroup):
         try:
             rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         except typer.TyperException as e:   # click's ClickException family
-            if _is_help(e):
-                e.show()
-            else:
+            if not _is_help(e):
                 common.print_error(_parser_message(e))
             code = getattr(e, "exit_code", 2)
             if not standalone_mode:
@@ -46,9 +44,9 @@ class OneLineErrors(TyperGroup):
 
 
 def _is_help(e: Exception) -> bool:
-    """click's NoArgsIsHelpError: a group run without a command shows its help."""
-    ctx = getattr(e, "ctx", None)
-    return type(e).__name__ == "NoArgsIsHelpError" and ctx is not None
+    """click's NoArgsIsHelpError: a group run without a command, whose help typer has
+    printed already (typer tells it by name too: the class is not public)."""
+    return type(e).__name__ == "NoArgsIsHelpError"
 
 
 def _parser_message(e: typer.TyperException) -> str:
