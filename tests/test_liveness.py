@@ -330,18 +330,19 @@ def lj(home):
     cleanup_jobs(cli, home / "g.db")
 
 
-_refs: dict[int, dict] = {}
+_refs: dict[tuple, dict] = {}
 
 
-def reference(tmp_path_factory, epochs: int) -> dict:
+def reference(tmp_path_factory, epochs: int, *extra: str) -> dict:
     """The standalone run of the same script, without the busy wait or the exception."""
-    if epochs not in _refs:
+    key = (epochs, *extra)
+    if key not in _refs:
         out = tmp_path_factory.mktemp("ref") / "ref.json"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
-        subprocess.run([sys.executable, JOB, *JOB_ARGS, "--epochs", str(epochs), "--report", str(out)],
+        subprocess.run([sys.executable, JOB, *JOB_ARGS, *extra, "--epochs", str(epochs), "--report", str(out)],
                        check=True, env=env, timeout=300)
-        _refs[epochs] = json.loads(out.read_text())
-    return _refs[epochs]
+        _refs[key] = json.loads(out.read_text())
+    return _refs[key]
 
 
 def assert_matches(report: dict, ref: dict) -> None:
@@ -427,3 +428,30 @@ def test_a_worker_that_raises_writes_its_crash_record_and_the_survivor_never_tra
     assert done["generation"] == 1      # no generation without the crashed worker: never alone
     r = json.loads(report.read_text())  # the stopped survivor's report: step 12 undone, none alone
     assert r["steps"] == 12 and {ws for _, _, ws in r["step_log"]} == {2}
+
+
+def test_compiled_workers_warm_up_through_the_loop_before_they_are_ready_and_leave_no_trace(
+        lj, tmp_path_factory, home):
+    """A torch.compile'd model: every worker, the first two and a newcomer, makes one pass
+    through the user's own loop (it compiles there) before it says it is ready, cut for the
+    place it expects, not primary, its gradients dropped; the state before the pass is put
+    back (rank 0's is the first generation's) or replaced by the copy, so the job still ends
+    equal to a standalone run."""
+    report, warm = home / "r.json", home / "warm"
+    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--compile", "--epochs", "6", "--step-sleep", "0.15",
+                     "--warm-log", str(warm), "--report", str(report)], "--workers", "1:2")
+    poll(lj, job["id"], lambda j: (j.get("step") or 0) >= 3 and j["world_size"] == 2, "steps at world size 2")
+    lj.ok("scale", str(job["id"]), "1", "--wait", "--timeout", str(E2E_DEADLINE_S))
+    lj.ok("scale", str(job["id"]), "2", "--wait", "--timeout", str(E2E_DEADLINE_S))
+    done = lj.wait_final(job["id"], E2E_DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    places = {}
+    for w in done["workers"]:
+        passes = [json.loads(line) for line in Path(f"{warm}.w{w['wid']}").read_text().splitlines()]
+        places[w["wid"]] = [(p["is_primary"], p["rank"], p["world_size"], p["step"]) for p in passes]
+    newcomer = max(places)
+    assert newcomer >= 2 and len(places) == 3, places
+    assert places == {0: [(False, 0, 2, 0)], 1: [(False, 1, 2, 0)], newcomer: [(False, 1, 2, 0)]}
+    log = lj("logs", str(job["id"]), "--worker", str(newcomer)).stdout
+    assert log.index("warm-up pass as rank 1 of 2") < log.index("rank 1 of 2 at step"), log[-3000:]
+    assert_matches(json.loads(report.read_text()), reference(tmp_path_factory, 6, "--compile"))

@@ -43,7 +43,9 @@ def hosts_of(job: dict) -> set[str]:
 
 def test_example_across_three_hosts_resized_2_5_3(sj, tmp_path_factory, home):
     report = home / "r.json"
-    job = sj.submit(example_argv(report, epochs=10, sleep=0.05), "--workers", "2:5")
+    # long enough that the last resize lands before the end even when starting 3 newcomers
+    # takes tens of seconds on a loaded host (10 epochs once ended first)
+    job = sj.submit(example_argv(report, epochs=24, sleep=0.05), "--workers", "2:5")
     assert {w["host"] for w in job["workers"]} == {"gpu01", "gpu02", "gpu03"}
     scale(sj, job["id"], 2)
     two = wait_for(sj, job["id"], lambda j: step_of(j) >= 5 and len(live_members(j)) == 2, "2 workers")
@@ -57,7 +59,7 @@ def test_example_across_three_hosts_resized_2_5_3(sj, tmp_path_factory, home):
     done = sj.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
-    assert_matches_reference(r, reference(tmp_path_factory, 10))
+    assert_matches_reference(r, reference(tmp_path_factory, 24))
     sizes = [ws for _, _, ws in r["step_log"]]
     order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
     assert order[-3:] == [2, 5, 3]
@@ -107,7 +109,9 @@ def test_sshd_stopped_under_a_running_job(sj, ssh_hosts, home):
 
 def test_a_host_that_dies_loses_its_workers_and_the_job_goes_on(sj, ssh_hosts, tmp_path_factory, home):
     report = home / "r.json"
-    job = sj.submit(example_argv(report, epochs=10, sleep=0.05), "--workers", "2:5")
+    # long enough that the last resize lands before the end even when starting 3 newcomers
+    # takes tens of seconds on a loaded host (10 epochs once ended first)
+    job = sj.submit(example_argv(report, epochs=24, sleep=0.05), "--workers", "2:5")
     running = wait_for(sj, job["id"], lambda j: step_of(j) >= 5 and j["world_size"] == 5, "five workers")
     h3 = ssh_hosts.host("gpu03")
     doomed = [w for w in running["workers"] if w["host"] == "gpu03"]

@@ -10,6 +10,7 @@ as a whole.
 from __future__ import annotations
 
 import datetime as dt
+import os
 from typing import Any, Callable
 
 import torch
@@ -19,6 +20,14 @@ from gpuflex.elastic import keys
 
 _SUM = dist.AllreduceOptions()   # read, never changed: the process group copies it into each work
 _SUM.reduceOp = dist.ReduceOp.SUM
+
+
+def pick_device() -> torch.device:
+    """This worker's device: its GPU where gpuflex gave it one (CUDA_VISIBLE_DEVICES), else CPU."""
+    if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "-1"):
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
 
 
 class Collectives:

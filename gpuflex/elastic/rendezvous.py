@@ -255,6 +255,20 @@ class Rendezvous:
         seq = self._call(self.store.add, keys.REQUEST_SEQ, 1)
         self.set(keys.DESIRED_REQUEST, json.dumps({"members": members, "seq": seq}))
 
+    def expected_place(self) -> tuple[int, int]:
+        """(rank, world size) this worker expects in the generation it joins: its place in
+        the coordinator's desired membership, counting itself in (survivors keep the low
+        ranks). Only a guess for shaping warm-up batches (`desired` is unsigned): (0, 1)
+        when it says nothing."""
+        try:
+            desired = json.loads(self._call(self.store.get, keys.DESIRED)) if self.has(keys.DESIRED) else None
+        except ValueError:
+            desired = None
+        if not (isinstance(desired, list) and len(desired) <= 1 << 16):
+            return 0, 1
+        ids = sorted({w for w in desired if isinstance(w, int)} | {self.wid})   # not in it yet: it will be
+        return ids.index(self.wid), len(ids)
+
     # ---- protocol steps -------------------------------------------------------------
     def wait_for_generation(self, after: int, was_member: bool, stop: Callable[[], bool]) -> dict[str, Any] | None:
         """The newest generation > `after` that includes this worker.

@@ -1,26 +1,21 @@
-"""`ElasticRun`: the training loop driver a torch user adopts in a few lines.
+"""`ElasticRun`: the training loop driver a torch user adopts in a few lines (the usage,
+step by step, and what stays exact: docs/converting.md).
 
-    run = ElasticRun(model=model, optimizer=opt, scheduler=sched, num_samples=len(dataset),
-                     global_batch_size=256, epochs=10, seed=0)   # or steps=S
-    loader = run.loader(dataset, num_workers=2)   # replaces DistributedSampler + DataLoader
-    for epoch in run.epochs():             # a resumed or joining worker starts mid-epoch
-        for x, y in loader:                # this rank's share of one global batch
-            optimizer.zero_grad()          # run.backward(loss_fn(model(x), y)) without micro-batches
-            for xb, yb in run.accumulate(x, y, micro_batch_size=32):
-                run.backward(loss_fn(model(xb), yb))   # weighted; the last one all-reduces
-            optimizer.step(); scheduler.step()
+    run = ElasticRun(model=model, optimizer=opt, num_samples=len(ds), global_batch_size=256, steps=S)
+    for x, y in run.loader(ds, num_workers=2):   # this rank's share of each global batch
+        for xb, yb in run.accumulate(x, y, micro_batch_size=32):
+            run.backward(loss_fn(model(xb), yb))   # weighted; the last one all-reduces
+        opt.step(); opt.zero_grad()
 
-`for batch in run:` or a loader outside `run.epochs()` runs every remaining step (docs/converting.md).
-Under gpuflex (GPUFLEX_STORE set) the run joins the job's current generation and
-follows resizes and faults in place; without it the same script runs alone.
-
-At each step boundary the members agree, with one small all-reduce, on the ids of the
-samples processed in the step just done, on stopping, on a checkpoint and on a switch to
-a newer generation; then the state is committed in memory. A collective that fails (a
-dead peer) is noted and handled at the next boundary: the survivors report it, the
-coordinator publishes the next generation, and the members continue from the newest
-state any of them holds (see formation.py). Before a step's collectives the members pass
-a barrier over the job store (liveness.py): a busy member is waited for, a silent one fenced.
+Under gpuflex (GPUFLEX_STORE set) the run joins the job's current generation and follows
+resizes and faults in place; without it the same script runs alone. At each step boundary
+the members agree, in one small all-reduce, on the samples of the step just done, on
+stopping, on a checkpoint and on a switch to a newer generation; then the state is
+committed in memory. A collective that fails (a dead peer) is noted and handled at the next
+boundary: the survivors report it, the coordinator publishes the next generation, and the
+members continue from the newest state any of them holds (formation.py). Before a step's
+collectives the members pass a barrier over the job store (liveness.py): a busy member is
+waited for, a silent one fenced.
 """
 
 from __future__ import annotations
@@ -41,7 +36,7 @@ import torch.distributed as dist
 from gpuflex.elastic import keys
 from gpuflex.elastic.agreement import Agreement
 from gpuflex.elastic.buffers import BufferSync
-from gpuflex.elastic.collectives import Collectives
+from gpuflex.elastic.collectives import Collectives, pick_device
 from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.formation import Formation, Formed
@@ -54,7 +49,7 @@ from gpuflex.elastic.micro import Accumulation, global_mean, share, warm_up_step
 from gpuflex.elastic.rendezvous import Aborted, Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
 from gpuflex.elastic.signals import StepSignals
-from gpuflex.elastic.state import Registry
+from gpuflex.elastic.state import Registry, copy_value
 from gpuflex.elastic.worker_control import Progress, start_control
 
 log = logging.getLogger(__name__)
@@ -69,6 +64,8 @@ class ElasticRun:
     `rdzv` (the job store) and `formation` (joining generations)."""
 
     barrier: StepBarrier | None = None   # under gpuflex: the step barrier (liveness.py)
+    warming_up = False   # a worker's passes through the loop before it says it is ready (no state yet)
+    _pre_warm: dict[str, Any] | None = None   # the state before them, put back after
     _overlap, _crossed = False, ()       # the process's first backward is not overlapped; the last barrier
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -87,7 +84,7 @@ class ElasticRun:
         self.checkpoint_dir = checkpoint_dir or env.checkpoint_dir
         self.checkpoint_interval_s = float(checkpoint_interval_s or env.checkpoint_interval_s)
         self.rank, self.world_size, self.generation = 0, 1, 0
-        self.device = self._pick_device()
+        self.device = pick_device()
         self.group = Collectives(self.device, self.pg_timeout_s)
         self.buffers = BufferSync(model, self.group, buffers)
         self.state = TrainingState(registry=self.registry, model=model, sampler=self.sampler, buffers=self.buffers,
@@ -114,7 +111,7 @@ class ElasticRun:
     # ---- public properties ---------------------------------------------------------------
     @property
     def is_primary(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0 and not self.warming_up
 
     # the training state's counters and logs, read through the run
     step = property(lambda self: self.state.step, doc="Global steps done (across epochs).")
@@ -122,24 +119,9 @@ class ElasticRun:
     step_log = property(lambda self: self.state.step_log, doc="[step, time, world size] per step done.")
     samples = property(lambda self: self.state.samples, doc="Sample ids per epoch (track_samples).")
 
-    @property
-    def distributed(self) -> bool:
-        return self.store_address is not None
-
-    @property
-    def backend(self) -> str:
-        return self.group.backend
-
-    @property
-    def pg(self) -> dist.ProcessGroup | None:
-        """This generation's process group."""
-        return self.group.pg
-
-    def _pick_device(self) -> torch.device:
-        if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "-1"):
-            torch.cuda.set_device(0)
-            return torch.device("cuda", 0)
-        return torch.device("cpu")
+    distributed = property(lambda self: self.store_address is not None, doc="Under gpuflex (GPUFLEX_STORE set).")
+    backend = property(lambda self: self.group.backend, doc="gloo or nccl.")
+    pg = property(lambda self: self.group.pg, doc="This generation's process group.")
 
     # ---- the loop -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -153,6 +135,10 @@ class ElasticRun:
             with self._guard():
                 self._ensure_started()
             self._in_epochs = True
+            if self.warming_up:   # one pass of the user's epoch body: the loader gives the warm-up batches
+                yield self.epoch
+                with self._guard():
+                    self._join()
             while self._more():
                 yield self.epoch
         except BaseException:   # left early: the crash hook reports an exception before the close
@@ -171,6 +157,11 @@ class ElasticRun:
     def _steps(self, epoch: int | None) -> Iterator[Batch]:
         with self._guard():
             self._ensure_started()
+            if self.warming_up:
+                yield from self._warm_up_passes()
+                if epoch is not None:   # epochs() joins once the user's warm-up pass is over
+                    return
+                self._join()
             # Every member meets the first batch of a generation straight from its
             # formation (survivors return from the switch into the same spot), so the
             # collectives line up; the boundary comes after each step.
@@ -213,6 +204,10 @@ class ElasticRun:
         batch, micro = self.batch, self.micro.take()
         if self.micro.backward_before_last(loss):   # accumulating: the last micro-batch reduces
             return
+        if self.warming_up:   # compiles what the first step would; the received state replaces the rest
+            loss.backward()
+            self._overlap, self._last_loss = True, loss.detach()
+            return drop_grads(self.model)
         overlap, self._overlap = self._overlap, True   # a first backward may compile: not overlapped
         if self.world_size > 1:   # the large gradients' all-reduces start during backward
             if self._grad_plan is None:
@@ -278,16 +273,31 @@ class ElasticRun:
         self.barrier = StepBarrier(self.rdzv, self.wid, self.env.heartbeat_timeout_s)
         install_crash_hook(lambda rec: (report_crash(self.rdzv, self.wid, rec), self._close()),
                            lambda: f"step {self.step} of generation {self.generation} (rank {self.rank})")
-        self._warm_up()
+        if any(p.requires_grad for p in self.model.parameters()):   # the gradient buffer (and hooks),
+            self._grad_plan = self._make_grad_plan()   # touched: not paid for in a first step
+            self._grad_plan.flat.zero_()
+        self.warming_up = self.warm_up_steps > 0
+        if not self.warming_up:
+            self._join()
+
+    def _join(self) -> None:
+        """Put back the state the warm-up passes changed (buffers, a scheduler, RNG: a first
+        generation takes rank 0's as it is), say it is ready, enter the next generation."""
+        if self.warming_up and self._pre_warm is not None:
+            self.state.apply_tree(self._pre_warm)
+        self.warming_up = False
         self.rdzv.set(keys.ready(self.wid), str(time.time()))
         self._joined(self.formation.enter(after=0, was_member=False, failed_at=None))
 
-    def _warm_up(self) -> None:
-        """Before a newcomer says it is ready: its gradient buffer, allocated and touched, so
-        its first step in the job does not pay for it while the others wait."""
-        if any(p.requires_grad for p in self.model.parameters()):
-            self._grad_plan = self._make_grad_plan()   # and its hooks
-            self._grad_plan.flat.zero_()
+    def _warm_up_passes(self) -> Iterator[Batch]:
+        """`warm_up_steps` batches through the user's loop before it is ready (a compiled model
+        compiles here, while the others train), cut for the place it expects; nothing counts."""
+        rank, world = self.rdzv.expected_place()
+        self._pre_warm = copy_value(self.state.capture())
+        for _ in range(self.warm_up_steps):
+            self.batch = self.sampler.batch(0, rank, world)
+            self.formation.log(f"warm-up pass as rank {rank} of {world}")
+            yield self.batch
 
     def _request_members(self, members: list[int]) -> None:
         """A control socket's resize with members: for the coordinator to validate."""
@@ -297,9 +307,8 @@ class ElasticRun:
 
     def _switch_to(self) -> int:
         """Rank 0's part of the agreement: a newer generation to switch to, or 0."""
-        if self.rank != 0 or self.rdzv is None:
-            return 0
-        return self.rdzv.newer_generation(self.generation, self.signals.take_poke())
+        return 0 if self.rank != 0 or self.rdzv is None else self.rdzv.newer_generation(
+            self.generation, self.signals.take_poke())
 
     def _joined(self, formed: Formed | None) -> None:
         """A formation ended: in a new generation, or (None) stopped while waiting for one."""
@@ -388,24 +397,19 @@ class ElasticRun:
 
     def status(self) -> dict[str, Any]:
         loss = self._last_loss
-        return {"wid": self.wid, "rank": self.rank, "world_size": self.world_size,
-                "generation": self.generation, "step": self.step, "epoch": self.epoch,
-                "samples_per_s": round(self.progress.rate, 2),
-                "loss": None if loss is None else float(loss),
-                "checkpoint_failures": self.state.checkpoint_failures,
+        return {"wid": self.wid, "rank": self.rank, "world_size": self.world_size, "generation": self.generation,
+                "step": self.step, "epoch": self.epoch, "samples_per_s": round(self.progress.rate, 2),
+                "loss": None if loss is None else float(loss), "checkpoint_failures": self.state.checkpoint_failures,
                 "checkpoint_error": self.state.last_checkpoint_error,
                 "waiting_for": list(self.barrier.waiting_for) if self.barrier else [], "time": time.time()}
 
-    # ---- shutdown ------------------------------------------------------------------------------
     def _close(self) -> None:
         if getattr(self, "_closed", False):
             return
         self._closed = True
         if self.rdzv is not None:
-            try:
+            with contextlib.suppress(StoreLost):
                 self.rdzv.set(keys.done(self.wid), "1")
-            except StoreLost:
-                pass
             self.rdzv.close()
         if self._control is not None:
             self._control.close()

@@ -10,6 +10,7 @@ Neither changes the math: a standalone run without them is the reference.
 """
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -37,16 +38,22 @@ def main():
     ap.add_argument("--busy-s", type=float, default=0.0)
     ap.add_argument("--raise-at", type=int, default=-1)
     ap.add_argument("--raise-wid", type=int, default=-1)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (eager backend)")
+    ap.add_argument("--warm-up", type=int, default=None, help="ElasticRun(warm_up=...)")
+    ap.add_argument("--warm-log", help="each warm-up pass appends a JSON line to WARM_LOG.w<wid>")
     ap.add_argument("--report")
     args = ap.parse_args()
     wid = int(os.environ.get("GPUFLEX_WORKER_ID", "0"))
     torch.manual_seed(args.seed)
     x, y = make_data()
     model = make_model(args.hidden)
+    if args.compile:   # a compiled model: the runtime gives a newcomer one warm-up pass by default
+        model = torch.compile(model, backend="eager")
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)
     run = ElasticRun(model=model, optimizer=opt, scheduler=sched, num_samples=N, seed=args.seed, epochs=args.epochs,
-                     global_batch_size=args.global_batch_size, track_samples=args.report is not None)
+                     global_batch_size=args.global_batch_size, track_samples=args.report is not None,
+                     warm_up=args.warm_up)
     loader = run.loader(TensorDataset(x, y))
     busy_done = False
     for epoch in run.epochs():
@@ -57,6 +64,10 @@ def main():
                 time.sleep(args.busy_s)
             if wid == args.raise_wid and run.step == args.raise_at:
                 print(1 / 0)
+            if run.warming_up and args.warm_log:
+                with open(f"{args.warm_log}.w{wid}", "a") as f:
+                    f.write(json.dumps({"is_primary": run.is_primary, "step": run.step, "rank": run.batch.rank,
+                                        "world_size": run.batch.world_size, "time": time.time()}) + "\n")
             noise = 0.01 * torch.randn(run.batch.global_size, D_IN)[run.batch.slice]
             loss = F.mse_loss(model(xb + noise), yb)
             opt.zero_grad()
