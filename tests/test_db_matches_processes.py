@@ -146,8 +146,9 @@ def test_a_refused_resize_stops_its_newcomers(sim, tmp_path, monkeypatch):
     assert {w: s for w, (s, _) in rows(svc, job_id).items()} == {0: W.RUNNING, 1: W.STOPPED, 2: W.STOPPED}
     assert [e.kind for e in svc.job(job_id).events][-1] == "workers-stopped"
     with pytest.raises(JobError, match="coordinator busy"):
-        svc.scale(str(job_id), 2)                             # in one transaction: rolled back
-    assert sorted(rows(svc, job_id)) == [0, 1, 2]
+        svc.scale(str(job_id), 2)                             # the CLI's way: in steps too
+    assert {w: s for w, (s, _) in rows(svc, job_id).items()} == {
+        0: W.RUNNING, 1: W.STOPPED, 2: W.STOPPED, 3: W.STOPPED}   # a fresh id, its row kept and ended
     assert [w for w, p in world.workers(token(svc, job_id)).items() if p.alive] == [0]
     assert unknown_processes(world, svc, job_id) == []
 

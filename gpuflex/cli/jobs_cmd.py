@@ -102,11 +102,12 @@ def status(
         if job is None:
             jobs = svc.jobs()
             if as_json:
-                return [render.job_json(j, progress=svc.progress.get(j.id)) for j in jobs]
+                return [render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id))
+                        for j in jobs]
             return render.jobs_table(jobs, svc.progress)
         j = svc.job(job, events=False)   # the whole history is `gpuflex events`; status reads a few rows
         if as_json:
-            return render.job_json(j, progress=svc.progress.get(j.id))
+            return render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id))
         head = Text.assemble(f"job {j.id} ", (j.name, "bold"), f" {j.state} world {j.world_size} "
                              f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
         prog = svc.progress.get(j.id)
@@ -118,6 +119,9 @@ def status(
             head += f" {render.restarts_text(j)}"
         if j.waiting and j.state.active:
             head += f"\n{render.waiting_text(j.waiting)}"
+        forming = render.forming_text(svc.forming.get(j.id))
+        if forming and j.state.active:
+            head += f"\n{forming}"
         if j.queue_reason and j.state is JobState.QUEUED:
             head += f"\n{j.queue_reason}"
         if j.exit_reason:

@@ -164,6 +164,7 @@ class JobService:
         self.sessions = sessions or open_database(config.database_url)
         self.pool = pool or Pool(config)
         self.progress: dict[int, dict] = {}  # job id -> the coordinator's last progress report
+        self.forming: dict[int, dict | None] = {}   # job id -> the generation it forms now, if any
 
     def close(self) -> None:
         self.pool.close()
@@ -228,6 +229,8 @@ class JobService:
                 status = lifecycle.reconcile(ops, job)
                 if status is not None and status.get("progress"):
                     self.progress[job.id] = status["progress"]
+                if status is not None:
+                    self.forming[job.id] = status.get("forming")
             session.flush()
             lifecycle.place_queued(ops)
             lifecycle.sweep_socket_dirs(ops, active)
@@ -291,8 +294,14 @@ class JobService:
             return views.job_info(job)
 
     def scale(self, ref: str, n: int) -> views.JobInfo:
+        """Resize a running job. A grow commits its steps one by one under the ops lock
+        (the newcomers' rows, each process group, the membership request: see
+        scaling.grow_in_steps), so a `gpuflex scale` killed midway leaves nothing the
+        database does not know; the next command's reconcile ends what it left."""
         results = self.collect_probes()
-        with self.locked() as session:
-            self.record_probes(session, results)
-            job = self.get(session, ref)
-            return views.job_info(scaling.scale(self.ops(session), job, n))
+        with database_lock(self.config.database_url, "ops").held():
+            with self.sessions.begin() as session:
+                self.record_probes(session, results)
+                job_id = self.get(session, ref).id
+            scaling.scale_in_steps(self.sessions.begin, self.config, self.pool, job_id, n)
+        return self.job(job_id, events=False)
