@@ -158,6 +158,21 @@ def busy_slots(home, config_path, db_path) -> dict:
         cleanup_jobs(GpuflexCLI(home, config_path), db_path)
 
 
+def wait_for(cli: "GpuflexCLI", job_id: int, pred, what: str, deadline_s: float = 300,
+             every_s: float = 1.0) -> dict:
+    """`status --json` of the job, polled until `pred` holds; the test fails (with the job
+    and the end of its logs) once the job has ended or `deadline_s` passed."""
+    end = time.monotonic() + deadline_s
+    while True:
+        job = cli.json("status", str(job_id))
+        if pred(job):
+            return job
+        if job["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > end:
+            pytest.fail(f"job {job_id}: gave up waiting for {what}: {json.dumps(job)[:2000]}\n"
+                        + cli("logs", str(job_id)).stdout[-4000:])
+        time.sleep(every_s)
+
+
 def cleanup_jobs(cli: GpuflexCLI, db_path: Path) -> None:
     """Cancel every job that is not final, then SIGKILL any process group the DB names."""
     if not db_path.exists():

@@ -19,7 +19,7 @@ from gpuflex.elastic.checkpoints import load_checkpoint
 from gpuflex.elastic.keys import EVICTED_EXIT
 from gpuflex.hosts.hostops import group_alive
 from gpuflex.hosts.transport import unix_request
-from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for  # noqa: F401 (wait_for: imported from here too)
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_mlp.py")
 CORRUPT_COPY = str(Path(__file__).resolve().parent / "fakes" / "runtime_corrupt_copy.py")
@@ -69,18 +69,6 @@ def ej(home):
     cli = GpuflexCLI(home, cfg)
     yield cli
     cleanup_jobs(cli, home / "g.db")
-
-
-def wait_for(cli: GpuflexCLI, job_id: int, pred, what: str, deadline_s: float = DEADLINE_S) -> dict:
-    end = time.monotonic() + deadline_s
-    while True:
-        job = cli.json("status", str(job_id))
-        if pred(job):
-            return job
-        if job["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > end:
-            pytest.fail(f"job {job_id}: gave up waiting for {what}: {json.dumps(job)[:2000]}\n"
-                        + cli("logs", str(job_id)).stdout[-4000:])
-        time.sleep(1.0)
 
 
 def step_of(job: dict) -> int:

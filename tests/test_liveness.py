@@ -29,7 +29,7 @@ from gpuflex.elastic.liveness import (StepBarrier, crash_record, install_crash_h
                                       report_crash)
 from gpuflex.elastic.rendezvous import Aborted, Rendezvous
 from gpuflex.elastic.state import flatten
-from tests.conftest import GpuflexCLI, cleanup_jobs
+from tests.conftest import GpuflexCLI, cleanup_jobs, wait_for
 
 SECRET = "liveness-test-secret"
 G = 1
@@ -355,15 +355,7 @@ def assert_matches(report: dict, ref: dict) -> None:
 
 
 def poll(cli: GpuflexCLI, job_id: int, pred: Callable[[dict], Any], what: str) -> dict:
-    end = time.monotonic() + E2E_DEADLINE_S
-    while True:
-        job = cli.json("status", str(job_id))
-        if pred(job):
-            return job
-        if job["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > end:
-            pytest.fail(f"job {job_id}: gave up waiting for {what}: {json.dumps(job)[:2000]}\n"
-                        + cli("logs", str(job_id)).stdout[-4000:])
-        time.sleep(0.5)
+    return wait_for(cli, job_id, pred, what, E2E_DEADLINE_S, every_s=0.5)
 
 
 def members_of(job: dict) -> list[dict]:

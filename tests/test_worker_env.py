@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,7 @@ from gpuflex.config import parse_config
 from gpuflex.control import launch
 from gpuflex.db.models import Job, Worker
 from gpuflex.hosts import hostops
-from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, db_rows
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, db_rows, wait_for
 from tests.sshbed import host_toml, ssh_bed, ssh_hosts  # noqa: F401 (fixtures)
 
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_mlp.py")
@@ -130,18 +129,6 @@ def tilde_pool(home):
     cleanup_jobs(cli, home / "g.db")
 
 
-def _wait(cli: GpuflexCLI, job_id: int, pred, what: str) -> dict:
-    end = time.monotonic() + DEADLINE_S
-    while True:
-        job = cli.json("status", str(job_id))
-        if pred(job):
-            return job
-        if job["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > end:
-            pytest.fail(f"job {job_id}: gave up waiting for {what}: {json.dumps(job)[:2000]}\n"
-                        + cli("logs", str(job_id)).stdout[-4000:])
-        time.sleep(1.0)
-
-
 def _env(cli: GpuflexCLI, path: str, **extra: str) -> dict[str, str]:
     """A shell's environment: `path` as PATH, the test's home and config (and its
     PYTHONPATH, if it runs gpuflex from another checkout)."""
@@ -162,7 +149,7 @@ def test_a_newcomer_started_from_another_environment_gets_the_submit_one(tilde_p
             env=submit_env, cwd=cwd)
     assert p.returncode == 0, p.stdout + p.stderr
     job_id = json.loads(p.stdout)["id"]
-    _wait(cli, job_id, lambda j: (j.get("step") or 0) >= 3, "some steps")
+    wait_for(cli, job_id, lambda j: (j.get("step") or 0) >= 3, "some steps")
 
     # the scale comes from a shell without the venv, with the marker changed
     scaler_env = _env(cli, "/usr/bin:/bin", MARK="scaler", SCALER_ONLY="1")
@@ -170,7 +157,7 @@ def test_a_newcomer_started_from_another_environment_gets_the_submit_one(tilde_p
         s = cli("scale", str(job_id), str(n), "--wait", "--timeout", str(DEADLINE_S), env=scaler_env,
                 timeout=DEADLINE_S + 30)
         assert s.returncode == 0 and f"world size {n}" in s.stdout, s.stdout + s.stderr
-    _wait(cli, job_id, lambda j: j["state"] == "succeeded", "the job to succeed")
+    wait_for(cli, job_id, lambda j: j["state"] == "succeeded", "the job to succeed")
 
     seen = {f.name: json.loads(f.read_text()) for f in dumps.iterdir()}
     assert sorted(seen) == ["w0.json", "w1.json", "w2.json"]   # w2: the newcomer
