@@ -76,7 +76,10 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               # never a generation below MIN (the survivors wait; the control side requeues
               # or fails the job), and the same failure this many times ends the job
               "--min-workers", str(job.min_workers),
-              "--max-failures", str(config.jobs.max_same_failures)],
+              "--max-failures", str(config.jobs.max_same_failures),
+              "--max-workers", str(job.max_workers),
+              # it ends itself once its job is gone (no daemon watches the hosts)
+              "--orphan-timeout", str(config.jobs.orphan_timeout_s), "--job-dir", d],
         cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_TOKEN: job.token,
                      env_contract.JOB_SECRET: job.secret},
         log=posixpath.join(d, "coordinator.log"),

@@ -50,16 +50,23 @@ def coordinator_request(config: Config, pool: Pool, job: Job, message: dict[str,
 
 def coordinator_alive(config: Config, pool: Pool, job: Job) -> bool:
     """Whether the coordinator's process group still runs (False when that cannot be told)."""
+    return coordinator_process(config, pool, job)[0]
+
+
+def coordinator_process(config: Config, pool: Pool, job: Job) -> tuple[bool, int | None]:
+    """Whether the coordinator's process group still runs, and its exit code from the exit
+    record its supervisor wrote (None: none; keys.ORPHAN_EXIT: it ended itself, its job
+    gone). (False, None) when that cannot be told."""
     if job.store_pgid is None:
-        return False
+        return False, None
     try:
         host = config.host(job.store_host)
         d = L.job_dir(host, job)
         st = pool.transport(host).status([(job.store_pgid, posixpath.join(d, "coordinator.exit"))])
-        return st[0].alive
-    except TransportError as e:
+        return st[0].alive, st[0].returncode
+    except (TransportError, TypeError, ValueError, KeyError) as e:
         log.debug("job %s: cannot ask whether the coordinator runs: %s", job.id, e)
-        return False
+        return False, None
 
 
 def coordinator_status(config: Config, pool: Pool, job: Job) -> dict[str, Any] | None:
@@ -93,12 +100,13 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
             procs[w.wid] = ProcSeen(st.alive, st.returncode, (st.exit or {}).get("ended_at"),
                                     exited=st.exit is not None)
     coord = coordinator_status(config, pool, job)
-    alive = True if coord is not None else coordinator_alive(config, pool, job)
+    alive, coord_exit = (True, None) if coord is not None else coordinator_process(config, pool, job)
     recorded = {r.get("wid") for r in (coord or {}).get("crashed") or () if isinstance(r, dict)}
     crashed = [w for w in job.live_workers if w.wid in procs and not procs[w.wid].alive
                and procs[w.wid].exited and is_crash_exit(procs[w.wid].returncode) and w.wid not in recorded]
     tails = {w.wid: log_tail(pool, w) for w in crashed}
-    return Observation(procs, unreachable, coord, alive, log_tails={k: v for k, v in tails.items() if v})
+    return Observation(procs, unreachable, coord, alive, coord_exit,
+                       log_tails={k: v for k, v in tails.items() if v})
 
 
 def log_tail(pool: Pool, w: Worker, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:

@@ -6,7 +6,15 @@ the generation logic (generations.py) look at the store; its control socket answ
 `status` and `resize` (the desired membership). A lock keeps the ticks and the socket's
 threads apart. `--min-workers` (no generation is ever smaller: the job is held instead)
 and `--max-failures` (the same failure that many times in a row aborts the job) come from
-the job's record; the control side reads the outcome from `status`.
+the job's record; the control side reads the outcome from `status`. A resize names only
+workers of the job (failures.check_members): known ids, or newcomers' ids just above them.
+
+No orphans: no daemon watches the hosts, so the coordinator ends itself once its job is
+gone (failures.OrphanWatch): its `--job-dir` removed, or no worker heartbeat and no request
+on its control socket for `--orphan-timeout` seconds. It then logs one JSON line
+{"event": "orphan", "reason", "exit_code"} and exits ORPHAN_EXIT (keys.py), which its
+supervisor's exit record keeps for the next command; its workers lose the store and exit
+STORE_LOST_EXIT.
 
 The store listens only on `--bind` (the address the workers use: 127.0.0.1 on one host):
 torch's TCPStore server ignores its host name and listens on every interface, so the
@@ -19,36 +27,65 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import logging
 import os
 import signal
 import socket
 import sys
 import threading
-from typing import Any
+import time
+from typing import Any, Callable
 
 from torch.distributed import TCPStore
 
 from gpuflex.elastic.control import ControlServer
 from gpuflex.elastic.env import JOB_SECRET
+from gpuflex.elastic.failures import OrphanWatch, check_members
 from gpuflex.elastic.generations import Generations
+from gpuflex.elastic.keys import ORPHAN_EXIT
 from gpuflex.elastic.logs import ensure_handler
 
 log = logging.getLogger("gpuflex.elastic.coordinator")   # not __name__: run as __main__
 
 TICK_S = 0.05
+ORPHAN_CHECK_S = 1.0
+ORPHAN_TIMEOUT_S = 120.0
 
 
 class Coordinator:
-    """The generation logic behind a lock, with the control socket's ops."""
+    """The generation logic behind a lock, with the control socket's ops. `watch` (None:
+    never an orphan) hears of every request; `max_workers` bounds a resize."""
 
-    def __init__(self, generations: Generations) -> None:
+    def __init__(self, generations: Generations, watch: OrphanWatch | None = None,
+                 max_workers: int | None = None) -> None:
         self.generations = generations
+        self.watch = watch
+        self.max_workers = max_workers
         self.lock = threading.Lock()
 
     def tick(self) -> None:
         with self.lock:
             self.generations.tick()
+
+    def orphaned(self) -> str | None:
+        """Why the job is gone (see OrphanWatch); None while it is not."""
+        if self.watch is None:
+            return None
+        with self.lock:
+            self.watch.beat(self.generations.heartbeats.last_change())
+            return self.watch.reason()
+
+    def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
+        """The control socket's ops, each a sign of life from the control side."""
+        def heard(op: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+            def handle(msg: dict[str, Any]) -> dict[str, Any]:
+                if self.watch is not None:
+                    with self.lock:
+                        self.watch.contact()
+                return op(msg)
+            return handle
+        return {"status": heard(self.op_status), "resize": heard(self.op_resize)}
 
     def op_status(self, _msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
@@ -56,7 +93,8 @@ class Coordinator:
 
     def op_resize(self, msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
-            return {"desired": self.generations.resize(msg["members"])}
+            members = check_members(msg.get("members"), self.generations.known, self.max_workers)
+            return {"desired": self.generations.resize(members)}
 
 
 def listen(address: str, port: int) -> socket.socket:
@@ -89,6 +127,30 @@ def positive(text: str) -> int:
     return value
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds above 0."""
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {text}")
+    return value
+
+
+def run(coord: Coordinator, stop: threading.Event) -> int:
+    """Tick until `stop` (0) or until the job is gone (ORPHAN_EXIT, after one JSON line)."""
+    next_check = time.monotonic() + ORPHAN_CHECK_S
+    while not stop.wait(TICK_S):
+        coord.tick()
+        if time.monotonic() < next_check:
+            continue
+        next_check = time.monotonic() + ORPHAN_CHECK_S
+        why = coord.orphaned()
+        if why is not None:
+            log.error("coordinator ends itself, its job is gone: %s", why)
+            log.error("%s", json.dumps({"event": "orphan", "reason": why, "exit_code": ORPHAN_EXIT}))
+            return ORPHAN_EXIT
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m gpuflex.elastic.coordinator")
     ap.add_argument("--port", type=int, required=True)
@@ -101,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="the job's minimum: no generation is formed with fewer members")
     ap.add_argument("--max-failures", type=positive, default=3,
                     help="the same failure this many times in a row ends the job")
+    ap.add_argument("--max-workers", type=positive, default=None,
+                    help="the job's maximum: a resize to more workers is refused")
+    ap.add_argument("--orphan-timeout", type=seconds, default=ORPHAN_TIMEOUT_S,
+                    help="end once no worker heartbeat and no request came for this long")
+    ap.add_argument("--job-dir", default=None, help="end once this directory is removed")
     args = ap.parse_args(argv)
     ensure_handler(sys.stdout)
     stop = threading.Event()
@@ -108,20 +175,22 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     store = serve_store(args.bind, args.port)
     secret = os.environ.get(JOB_SECRET) or None
+    job_dir = os.path.expanduser(args.job_dir) if args.job_dir else None   # "~/..." as the host's workdir
+    watch = OrphanWatch(args.orphan_timeout, job_dir, time.monotonic)
     coord = Coordinator(Generations(store, [int(w) for w in args.members.split(",") if w],
                                     hb_timeout_s=args.heartbeat_timeout, secret=secret,
-                                    min_workers=args.min_workers, max_failures=args.max_failures))
-    server = ControlServer(args.control, {"status": coord.op_status, "resize": coord.op_resize})
+                                    min_workers=args.min_workers, max_failures=args.max_failures),
+                        watch, args.max_workers)
+    server = ControlServer(args.control, coord.handlers())
     log.info("coordinator listening on %s:%d (%s), control %s, min %d worker(s), max %d same "
              "failures", args.bind, args.port,
              "records signed" if secret else "no job secret: records unauthenticated", args.control,
              args.min_workers, args.max_failures)
     try:
-        while not stop.wait(TICK_S):
-            coord.tick()
+        return run(coord, stop)
     finally:
         server.close()
-    return 0
+        watch.close()
 
 
 if __name__ == "__main__":

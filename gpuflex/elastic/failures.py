@@ -13,13 +13,17 @@ loses a worker now and then, and trains in between, is never ended by this.
 
 The records come from the workers, signed (their authenticity is checked by the caller);
 what they say is still bounded and made printable here, since it is shown to users.
-Standard library only.
+
+Two more judgements of the coordinator live here, beside the generations' logic (which is
+at its size limit): which members a resize request may name (`check_members`), and when
+the job is gone so the coordinator should end itself (`OrphanWatch`). Standard library only.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,6 +60,9 @@ def cause_of(reason: str) -> str:
     return _SPACE.sub(" ", text).strip()[:LINE_CHARS]
 
 
+NEWCOMER_SPAN = 1024     # how far above the known ids a newcomer's id may be
+
+
 class Heartbeats:
     """Liveness from the workers' heartbeat counters (hb/{wid}): a worker is alive while its
     counter keeps changing, and stale once it has not changed for `timeout_s` of `clock`."""
@@ -75,6 +82,10 @@ class Heartbeats:
             self.seen[wid] = (value, now)
             return True
         return now - prev[1] < self.timeout_s
+
+    def last_change(self) -> float | None:
+        """When (by `clock`) a worker's counter was last seen to change; None: never."""
+        return max((when for _, when in self.seen.values()), default=None)
 
 
 def common_reason(reasons: Iterable[str | None]) -> str:
@@ -194,3 +205,84 @@ class WorkerReports:
 
     def first_crash(self) -> dict[str, Any] | None:
         return self.crashed[min(self.crashed)] if self.crashed else None
+
+
+def check_members(wanted: Any, known: Iterable[int], max_workers: int | None = None) -> list[int]:
+    """`wanted` (a resize request's members) as worker ids this job can have, else
+    ValueError naming the bad value. An id is one the coordinator knows (started with, or
+    asked for before), or a newcomer's: the control side numbers newcomers on from the
+    highest id it ever gave, so a new id lies above the known ones, within NEWCOMER_SPAN
+    (gaps come only from spawns whose resize never arrived). -1, true, 10**9 or 2**70 are
+    none of these; `max_workers` (the job's MAX) bounds how many there are."""
+    if not isinstance(wanted, list) or not wanted:
+        raise ValueError(f"members must be a non-empty list of worker ids, not {printable(wanted, 80)}")
+    bad = [w for w in wanted if not isinstance(w, int) or isinstance(w, bool) or w < 0]
+    if bad:
+        raise ValueError(f"members must be worker ids (integers of at least 0), not {printable(bad[0], 40)}")
+    known = set(known)
+    top = max(known, default=-1)
+    strange = [w for w in wanted if w not in known and not top < w <= top + NEWCOMER_SPAN]
+    if strange:
+        raise ValueError(f"worker {printable(strange[0], 40)} is not a worker of this job (known: "
+                         f"{printable(sorted(known), 200)}; a newcomer's id follows {top})")
+    ids = sorted(set(wanted))
+    if max_workers is not None and len(ids) > max_workers:
+        raise ValueError(f"{len(ids)} workers is above the job's maximum of {max_workers}")
+    return ids
+
+
+class OrphanWatch:
+    """Whether the coordinator's job is gone, so it should end itself (issue 16: one
+    outlived its workers and its job directory and spun for minutes; no daemon watches the
+    hosts to end it). The job is gone when its directory was removed (or replaced), or
+    when for `timeout_s` of `clock` no worker's heartbeat moved and no command reached
+    the control socket. Both signs are told by the caller: `contact()` at each request,
+    `beat(when)` with the heartbeats' last change."""
+
+    def __init__(self, timeout_s: float, job_dir: str | None,
+                 clock: Callable[[], float]) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"the orphan timeout must be above 0 s, not {timeout_s}")
+        self.timeout_s, self.job_dir, self.clock = timeout_s, job_dir, clock
+        self.last_sign = clock()
+        self._dir_fd = _open_dir(job_dir)   # None: missing from the start, gone already
+
+    def close(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+
+    def contact(self) -> None:
+        self.last_sign = max(self.last_sign, self.clock())
+
+    def beat(self, when: float | None) -> None:
+        if when is not None:
+            self.last_sign = max(self.last_sign, when)
+
+    def reason(self) -> str | None:
+        """Why the job is gone; None while it is not."""
+        if self.job_dir and not _same_dir(self.job_dir, self._dir_fd):
+            return f"its job directory {self.job_dir} was removed"
+        idle = self.clock() - self.last_sign
+        if idle >= self.timeout_s:
+            return (f"no worker heartbeat and no command for {idle:.0f} s "
+                    f"(orphan timeout {self.timeout_s:g} s)")
+        return None
+
+
+def _open_dir(path: str | None) -> int | None:
+    """A descriptor of the directory `path` (it tells the directory's removal even when
+    another of the same name, perhaps with the same inode number, takes its place)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY) if path else None
+    except OSError:
+        return None
+
+
+def _same_dir(path: str, fd: int | None) -> bool:
+    """Whether the directory open as `fd` still exists and is the one named `path`."""
+    try:
+        held, named = os.fstat(fd), os.stat(path)
+    except (OSError, TypeError):
+        return False
+    return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)

@@ -81,7 +81,13 @@ STORE_LOST_EXIT  75 (EX_TEMPFAIL): the job store is gone; the job restarts from 
 EVICTED_EXIT     3: this worker was dropped from the job (or its state was rejected)
 ABORTED_EXIT     76: the coordinator ended the job (the same failure repeated
                  max_same_failures times, see `abort`); the job fails with that reason
-Any other non-zero exit (a Python exception, sys.exit(n)) is a bug in the training code,
+Exit code of the coordinator (its supervisor's exit record keeps it for the control side):
+ORPHAN_EXIT      77: it ended itself because its job was gone: its job directory was
+                 removed, or no worker heartbeat and no control-socket request came for its
+                 --orphan-timeout (the [jobs] orphan_timeout_s key); its log's last line is
+                 JSON {"event": "orphan", "reason", "exit_code"}. A job still running then is
+                 requeued with that reason
+Any other non-zero exit of a worker (a Python exception, sys.exit(n)) is a bug in the training code,
 not a fault: the job fails, or restarts while `--retries` allow. A death by signal is a
 fault (elastic: the others go on without it).
 """
@@ -92,6 +98,7 @@ STORE_LOST_EXIT = 75
 EVICTED_EXIT = 3
 ABORTED_EXIT = 76
 RUNTIME_EXITS = (STORE_LOST_EXIT, EVICTED_EXIT, ABORTED_EXIT)   # the runtime's own ways out
+ORPHAN_EXIT = 77   # the coordinator's, not a worker's: its job was gone
 
 
 def members(g: int) -> str:

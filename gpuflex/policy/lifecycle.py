@@ -25,9 +25,9 @@ gpuflex.control.executor writes it. In order:
    death by signal, or a worker gone without an exit record, stays an elastic fault.
 5. The coordinator's "abort" (the same failure repeated max_same_failures times): Finish
    FAILED with its reason.
-6. While workers live: "store-lost" when the coordinator neither answers nor runs;
-   Requeue (cause "below-min") when the coordinator holds the job (a recovery would go
-   below MIN: the survivors wait at their step boundary) or it settled below its MIN.
+6. While workers live: "store-lost" when the coordinator neither answers nor runs (Requeue,
+   cause "orphan", if it exited ORPHAN_EXIT); Requeue (cause "below-min") when it holds the
+   job (a recovery would go below MIN: survivors wait at a step boundary) or settled below MIN.
 7. Once no worker lives: Requeue (cause "store-lost") when the last generation's members
    exited with STORE_LOST_EXIT; FAILED when one exited ABORTED_EXIT; else SUCCEEDED when
    they all exited 0, FAILED with the first bad exit code otherwise. A restarted job's
@@ -39,7 +39,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Mapping, Union
 
-from gpuflex.elastic.keys import ABORTED_EXIT, RUNTIME_EXITS, STORE_LOST_EXIT
+from gpuflex.elastic.keys import ABORTED_EXIT, ORPHAN_EXIT, RUNTIME_EXITS, STORE_LOST_EXIT
 from gpuflex.states import JobState, WorkerState
 
 _KINDS = {"initial": "formed", "resize": "scale", "recover": "fault"}
@@ -50,6 +50,7 @@ CRASH_KIND = "crash"     # the event of a worker that crashed (a bug in the trai
 WAITING_KIND = "waiting"   # the event of members waiting at a step barrier for busy ones
 CRASH_CAUSE = "crash"    # a requeue's cause, counted against the job's --retries
 TRACEBACK_LINES = 10     # the lines of a crash's traceback kept in the job's exit reason
+ORPHANED = "its coordinator ended itself, its job gone (no heartbeat or command for its orphan timeout)"
 
 
 # ---- the inputs ---------------------------------------------------------------------------
@@ -106,6 +107,7 @@ class Observation:
     unreachable: Mapping[str, str] = dataclasses.field(default_factory=dict)   # host -> error
     coordinator: Mapping[str, Any] | None = None  # its status reply; None: it did not answer
     coordinator_alive: bool = True                # its process group runs (asked when it did not answer)
+    coordinator_exit: int | None = None           # its exit code, once it ended and left a record
     # wid -> the last lines of the log of a worker that ended with a crash's exit code
     log_tails: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
@@ -264,7 +266,8 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
     if live():
         held = _reason((coord or {}).get("held"))
         if coord is None and not seen.coordinator_alive:
-            actions.append(Record("store-lost", "the job's coordinator (store) is gone"))
+            actions.append(Requeue(ORPHANED, "orphan") if seen.coordinator_exit == ORPHAN_EXIT
+                           else Record("store-lost", "the job's coordinator (store) is gone"))
         elif held is not None:
             actions.append(Requeue(f"{held}; restarting from its checkpoint when it fits", "below-min"))
         elif coord is not None and coord.get("settled") and world_size < job.min_workers:
@@ -297,8 +300,7 @@ def forgeries(job: JobFacts, report: Any) -> Record | None:
     that failed authentication and were ignored) counts more than already recorded."""
     if not isinstance(report, Mapping):
         return None
-    count = report.get("count")
-    if not isinstance(count, int) or isinstance(count, bool) or count <= job.forged_recorded:
+    if not _is_int(count := report.get("count")) or count <= job.forged_recorded:
         return None
     last = "".join(c for c in str(report.get("last") or "?") if c.isprintable())[:80]
     return Record(FORGED_KIND, f"ignored {count - job.forged_recorded} forged store record(s) (last: {last})",
@@ -311,9 +313,7 @@ def checkpoint_failures(job: JobFacts, progress: Any) -> Record | None:
     if not isinstance(progress, Mapping):
         return None
     wid, count = progress.get("wid"), progress.get("checkpoint_failures")
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (wid, count)):
-        return None
-    if count <= job.checkpoint_failures_recorded.get(wid, 0):
+    if not all(_is_int(v) for v in (wid, count)) or count <= job.checkpoint_failures_recorded.get(wid, 0):
         return None
     why = "".join(c for c in str(progress.get("checkpoint_error") or "a checkpoint write failed")
                   if c.isprintable())[:300]
