@@ -349,6 +349,18 @@ def test_a_resize_to_ids_that_cannot_be_workers_is_refused(bad):
     assert job.gens.desired == [0, 1]
 
 
+
+@pytest.mark.parametrize("bad", [[True], [-1], [10**9], [2**70], [0, 5000]])
+def test_a_workers_signed_request_for_ids_not_of_this_job_is_malformed(bad):
+    """A worker's control socket passes its resize on as a signed request: ids that are no
+    worker of this job (nor a newcomer's next id) are refused there too, not acted on."""
+    job = Job([0, 1]).settled([0, 1])
+    job.write(keys.DESIRED_REQUEST, json.dumps({"members": bad, "seq": 1}))
+    job.gens.tick()
+    assert job.gens.desired == [0, 1] and job.latest() == 1
+    assert job.gens.status()["forged"]["last"] == keys.DESIRED_REQUEST
+
+
 # ---- crashes are bugs -----------------------------------------------------------------------
 def test_a_crashed_member_holds_the_job_even_with_enough_survivors():
     job = Job([0, 1, 2], min_workers=1).settled([0, 1, 2])

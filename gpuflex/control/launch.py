@@ -79,7 +79,9 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               "--max-failures", str(config.jobs.max_same_failures),
               "--max-workers", str(job.max_workers),
               # it ends itself once its job is gone (no daemon watches the hosts)
-              "--orphan-timeout", str(config.jobs.orphan_timeout_s), "--job-dir", d],
+              "--orphan-timeout", str(config.jobs.orphan_timeout_s), "--job-dir", d,
+              # a member that does not join a forming generation in time is left out (or held)
+              "--formation-timeout", str(config.jobs.formation_timeout_s)],
         cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_TOKEN: job.token,
                      env_contract.JOB_SECRET: job.secret},
         log=posixpath.join(d, "coordinator.log"),

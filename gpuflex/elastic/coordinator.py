@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orphan-timeout", type=seconds, default=ORPHAN_TIMEOUT_S,
                     help="end once no worker heartbeat and no request came for this long")
     ap.add_argument("--job-dir", default=None, help="end once this directory is removed")
+    ap.add_argument("--formation-timeout", type=seconds, default=60.0,
+                    help="a member not joined this long after a formation began is left out (or the job held)")
     args = ap.parse_args(argv)
     ensure_handler(sys.stdout)
     stop = threading.Event()
@@ -179,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     watch = OrphanWatch(args.orphan_timeout, job_dir, time.monotonic)
     coord = Coordinator(Generations(store, [int(w) for w in args.members.split(",") if w],
                                     hb_timeout_s=args.heartbeat_timeout, secret=secret,
-                                    min_workers=args.min_workers, max_failures=args.max_failures),
+                                    min_workers=args.min_workers, max_failures=args.max_failures,
+                                    formation_timeout_s=args.formation_timeout),
                         watch, args.max_workers)
     server = ControlServer(args.control, coord.handlers())
     log.info("coordinator listening on %s:%d (%s), control %s, min %d worker(s), max %d same "

@@ -286,3 +286,13 @@ def _same_dir(path: str, fd: int | None) -> bool:
     except (OSError, TypeError):
         return False
     return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+
+
+def members_ok(wanted: Any, known: Iterable[int]) -> bool:
+    """Whether `check_members` accepts `wanted` (a worker's signed resize request: one
+    naming ids that are not this job's is malformed, as over the control socket)."""
+    try:
+        check_members(wanted, known)
+    except ValueError:
+        return False
+    return True

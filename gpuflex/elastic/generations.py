@@ -47,7 +47,7 @@ from typing import Any, Callable, Protocol
 
 from gpuflex.elastic import keys
 from gpuflex.elastic.auth import ForgeryLog, SignedRecords, Signer
-from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, printable
+from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, members_ok, printable
 from gpuflex.elastic.forming import FormationWatch, Outcome
 
 log = logging.getLogger(__name__)
@@ -322,7 +322,7 @@ class Generations:
         if req is None:
             return
         members, seq = (req.get("members"), req.get("seq")) if isinstance(req, dict) else (None, None)
-        if not isinstance(seq, int) or not _ids(members):
+        if not isinstance(seq, int) or not members_ok(members, self.known):
             self.forged.note(keys.DESIRED_REQUEST, json.dumps(req), "malformed request")
             return
         if seq <= self._request_seq:
