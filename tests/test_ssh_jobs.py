@@ -109,9 +109,7 @@ def test_sshd_stopped_under_a_running_job(sj, ssh_hosts, home):
 
 def test_a_host_that_dies_loses_its_workers_and_the_job_goes_on(sj, ssh_hosts, tmp_path_factory, home):
     report = home / "r.json"
-    # long enough that the last resize lands before the end even when starting 3 newcomers
-    # takes tens of seconds on a loaded host (10 epochs once ended first)
-    job = sj.submit(example_argv(report, epochs=24, sleep=0.05), "--workers", "2:5")
+    job = sj.submit(example_argv(report, epochs=10, sleep=0.05), "--workers", "2:5")
     running = wait_for(sj, job["id"], lambda j: step_of(j) >= 5 and j["world_size"] == 5, "five workers")
     h3 = ssh_hosts.host("gpu03")
     doomed = [w for w in running["workers"] if w["host"] == "gpu03"]
