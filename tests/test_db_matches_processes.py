@@ -175,3 +175,18 @@ def test_a_leaver_that_never_leaves_is_stopped_and_no_longer_blocks_a_grow(sim, 
     assert not world.workers(token(svc, job_id))[3].alive
     svc.scale(str(job_id), 4)
     assert sorted(rows(svc, job_id)) == [0, 1, 2, 3, 4] and rows(svc, job_id)[4][0] is W.STARTING
+
+
+def test_a_newcomer_the_coordinator_rejected_is_left_to_end_itself_not_taken_for_a_stray():
+    """After a rollback the coordinator rejects the newcomer (it exits 3 with its reason): a
+    worker the coordinator knows is not the database's to kill; one it never heard of is."""
+    from types import SimpleNamespace
+
+    from gpuflex.control.lifecycle import strays
+    from gpuflex.policy.lifecycle import Observation, ProcSeen
+
+    workers = [SimpleNamespace(wid=w, state=W.STARTING if w >= 3 else W.RUNNING, pgid=100 + w) for w in range(5)]
+    job = SimpleNamespace(live_workers=workers)
+    seen = Observation(procs={w: ProcSeen(alive=True) for w in range(5)},
+                       coordinator={"desired": [0, 1, 2], "members": [0, 1, 2], "known": [0, 1, 2, 4]})
+    assert [w.wid for w in strays(job, seen, asked_before=0)] == [3]

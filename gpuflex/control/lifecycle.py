@@ -56,8 +56,8 @@ def reconcile(ops: Ops, job: Job) -> dict[str, Any] | None:
 
 
 def strays(job: Job, seen: Observation, asked_before: float) -> list[Worker]:
-    """Live workers the coordinator does not want: STARTING ones that are neither members
-    nor desired, alive or with no group recorded (never asked for), and LEAVING ones not
+    """Live workers the coordinator does not want: STARTING ones it never heard of (neither
+    members, desired nor known), alive or with no group recorded, and LEAVING ones not
     desired and still alive when the job's newest resize request is older than
     `asked_before`. None when the coordinator did not answer: without its word nothing is
     a stray."""
@@ -70,8 +70,11 @@ def strays(job: Job, seen: Observation, asked_before: float) -> list[Worker]:
         p = seen.procs.get(w.wid)
         return p is not None and p.alive
 
+    # a worker the coordinator knows (rejected after a rollback, released) ends by itself,
+    # with its own exit code: only one it never heard of is the database's to end
+    known = coord.get("known") if isinstance(coord.get("known"), list) else []
     out = [w for w in job.live_workers if w.wid not in desired and w.state is WorkerState.STARTING
-           and w.wid not in members and (w.pgid is None or running(w))]
+           and w.wid not in members and w.wid not in known and (w.pgid is None or running(w))]
     leavers = [w for w in job.live_workers if w.wid not in desired and w.state is WorkerState.LEAVING
                and running(w)]
     if leavers:   # one row read, only when a leaver is still there

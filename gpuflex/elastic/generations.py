@@ -380,8 +380,8 @@ class Generations:
         verification and were ignored (each distinct record once), "last": the key of the
         newest one (None: none)}. `history`: the last HISTORY_KEPT generations of
         `generations_total`. `abort`, `held`, `unreachable` (null or {reason, ...}),
-        `crashed` and `waiting` (lists), `forming` (null or {generation, since, waiting_for,
-        phase}) are always present."""
+        `crashed`, `waiting` and `known` (every id ever wanted) lists, `forming` (null or
+        {generation, since, waiting_for, phase}) are always present."""
         cur = self.history[-1] if self.history else None
         settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired
                        and self.abort is None and self.held is None)
@@ -391,7 +391,7 @@ class Generations:
                 "abort": self.abort, "held": self.held, "unreachable": self.unreachable,
                 "forming": None if self.finished or self.abort or self.held else self.formation.record(),
                 "crashed": [self.reports.crashed[w] for w in sorted(self.reports.crashed)],
-                "waiting": self.reports.waiting, "generations_total": self.generation,
+                "waiting": self.reports.waiting, "generations_total": self.generation, "known": sorted(self.known),
                 "history": [dict(h, verified=h["verified"] and (h["timings"] is not None or h is not cur))
                             for h in self.history]}
 
