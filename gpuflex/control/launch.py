@@ -14,6 +14,7 @@ from gpuflex.config import Config, HostConfig
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic import env as env_contract
+from gpuflex.elastic import failpoints
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.hosts import hostops
 from gpuflex.hosts.transport import SpawnSpec, Transport
@@ -83,11 +84,18 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               # a member that does not join a forming generation in time is left out (or held)
               "--formation-timeout", str(config.jobs.formation_timeout_s)],
         cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_TOKEN: job.token,
-                     env_contract.JOB_SECRET: job.secret},
+                     env_contract.JOB_SECRET: job.secret, **armed_failpoints(job)},
         log=posixpath.join(d, "coordinator.log"),
         exit_path=posixpath.join(d, "coordinator.exit"),
         private_dirs=[d], socket_dir=socket_dir(job),
     )
+
+
+def armed_failpoints(job: Job) -> dict[str, str]:
+    """The failpoint spec the job's submitter had (failpoints.py; "": none), for the
+    coordinator, whatever the environment of the command that starts it; the workers get
+    it with the rest of the submit environment."""
+    return {failpoints.ENV: (job.submit_env or {}).get(failpoints.ENV, "")}
 
 
 def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank: int, world: int) -> SpawnSpec:
@@ -122,7 +130,8 @@ SESSION_VARIABLES = frozenset({
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
     "CUDA_VISIBLE_DEVICES"})
 SESSION_PREFIXES = ("SSH_", "XDG_SESSION_", "DBUS_", "TERM_", "GPUFLEX_")
-_JOB_KNOBS = frozenset({env_contract.DIRECT_BYTES, env_contract.EXCHANGE_BYTES})  # GPUFLEX_* a job may set
+# GPUFLEX_* a job may set; the failpoints a test armed reach the job's processes too
+_JOB_KNOBS = frozenset({env_contract.DIRECT_BYTES, env_contract.EXCHANGE_BYTES, failpoints.ENV})
 
 
 def submit_environment(environ: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:

@@ -26,6 +26,7 @@ from gpuflex.control.executor import Ops
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
+from gpuflex.elastic import failpoints
 from gpuflex.errors import GpuflexError, JobError, UsageError
 from gpuflex.policy.placement import Assignment, place
 
@@ -74,7 +75,9 @@ def grow(ops: Ops, job: Job, assignments: list[Assignment], why: str = "") -> li
     except GpuflexError as e:
         executor.stop_workers(ops, job, new, f"a newcomer could not start: {e}")
         raise
+    if failpoints.ARMED: failpoints.hit("scale.spawned", job=job.id, wids=[w.wid for w in new])
     ask_for_newcomers(ops, job, new, why)
+    if failpoints.ARMED: failpoints.hit("scale.requested", job=job.id, wids=[w.wid for w in new])
     return new
 
 
@@ -119,6 +122,7 @@ def grow_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
                 failure = e
         if failure is not None:
             break
+    if failpoints.ARMED and failure is None: failpoints.hit("scale.spawned", job=job_id, wids=wids)
     with tx() as session:   # the request, or the clean-up of a failure: committed either way
         job, ops = queries.job(session, job_id), Ops(config, pool, session)
         new = [w for w in job.workers if w.wid in wids]
@@ -131,6 +135,7 @@ def grow_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
                 failure = e
     if failure is not None:
         raise failure
+    if failpoints.ARMED: failpoints.hit("scale.requested", job=job_id, wids=wids)
     return wids
 
 

@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from gpuflex.elastic import codec
+from gpuflex.elastic import codec, failpoints
 from gpuflex.elastic.state import TensorRef, flatten, unflatten
 
 MAGIC = b"GPUFLEX-CKPT-v1\n"
@@ -81,6 +81,11 @@ def _dtype_name(t: torch.Tensor, where: int) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def _step_of(payload: dict[str, Any]) -> Any:
+    state = payload.get("state")
+    return state.get("step") if isinstance(state, dict) else None
+
+
 def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
     """Write `payload` (tensors and what `codec` carries) to `path` atomically, the file
     before it kept as `previous_path(path)`. Raises OSError (a full disk...) with the temp
@@ -110,6 +115,7 @@ def save_checkpoint(path: str, payload: dict[str, Any]) -> None:
             f.write(h.digest())
             f.flush()
             os.fsync(f.fileno())
+        if failpoints.ARMED: failpoints.hit("checkpoint.write", step=_step_of(payload), path=tmp)
         if os.path.exists(path):
             os.replace(path, previous_path(path))
         os.replace(tmp, path)

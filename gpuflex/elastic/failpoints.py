@@ -25,7 +25,8 @@ writes one line `failpoint NAME ACTION pid=P key=value...` to stderr, flushed, s
 shows what fired.
 
 A bad spec is refused when it is armed, naming the rule: a test that arms a typo must fail,
-not silently test nothing. So are names missing from `POINTS`, the list of every place.
+not silently test nothing. So are names missing from `POINTS`, the list of every place. A
+process whose environment holds a bad spec exits 2 at import with one `error:` line.
 """
 
 from __future__ import annotations
@@ -235,7 +236,10 @@ def _act(rule: Rule, ctx: dict[str, object]) -> None:
 def _announce(rule: Rule, ctx: dict[str, object]) -> None:
     words = [f"failpoint {rule.name} {rule.text()} pid={os.getpid()}"]
     words += [f"{key}={value}" for key, value in ctx.items()]
-    line = " ".join(words) + "\n"
+    _write(" ".join(words) + "\n")
+
+
+def _write(line: str) -> None:
     stream = sys.stderr
     try:
         if stream is None:
@@ -247,9 +251,16 @@ def _announce(rule: Rule, ctx: dict[str, object]) -> None:
 
 
 def _arm_from_environment() -> None:
+    """A process started with a bad spec ends at once (exit 2, one `error:` line): a worker,
+    the coordinator or a gpuflex command alike, before it does anything untested."""
     spec = os.environ.get(ENV, "")
-    if spec.strip():
+    if not spec.strip():
+        return
+    try:
         arm(spec)
+    except FailpointSpecError as e:
+        _write(f"error: {e}\n")
+        raise SystemExit(2) from None
 
 
 _arm_from_environment()

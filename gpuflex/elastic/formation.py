@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpuflex.elastic import codec, keys
+from gpuflex.elastic import codec, failpoints, keys
 from gpuflex.elastic.collectives import Collectives
 from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, Superseded
@@ -74,6 +74,8 @@ class Formation:
 
     def switch(self, g: int, agreed_at: float, agree_s: float) -> Formed | None:
         """The members agreed (in `agree_s`) to switch to generation g."""
+        if failpoints.ARMED: failpoints.hit("resize.agree", wid=self.wid, rank=self.group.rank, gen=g,
+                                            step=self.state.step)
         info = self.rdzv.record(g, self.signals.stop_requested)
         if info is None:
             return None
@@ -136,13 +138,18 @@ class Formation:
         t0 = time.time()
         self.rdzv.barrier(g, members, timeout_s=2 * self.timeout_s)
         tb = time.time()
+        points = RESIZE_POINTS if info["kind"] == "resize" else FORMATION_POINTS
+        where = {"wid": self.wid, "rank": rank, "gen": g, "step": state.step, "kind": info["kind"]}
+        if failpoints.ARMED: failpoints.hit(points[0], **where)
         self.group.open(self.rdzv.store, g, rank, world)
         t1 = time.time()
         self.marks = []
         had_state = state.has_state
+        if failpoints.ARMED: failpoints.hit(points[1], **where)
         copied = self._sync_state(g, rank, world)
         state.align_buffers()   # a boundary that failed after the forwards left each member's own
         t2 = time.time()
+        if failpoints.ARMED: failpoints.hit(points[2], **dict(where, step=state.step))
         self._verify(g, rank, received=copied > 0 and not had_state, kind=info["kind"], members=members)
         t3 = time.time()
         self.rdzv.watch_after(g)
@@ -271,6 +278,12 @@ class Formation:
         ref = values[0] if counts[values[0]] == majority else max(counts, key=counts.get)
         return names[i], next((r for r, v in enumerate(values) if v != ref), 0)
 
+
+# The failpoints of a formation's phases (before the group is built, before the state
+# copy, before the checksum): a resize's, or those of every other formation (the first, a
+# recovery's, a rollback's).
+RESIZE_POINTS = ("resize.rebuild", "resize.copy", "resize.verify")
+FORMATION_POINTS = ("formation.join", "formation.group", "formation.verify")
 
 NON_TENSOR = "a non-tensor value (a registered scalar, an optimizer or scheduler setting)"
 

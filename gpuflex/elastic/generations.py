@@ -45,17 +45,17 @@ import secrets
 import time
 from typing import Any, Callable, Protocol
 
-from gpuflex.elastic import keys
+from gpuflex.elastic import failpoints, keys
 from gpuflex.elastic.auth import ForgeryLog, SignedRecords, Signer
 from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, members_ok, printable
 from gpuflex.elastic.forming import FormationWatch, Outcome
+from gpuflex.elastic.store_values import MAX_WID, is_id_list, progress_record
 
 log = logging.getLogger(__name__)
 
 IDLE_TICK_S = 0.5   # full reads of a settled job: heartbeat staleness and progress
 HISTORY_KEPT = 100  # generations status lists (older ones are only counted)
 TIMINGS_LOOKBACK = 3   # older generations whose late timings are still looked for
-MAX_WID = 2**31 - 1
 
 
 class Store(Protocol):
@@ -66,12 +66,6 @@ class Store(Protocol):
     def set(self, key: str, value: str) -> None: ...
     def add(self, key: str, amount: int) -> int: ...
     def delete_key(self, key: str) -> bool: ...
-
-
-def _ids(value: Any) -> bool:
-    """A non-empty list of worker ids (ints in 0..MAX_WID, not bools)."""
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(w, int) and not isinstance(w, bool) and 0 <= w <= MAX_WID for w in value)
 
 
 class Generations:
@@ -151,6 +145,7 @@ class Generations:
     # ---- decisions -----------------------------------------------------------------
     def publish(self, members: list[int], kind: str, message: str) -> None:
         g = self.generation + 1
+        if failpoints.ARMED: failpoints.hit("coordinator.publish", gen=g, kind=kind, members=members)
         rec = {"generation": g, "kind": kind, "members": members, "prev": self.members,
                "created": self.wall(), "message": message}
         self._own.pop(keys.members(self.generation), None)
@@ -199,7 +194,7 @@ class Generations:
     def _tick(self, moved: bool) -> None:
         self._keep_own_records()
         if self.has(keys.PROGRESS):
-            self.progress = _progress(self.store.get(keys.PROGRESS))
+            self.progress = progress_record(self.store.get(keys.PROGRESS))
         self._read_request()
         if self.valid(keys.FINISHED):
             self.finished = True
@@ -350,6 +345,7 @@ class Generations:
                 self.formation.done()
                 cur["ok"] = bool(v.get("ok"))
                 cur["verified"] = cur["ok"]
+                if failpoints.ARMED and cur["ok"]: failpoints.hit("coordinator.formed", gen=g)
                 if not cur["ok"]:
                     self._verdict_reason = printable(v.get("reason") or "no reason given", 500)
                     cur["message"] += f"; rolled back: {self._verdict_reason}"
@@ -398,7 +394,7 @@ class Generations:
     def resize(self, wanted: Any) -> list[int]:
         """The desired membership from now on (ValueError: not a non-empty list of ids, fewer
         than the job's minimum, or the job was aborted)."""
-        if not _ids(wanted):
+        if not is_id_list(wanted):
             raise ValueError(f"members must be a non-empty list of worker ids (0..{MAX_WID})")
         if len(set(wanted)) < self.min_workers:
             raise ValueError(f"{len(set(wanted))} worker(s) is below the job's minimum of {self.min_workers}")
@@ -409,12 +405,3 @@ class Generations:
         self.unreachable = None
         self._busy = True
         return self.desired
-
-
-def _progress(raw: bytes) -> dict[str, Any] | None:
-    """Rank 0's progress (unsigned: shown, never acted on); None unless a JSON object."""
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        return None
-    return value if isinstance(value, dict) else None

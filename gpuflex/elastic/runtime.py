@@ -31,9 +31,8 @@ import time
 from typing import Any, Iterator
 
 import torch
-import torch.distributed as dist
 
-from gpuflex.elastic import keys
+from gpuflex.elastic import failpoints, keys
 from gpuflex.elastic.agreement import Agreement
 from gpuflex.elastic.buffers import BufferSync
 from gpuflex.elastic.collectives import Collectives, pick_device
@@ -45,23 +44,25 @@ from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
 from gpuflex.elastic.liveness import StepBarrier, close_after, close_at_exit, install_crash_hook, report_crash
 from gpuflex.elastic.loader import ElasticLoader, Prefetcher
 from gpuflex.elastic.logs import ensure_handler
-from gpuflex.elastic.micro import Accumulation, global_mean, share, warm_up_steps
+from gpuflex.elastic.micro import Accumulation, share, warm_up_steps
 from gpuflex.elastic.rendezvous import Aborted, Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
 from gpuflex.elastic.signals import StepSignals
 from gpuflex.elastic.state import Registry, copy_value
+from gpuflex.elastic.user_calls import UserCalls
 from gpuflex.elastic.worker_control import Progress, start_control
 
 log = logging.getLogger(__name__)
 
 
-class ElasticRun:
+class ElasticRun(UserCalls):
     """Drives an elastic data-parallel training loop; see the module docstring.
 
     Its parts: `signals` (stop, checkpoint and poke requests), `state` (the step, the logs,
     the registered objects, commits and checkpoints), `group` (the process group and its
     failures), `agreement` (the step-boundary vote), the gradient plan, and, under gpuflex,
-    `rdzv` (the job store) and `formation` (joining generations)."""
+    `rdzv` (the job store) and `formation` (joining generations). The calls a script makes
+    inside a step (all_reduce, accumulate, global_mean, register) come from UserCalls."""
 
     barrier: StepBarrier | None = None   # under gpuflex: the step barrier (liveness.py)
     warming_up = False   # a worker's passes through the loop before it says it is ready (no state yet)
@@ -104,6 +105,7 @@ class ElasticRun:
         self._grad_plan: GradPlan | None = None
         self._pending_timings: dict[str, Any] | None = None
         self._formed_at: float | None = None   # the end of the last formation, until its first step
+        self._formed_kind = ""
         self._control = None
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, lambda *_: self.signals.request_stop())
@@ -170,6 +172,8 @@ class ElasticRun:
                 self.batch = batch
                 self.agreement.begin_step(batch)
                 self._step_started = time.time()
+                if failpoints.ARMED and self._formed_at is not None and self._formed_kind == "resize":
+                    failpoints.hit("resize.first_step", **self._where())
                 yield batch
                 if not self._boundary():
                     return
@@ -221,6 +225,7 @@ class ElasticRun:
             weight = micro.weight if micro is not None else share(batch)
             (loss * weight if weight != 1.0 else loss).backward()
         self._last_loss = loss.detach()
+        if failpoints.ARMED and self.world_size > 1: failpoints.hit("steady.collective", **self._where())
         if self.world_size > 1 and not overlap and self._cross("backward"):   # then reduce
             self._grad_plan.arm()
         if self.world_size > 1 and self.group.failure is not None:
@@ -234,29 +239,6 @@ class ElasticRun:
 
     def _make_grad_plan(self) -> GradPlan:
         return GradPlan(self.model, self.group, self.agreement, self.sampler.num_samples)
-
-    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> bool:
-        """A user collective that a dead peer cannot crash; False if it failed."""
-        if self.world_size == 1:
-            return True
-        return self._cross_user() and self.group.call(dist.all_reduce, tensor, op=op)
-
-    def accumulate(self, *tensors: torch.Tensor, micro_batch_size: int | None = None,
-                   steps: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
-        """Micro-batches (tuples of slices along dim 0) of this rank's share (see micro.py)."""
-        return self.micro.split(tensors, self.batch, micro_batch_size=micro_batch_size, steps=steps)
-
-    def global_mean(self, value: float | torch.Tensor) -> float:
-        """The global batch's mean of this rank's mean (a dead peer: this rank's value)."""
-        if not self._cross_user():
-            return global_mean(self.group, value, share(self.batch), local_only=True)
-        return global_mean(self.group, value, share(self.batch))
-
-    def register(self, name: str, obj: Any) -> Any:
-        """`obj` (a dict of the script's scalars, or anything with state_dict/load_state_dict) becomes
-        state: checkpointed, carried to newcomers, undone with a failed step. Call before the loop."""
-        self.registry.add(f"extra.{name}", obj, new=True, sealed=self._started)
-        return obj
 
     # ---- start, boundary, switch ---------------------------------------------------------------
     def _start(self) -> None:
@@ -286,6 +268,7 @@ class ElasticRun:
         if self.warming_up and self._pre_warm is not None:
             self.state.apply_tree(self._pre_warm)
         self.warming_up = False
+        if failpoints.ARMED: failpoints.hit("startup.before_join", wid=self.wid)
         self.rdzv.set(keys.ready(self.wid), str(time.time()))
         self._joined(self.formation.enter(after=0, was_member=False, failed_at=None))
 
@@ -307,8 +290,10 @@ class ElasticRun:
 
     def _switch_to(self) -> int:
         """Rank 0's part of the agreement: a newer generation to switch to, or 0."""
-        return 0 if self.rank != 0 or self.rdzv is None else self.rdzv.newer_generation(
+        g = 0 if self.rank != 0 or self.rdzv is None else self.rdzv.newer_generation(
             self.generation, self.signals.take_poke())
+        if failpoints.ARMED and g: failpoints.hit("resize.detect", **dict(self._where(), new=g))
+        return g
 
     def _joined(self, formed: Formed | None) -> None:
         """A formation ended: in a new generation, or (None) stopped while waiting for one."""
@@ -316,7 +301,7 @@ class ElasticRun:
             self.stopped = True
             return
         self.rank, self.world_size, self.generation = formed.rank, formed.world_size, formed.generation
-        self._formed_at = formed.at
+        self._formed_at, self._formed_kind = formed.at, formed.kind
         self._pending_timings = formed.timings
 
     def _boundary(self) -> bool:
@@ -359,6 +344,7 @@ class ElasticRun:
                 self._pending_timings = None
         if stop:
             self.stopped = True
+            if failpoints.ARMED: failpoints.hit("cancel.stop", **self._where())
             self._checkpoint()
             return False
         if state.step >= self.sampler.total_steps:
@@ -381,16 +367,16 @@ class ElasticRun:
         self._crossed = (self.generation, self.state.step, phase)
         return self.barrier is None or self.barrier.cross_noted(self.group, self.generation, self.world_size, phase)
 
-    def _cross_user(self) -> bool:
-        """The step barrier before a user collective (StepBarrier.cross_user)."""
-        return self.barrier is None or self.barrier.cross_user(self.group, self.generation, self.world_size)
-
     def _checkpoint(self) -> None:
         """Rank 0 writes a checkpoint; one that failed is reported at once through the
         progress record (the control side turns each new failure into an event)."""
         if not self.state.checkpoint(self.rank, self.world_size) and self.state.last_checkpoint_error \
                 and self.rdzv is not None:
             self.progress.report(self.state.step_log, self.rdzv, force=True)
+
+    def _where(self) -> dict[str, int]:
+        """This worker's place, for a failpoint's filters."""
+        return {"wid": self.wid, "rank": self.rank, "gen": self.generation, "step": self.step}
 
     def _more(self) -> bool:
         return self.state.step < self.sampler.total_steps and not self.stopped
