@@ -92,6 +92,18 @@ def _text(value: str) -> str:
     return value
 
 
+def _time_limit(value: str) -> str:
+    """A `--time` spelling (gpuflex.jobspec.parse_time), kept as written."""
+    from gpuflex.errors import UsageError
+    from gpuflex.jobspec import parse_time
+
+    try:
+        parse_time(value, "default_time")
+    except UsageError as e:
+        raise _invalid(str(e)) from None
+    return value
+
+
 def _database_url(value: str) -> str:
     if "://" not in value or "\0" in value:
         raise _invalid(f"not a database URL: {value!r} (e.g. sqlite:///path/gpuflex.db).")
@@ -130,6 +142,8 @@ class JobSettings:
     max_same_failures: StrictInt = Field(3, ge=1, le=1000)  # the same rollback/formation failure this often ends the job
     orphan_timeout_s: Number = Field(120, gt=0, le=DAY_S)          # a coordinator without heartbeats or commands this long ends itself
     formation_timeout_s: Number = Field(60, ge=1, le=DAY_S)        # a worker not ready/joined this long is formed without
+    # a run's time limit when submit gives no --time (same spellings: 90s, 4h, 1-12:00:00)
+    default_time: Optional[Annotated[StrictStr, AfterValidator(_time_limit)]] = None
 
 
 @dataclass(frozen=True, config=_TABLE)

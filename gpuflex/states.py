@@ -27,7 +27,8 @@ class JobState(_StrState):
       its store was lost or it fell below MIN; it restarts from its last checkpoint).
     - SCALING: a new generation was written; workers switch at a step boundary.
       -> RUNNING (switch seen or given up), SUCCEEDED, FAILED, CANCELLED, QUEUED.
-    - SUCCEEDED, FAILED, CANCELLED: final.
+    - TIMEOUT: the run reached its time limit (`--time`): SIGTERM, grace, SIGKILL. Final.
+    - SUCCEEDED, FAILED, CANCELLED, TIMEOUT: final.
     """
 
     QUEUED = "queued"
@@ -36,6 +37,7 @@ class JobState(_StrState):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    TIMEOUT = "timeout"
 
     @property
     def final(self) -> bool:
@@ -50,16 +52,17 @@ class JobState(_StrState):
             raise IllegalTransition("job", self.value, target.value)
 
 
-_FINAL_JOB = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+_FINAL_JOB = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.TIMEOUT}
 _JOB_MOVES: dict[JobState, set[JobState]] = {
     JobState.QUEUED: {JobState.RUNNING, JobState.CANCELLED, JobState.FAILED},
     JobState.RUNNING: {JobState.SCALING, JobState.SUCCEEDED, JobState.FAILED,
-                       JobState.CANCELLED, JobState.QUEUED},
+                       JobState.CANCELLED, JobState.QUEUED, JobState.TIMEOUT},
     JobState.SCALING: {JobState.RUNNING, JobState.SUCCEEDED, JobState.FAILED,
-                       JobState.CANCELLED, JobState.QUEUED},
+                       JobState.CANCELLED, JobState.QUEUED, JobState.TIMEOUT},
     JobState.SUCCEEDED: set(),
     JobState.FAILED: set(),
     JobState.CANCELLED: set(),
+    JobState.TIMEOUT: set(),
 }
 
 

@@ -14,9 +14,10 @@ from gpuflex.states import WorkerState as W
 # a job that can never start; see the report: the docstring does not list it yet).
 JOB_MOVES = {
     J.QUEUED: {J.RUNNING, J.CANCELLED, J.FAILED},
-    J.RUNNING: {J.SCALING, J.SUCCEEDED, J.FAILED, J.CANCELLED, J.QUEUED},
-    J.SCALING: {J.RUNNING, J.SUCCEEDED, J.FAILED, J.CANCELLED, J.QUEUED},
+    J.RUNNING: {J.SCALING, J.SUCCEEDED, J.FAILED, J.CANCELLED, J.QUEUED, J.TIMEOUT},
+    J.SCALING: {J.RUNNING, J.SUCCEEDED, J.FAILED, J.CANCELLED, J.QUEUED, J.TIMEOUT},
     J.SUCCEEDED: set(),
+    J.TIMEOUT: set(),
     J.FAILED: set(),
     J.CANCELLED: set(),
 }
@@ -83,6 +84,6 @@ def test_worker_final(state, final):
 
 
 def test_states_are_str_enums_with_the_contract_names():
-    assert [s.value for s in J] == ["queued", "running", "scaling", "succeeded", "failed", "cancelled"]
+    assert [s.value for s in J] == ["queued", "running", "scaling", "succeeded", "failed", "cancelled", "timeout"]
     assert J("running") is J.RUNNING and J.RUNNING == "running"
     assert W("stopped") is W.STOPPED and W.STOPPED == "stopped"

@@ -16,6 +16,7 @@ import gpuflex.cli.render as render
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
 from gpuflex.control.service import SubmitRequest, parse_count, parse_env, parse_ref, parse_workers
 from gpuflex.errors import JobError, UsageError
+from gpuflex.jobspec import parse_after, parse_array, parse_time
 from gpuflex.states import JobState
 
 
@@ -42,6 +43,19 @@ def submit(
     retries: int = typer.Option(0, "--retries", help="Restarts (from the last checkpoint) allowed after a worker "
                                 "crashes: an exception or a non-zero exit is a bug, so by default the job fails. "
                                 "Signals and lost hosts are faults the job rides out; they never count."),
+    elastic: Optional[str] = typer.Option(None, "--elastic", help="How the job changes size: inplace (a "
+                                          "gpuflex.elastic script; default for MIN:MAX) or restart (a script that "
+                                          "resumes from its own checkpoint: relaunched at each resize). A fixed "
+                                          "--workers N runs as a gang (torchrun's contract) without it."),
+    time: Optional[str] = typer.Option(None, "--time", help="Time limit: 90s, 30m, 4h, 2d or 1-12:00:00 (a bare "
+                                       "number is minutes, as in Slurm); then SIGTERM, grace, SIGKILL, state "
+                                       "timeout. Default: [jobs] default_time."),
+    after: Optional[str] = typer.Option(None, "--after", help="Job ids (or array ids) that must succeed first, "
+                                        "e.g. 12,13; if one fails or is cancelled, so is this job."),
+    array: Optional[str] = typer.Option(None, "--array", help="Submit an array: 0-15, 1,3,5, with %N for at "
+                                        "most N running at once (0-15%4); each gets GPUFLEX_ARRAY_INDEX."),
+    requeue: bool = typer.Option(False, "--requeue", help="Let a higher-priority job preempt it: stopped "
+                                 "(SIGTERM, grace) and requeued."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -59,7 +73,10 @@ def submit(
                          "after it, e.g. gpuflex submit --workers 2 -- python train.py.")
     req = SubmitRequest(argv=argv, name=name, min_workers=lo, max_workers=hi,
                         gpus_per_worker=gpus_per_worker, priority=priority, harvest=harvest,
-                        env=parse_env(env or []), workdir=workdir, retries=retries)
+                        env=parse_env(env or []), workdir=workdir, retries=retries, elastic=elastic,
+                        time_limit_s=parse_time(time) if time is not None else None,
+                        after=parse_after(after) if after is not None else (),
+                        array=parse_array(array) if array is not None else None, requeue=requeue)
     svc = obj(ctx).service()
     job = svc.job(svc.submit(req), events=False)
     if as_json:

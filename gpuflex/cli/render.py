@@ -33,6 +33,9 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
         "workers": [worker_json(w) for w in job.workers],
         "retries": job.retries, "last_crash": job.last_crash, "waiting": [dict(w) for w in job.waiting],
         "forming": forming,   # the coordinator's {generation, since, waiting_for, phase}, or null
+        "elastic": job.elastic, "time_limit_s": job.time_limit_s, "time_left_s": job.time_left_s,
+        "after": list(job.after), "array_id": job.array_id, "array_index": job.array_index,
+        "requeue": job.requeue,
     }
 
 

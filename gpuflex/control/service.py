@@ -31,6 +31,7 @@ from gpuflex.db.models import Job
 from gpuflex.errors import UnknownJobError, UsageError
 from gpuflex.control.probes import record_probes
 from gpuflex.hosts.probe import collect_probes
+from gpuflex.jobspec import ArraySpec, check_torchrun, elastic_mode, parse_time
 from gpuflex.policy.placement import devices_per_worker
 from gpuflex.states import JobState
 
@@ -79,6 +80,14 @@ class SubmitRequest:
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     workdir: str | None = None
     retries: int = 0   # restarts allowed after a worker crashed (a bug); faults never count
+    # issue 11: --elastic as given (None: inplace for MIN < MAX, a fixed gang otherwise),
+    # --time in seconds (None: [jobs] default_time, else none), --after ids, --array,
+    # --requeue (a higher-priority job may stop and requeue it)
+    elastic: str | None = None
+    time_limit_s: float | None = None
+    after: tuple[int, ...] = ()
+    array: ArraySpec | None = None
+    requeue: bool = False
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
@@ -110,6 +119,13 @@ class SubmitRequest:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) \
                 or not 0 <= self.retries <= MAX_RETRIES:
             raise UsageError(f"--retries {self.retries!r}: give a number of restarts from 0 to {MAX_RETRIES}.")
+        elastic_mode(self.elastic, self.min_workers, self.max_workers)
+        check_torchrun(self.argv, self.gpus_per_worker)
+
+    @property
+    def elastic_mode(self) -> str | None:
+        """'inplace', 'restart' or None (a fixed gang): see gpuflex.jobspec.elastic_mode."""
+        return elastic_mode(self.elastic, self.min_workers, self.max_workers)
 
 
 def parse_workers(text: str) -> tuple[int, int]:
@@ -243,22 +259,41 @@ class JobService:
             self.pool.sync_hosts(session)
             self.record_probes(session, results)
             self.check_pool_can_hold(session, req)   # bad input: the transaction is undone
+            self.check_after(session, req.after)
             environ = os.environ if req.environ is None else req.environ
-            job = Job(
-                token=secrets.token_hex(6), name=req.name or os.path.basename(req.argv[0]),
-                state=JobState.QUEUED, argv=list(req.argv), workdir=workdir, env=dict(req.env),
-                submit_env=submit_environment(environ, req.env),
-                min_workers=req.min_workers, max_workers=req.max_workers,
-                gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
-                retries=req.retries,
-                user=local_user(),
-            )
-            session.add(job)
-            session.flush()
-            journal.record(session, job, "submitted", f"submitted: {' '.join(job.argv)}",
-                           workers=f"{job.min_workers}:{job.max_workers}")
+            limit = req.time_limit_s
+            if limit is None and self.config.jobs.default_time is not None:
+                limit = parse_time(self.config.jobs.default_time, "default_time")
+            indices = req.array.indices if req.array is not None else (None,)
+            jobs = []
+            for index in indices:
+                job = Job(
+                    token=secrets.token_hex(6), name=req.name or os.path.basename(req.argv[0]),
+                    state=JobState.QUEUED, argv=list(req.argv), workdir=workdir, env=dict(req.env),
+                    submit_env=submit_environment(environ, req.env),
+                    min_workers=req.min_workers, max_workers=req.max_workers,
+                    gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
+                    retries=req.retries, elastic=req.elastic_mode, time_limit_s=limit,
+                    after=list(req.after) or None, requeue=req.requeue,
+                    array_index=index, array_limit=req.array.limit if req.array is not None else None,
+                    user=local_user(),
+                )
+                session.add(job)
+                session.flush()
+                if req.array is not None:
+                    job.array_id = jobs[0].id if jobs else job.id   # an array is named by its first job
+                jobs.append(job)
+                journal.record(session, job, "submitted", f"submitted: {' '.join(job.argv)}",
+                               workers=f"{job.min_workers}:{job.max_workers}",
+                               **({"array_id": job.array_id, "array_index": index} if req.array else {}))
             lifecycle.place_queued(self.ops(session))
-            return job.id
+            return jobs[0].id
+
+    def check_after(self, session: Session, after: tuple[int, ...]) -> None:
+        """UsageError for an --after id that names no job (before anything is written)."""
+        for ref in after:
+            if queries.job(session, ref) is None:
+                raise UsageError(f"--after {ref}: there is no job {ref}.", hint="Run 'gpuflex status' to list jobs.")
 
     def check_pool_can_hold(self, session: Session, req: SubmitRequest) -> None:
         """UsageError when the configured pool could never hold the job's MIN workers, all

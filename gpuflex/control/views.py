@@ -7,6 +7,7 @@ JSON (the contract) and tables show.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from sqlalchemy.orm import Session, object_session
@@ -79,6 +80,16 @@ class JobInfo:
     # members waiting at a step barrier for busy members (running jobs): [{wid, for, phase, since}]
     waiting: tuple[dict[str, Any], ...] = ()
     recent: tuple[EventInfo, ...] = ()   # the newest few state and generation events
+    # issue 11: 'inplace' | 'restart' | None (a fixed gang); the run's time limit and the
+    # seconds left of it (running jobs); --after ids; the array and this job's index in it
+    elastic: str | None = None
+    time_limit_s: float | None = None
+    time_left_s: float | None = None
+    after: tuple[int, ...] = ()
+    array_id: int | None = None
+    array_index: int | None = None
+    array_limit: int | None = None
+    requeue: bool = False
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -115,7 +126,18 @@ def job_info(job: Job, *, events: bool = False) -> JobInfo:
         retries=job.retries or 0,
         last_crash={**crash.data, "time": crash.time} if crash is not None else None,
         waiting=tuple((waited.data or {}).get("waiting") or ()) if waited is not None else (),
-        recent=tuple(event_info(e) for e in recent))
+        recent=tuple(event_info(e) for e in recent),
+        elastic=job.elastic, time_limit_s=job.time_limit_s, time_left_s=time_left(job),
+        after=tuple(job.after or ()), array_id=job.array_id, array_index=job.array_index,
+        array_limit=job.array_limit, requeue=bool(job.requeue))
+
+
+def time_left(job: Job, now: float | None = None) -> float | None:
+    """Seconds left of a running job's time limit (from the start of its current run);
+    None without a limit or when it is not running."""
+    if job.time_limit_s is None or job.started_at is None or not job.state.active:
+        return None
+    return max(0.0, job.started_at + job.time_limit_s - (time.time() if now is None else now))
 
 
 def pool_view(config: Config, session: Session) -> list[dict]:

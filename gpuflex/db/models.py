@@ -114,6 +114,17 @@ class Job(Base):
     # the submitter's environment, recorded at submit: every worker of the job gets it
     # (newcomers included); None for jobs submitted before migration 0005
     submit_env: Mapped[dict[str, str] | None] = mapped_column(JSON)
+    # issue 11 (migration 0006): 'inplace' | 'restart' | None (a fixed gang, torchrun's
+    # contract); the run's wall-clock limit; jobs that must succeed first; the array
+    # (id of its first job), this job's index in it, the array's cap on running jobs;
+    # whether a higher-priority job may stop and requeue it
+    elastic: Mapped[str | None] = mapped_column(String(16))
+    time_limit_s: Mapped[float | None] = mapped_column(Float)
+    after: Mapped[list[int] | None] = mapped_column(JSON)
+    array_id: Mapped[int | None] = mapped_column(Integer, index=True)
+    array_index: Mapped[int | None] = mapped_column(Integer)
+    array_limit: Mapped[int | None] = mapped_column(Integer)
+    requeue: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

@@ -1,0 +1,186 @@
+"""What a lab's job asks for besides its command: how it changes size, how long it may run,
+what it waits for and which array it belongs to (issue 11). Pure parsing, shared by the
+CLI (`submit --elastic/--time/--after/--array`) and the config (`[jobs] default_time`), so
+one spelling means one thing everywhere; every refusal is a UsageError naming the value.
+
+The spellings follow Slurm where a lab already knows them: `--time` takes `90s`, `30m`,
+`4h`, `2d`, or Slurm's `MM`, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM`, `D-HH:MM:SS` (a
+bare number is minutes, as in Slurm); `--array` takes `A-B`, `A,B,C` or a mix, with
+`%N` for at most N running at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from gpuflex.errors import UsageError
+
+INPLACE = "inplace"
+RESTART = "restart"
+ELASTIC_MODES = (INPLACE, RESTART)
+MAX_TIME_S = 366 * 86400      # a year: anything longer is a typo
+MAX_ARRAY = 10000             # jobs in one array (Slurm's default MaxArraySize is 1001)
+MAX_AFTER = 100               # jobs one job may wait for
+
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_SUFFIXED = re.compile(r"([0-9]+(?:\.[0-9]+)?)([smhd])")
+_SLURM = re.compile(r"(?:([0-9]+)-)?([0-9]+)(?::([0-9]+))?(?::([0-9]+))?")
+
+
+def parse_time(text: str, option: str = "--time") -> float:
+    """Seconds of a time limit (see the module's doc); UsageError for what is not one,
+    for 0 and for more than a year."""
+    raw = str(text).strip().lower()
+    seconds = _suffixed(raw) if _SUFFIXED.fullmatch(raw) else _slurm(raw)
+    if seconds is None:
+        raise UsageError(f"{option} {text!r} is not a time: write e.g. 90s, 30m, 4h, 2d or "
+                         "1-12:00:00 (days-hours:minutes:seconds).")
+    if not 0 < seconds <= MAX_TIME_S:
+        raise UsageError(f"{option} {text!r}: a time limit is more than 0 and at most 366 days.")
+    return seconds
+
+
+def _suffixed(raw: str) -> float | None:
+    m = _SUFFIXED.fullmatch(raw)
+    return float(m.group(1)) * _UNIT[m.group(2)] if m else None
+
+
+def _slurm(raw: str) -> float | None:
+    m = _SLURM.fullmatch(raw)
+    if not m or len(raw) > 32:
+        return None
+    days, a, b, c = m.groups()
+    parts = [int(x) for x in (a, b, c) if x is not None]
+    if days is not None:       # D-HH, D-HH:MM, D-HH:MM:SS
+        h, mi, s = (parts + [0, 0])[:3]
+        return int(days) * 86400 + h * 3600 + mi * 60 + s
+    if len(parts) == 1:        # MM
+        return parts[0] * 60
+    if len(parts) == 2:        # MM:SS
+        return parts[0] * 60 + parts[1]
+    return parts[0] * 3600 + parts[1] * 60 + parts[2]   # HH:MM:SS
+
+
+def format_time(seconds: float) -> str:
+    """`1-02:03:04` or `02:03:04`: Slurm's way of writing a time (rounded down to seconds)."""
+    s = max(0, int(seconds))
+    d, s = divmod(s, 86400)
+    h, s = divmod(s, 3600)
+    m, s = divmod(s, 60)
+    return (f"{d}-" if d else "") + f"{h:02d}:{m:02d}:{s:02d}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """The indices of an array and its cap on running jobs (None: no cap)."""
+
+    indices: tuple[int, ...]
+    limit: int | None = None
+
+
+def parse_array(text: str) -> ArraySpec:
+    """`0-15%4`, `1,3,5`, `0-3,8`: UsageError for an empty, reversed or too large one."""
+    raw = str(text).strip()
+    body, sep, cap = raw.partition("%")
+    limit = None
+    if sep:
+        if not cap.isascii() or not cap.isdigit() or int(cap) < 1 or len(cap) > 6:
+            raise UsageError(f"--array {text!r}: the part after % is the number of jobs that may run at "
+                             "once, at least 1 (e.g. 0-15%4).")
+        limit = int(cap)
+    indices: list[int] = []
+    for part in body.split(","):
+        m = re.fullmatch(r"\s*([0-9]{1,9})\s*(?:-\s*([0-9]{1,9})\s*)?", part)
+        if not m:
+            raise UsageError(f"--array {text!r} is not a list of indices: write e.g. 0-15, 1,3,5 or 0-15%4.")
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise UsageError(f"--array {text!r}: the range {lo}-{hi} goes down; write {hi}-{lo}.")
+        if hi - lo + 1 + len(indices) > MAX_ARRAY:
+            raise UsageError(f"--array {text!r}: at most {MAX_ARRAY} jobs in one array.")
+        indices.extend(range(lo, hi + 1))
+    if len(set(indices)) != len(indices):
+        raise UsageError(f"--array {text!r} names an index twice.")
+    return ArraySpec(tuple(indices), limit)
+
+
+def parse_after(text: str) -> tuple[int, ...]:
+    """`12,13` -> (12, 13): job ids (whether they exist is the service's to check)."""
+    ids = []
+    for part in str(text).split(","):
+        p = part.strip()
+        if not p.isascii() or not p.isdigit() or len(p) > 10 or not 1 <= int(p) <= 2**31 - 1:
+            raise UsageError(f"--after {text!r}: give job ids separated by commas (e.g. --after 12,13).")
+        ids.append(int(p))
+    if len(ids) > MAX_AFTER:
+        raise UsageError(f"--after {text!r}: at most {MAX_AFTER} jobs.")
+    return tuple(dict.fromkeys(ids))
+
+
+def elastic_mode(value: str | None, min_workers: int, max_workers: int) -> str | None:
+    """The job's `elastic` from `--elastic` and its worker range: `inplace` by default for
+    MIN < MAX, None (a fixed gang) for N workers. `restart` needs a range to move in;
+    `inplace` at a fixed size is today's fixed-size elastic job (faults are ridden out by
+    a requeue from its checkpoint, where a gang fails)."""
+    if value is None:
+        return INPLACE if min_workers < max_workers else None
+    mode = str(value).strip().lower()
+    if mode not in ELASTIC_MODES:
+        raise UsageError(f"--elastic {value!r}: give inplace (gpuflex.elastic scripts, resized in place) or "
+                         "restart (scripts that resume from their own checkpoints, relaunched at each resize).")
+    if mode == RESTART and min_workers == max_workers:
+        raise UsageError(f"--elastic restart with --workers {min_workers}:{max_workers}: a restart job needs "
+                         "a range to resize in (e.g. --workers 1:4); a fixed size runs as a gang without "
+                         "--elastic.")
+    return mode
+
+
+def torchrun_args(argv: list[str]) -> list[str] | None:
+    """The arguments torchrun reads (up to its script) when `argv` runs torchrun
+    (`torchrun ...` or `python -m torch.distributed.run ...`); None for any other command."""
+    if not argv:
+        return None
+    name = argv[0].rsplit("/", 1)[-1]
+    if name == "torchrun":
+        rest = argv[1:]
+    elif name.startswith("python") and argv[1:3] == ["-m", "torch.distributed.run"]:
+        rest = argv[3:]
+    else:
+        return None
+    for i, a in enumerate(rest):   # its own options end at the script (or -m module)
+        if not a.startswith("-") and (i == 0 or not _takes_value(rest[i - 1])):
+            return rest[:i]
+    return rest
+
+
+def _takes_value(option: str) -> bool:
+    return option.startswith("--") and "=" not in option and option not in (
+        "--standalone", "--no-python", "--no_python", "--run-path", "--run_path", "--module", "-m")
+
+
+def torchrun_nproc(argv: list[str]) -> str | None:
+    """The value of torchrun's --nproc-per-node in `argv` (None: not torchrun, or not given)."""
+    args = torchrun_args(argv)
+    for i, a in enumerate(args or []):
+        for flag in ("--nproc-per-node", "--nproc_per_node"):
+            if a == flag and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+    return None
+
+
+def check_torchrun(argv: list[str], gpus_per_worker: int) -> None:
+    """A torchrun command runs one agent per worker ("node"), whose processes share the
+    worker's GPUs: --nproc-per-node must fit them (a number up to --gpus-per-worker, or
+    torchrun's gpu/auto, which count the GPUs it is given)."""
+    nproc = torchrun_nproc(argv)
+    if nproc is None or nproc in ("gpu", "auto", "cpu", "xpu"):
+        return
+    if not nproc.isascii() or not nproc.isdigit() or int(nproc) < 1:
+        raise UsageError(f"torchrun --nproc-per-node {nproc!r}: give a number of processes per node.")
+    if int(nproc) > gpus_per_worker:
+        raise UsageError(f"torchrun --nproc-per-node {nproc} does not fit --gpus-per-worker {gpus_per_worker}: "
+                         f"each worker is one torchrun node; give --gpus-per-worker {nproc}.")
