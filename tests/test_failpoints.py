@@ -254,14 +254,23 @@ def test_the_submit_environment_keeps_the_spec_and_drops_other_gpuflex_variables
     assert kept == {failpoints.ENV: "resize.copy=kill", "A": "a"}
 
 
-@pytest.mark.parametrize("submit_env,spec", [({failpoints.ENV: "coordinator.publish=kill"}, "coordinator.publish=kill"),
-                                             ({"PATH": "/bin"}, ""), (None, "")],
-                         ids=["armed at submit", "not armed at submit", "a job from before submit_env"])
-def test_the_coordinator_gets_the_submitters_spec_whatever_the_starters(monkeypatch, submit_env, spec):
+ARMED_JOBS = [
+    ("armed at submit", {failpoints.ENV: "coordinator.publish=kill"}, {}, "coordinator.publish=kill"),
+    ("armed by --env", {"PATH": "/bin"}, {failpoints.ENV: "cancel.stop=kill"}, "cancel.stop=kill"),
+    ("--env over submit", {failpoints.ENV: "coordinator.publish=kill"}, {failpoints.ENV: ""}, ""),
+    ("not armed at submit", {"PATH": "/bin"}, {}, ""),
+    ("a job from before submit_env", None, {}, ""),
+]
+
+
+@pytest.mark.parametrize("submit_env,env,spec", [a[1:] for a in ARMED_JOBS], ids=[a[0] for a in ARMED_JOBS])
+def test_the_coordinator_gets_the_workers_spec_whatever_the_starters(monkeypatch, submit_env, env, spec):
     monkeypatch.setenv(failpoints.ENV, "resize.copy=kill")   # the command that starts it
     cfg = parse_config({"hosts": [{"name": "h", "gpus": "cpu:2"}]}, "f.toml")
-    coord = launch.coordinator_spec(cfg, cfg.hosts[0], job(submit_env), 1234, [0, 1])
+    armed = job(submit_env)
+    armed.env = env
+    coord = launch.coordinator_spec(cfg, cfg.hosts[0], armed, 1234, [0, 1])
     assert coord.env[failpoints.ENV] == spec
     w = Worker(wid=0, host="h", gpus=[0], log_path="~/l", exit_path="~/e")
-    worker = launch.worker_spec(cfg, cfg.hosts[0], job(submit_env), w, rank=0, world=1)
+    worker = launch.worker_spec(cfg, cfg.hosts[0], armed, w, rank=0, world=1)
     assert worker.env.get(failpoints.ENV, "") == spec   # a job from before submit_env: the starter's

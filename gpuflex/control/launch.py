@@ -92,10 +92,9 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
 
 
 def armed_failpoints(job: Job) -> dict[str, str]:
-    """The failpoint spec the job's submitter had (failpoints.py; "": none), for the
-    coordinator, whatever the environment of the command that starts it; the workers get
-    it with the rest of the submit environment."""
-    return {failpoints.ENV: (job.submit_env or {}).get(failpoints.ENV, "")}
+    """The failpoint spec the job's workers get (failpoints.py: the submitter's, or --env's;
+    "": none), for the coordinator, whatever the environment of the command starting it."""
+    return {failpoints.ENV: {**(job.submit_env or {}), **(job.env or {})}.get(failpoints.ENV, "")}
 
 
 def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank: int, world: int) -> SpawnSpec:
