@@ -22,6 +22,8 @@ from gpuflex.hosts.transport import SpawnSpec, Transport
 SOCKET_ROOT = "/tmp"  # unix socket paths must stay short (108 bytes)
 SOCKET_PREFIX = "gpuflex-"
 OMP_THREADS = "OMP_NUM_THREADS"
+ARRAY_ID = "GPUFLEX_ARRAY_ID"        # an array job's array (the id of its first job)
+ARRAY_INDEX = "GPUFLEX_ARRAY_INDEX"  # and its index in it
 
 
 def job_dir(host: HostConfig, job: Job) -> str:
@@ -88,6 +90,7 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
         log=posixpath.join(d, "coordinator.log"),
         exit_path=posixpath.join(d, "coordinator.exit"),
         private_dirs=[d], socket_dir=socket_dir(job),
+        deadline=coordinator_deadline(config, job), grace_s=5,
     )
 
 
@@ -112,10 +115,29 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
     env = {**(job.submit_env or {}), **job.env}
     env.setdefault(OMP_THREADS, str(omp_threads(host, len(worker.gpus), _gpus_on_host(host, job))))
     env.update(contract.to_env())
+    if job.array_id is not None:
+        env.update({ARRAY_ID: str(job.array_id), ARRAY_INDEX: str(job.array_index)})
     return SpawnSpec(argv=list(job.argv), cwd=job.workdir, env=env,
                      log=worker.log_path, exit_path=worker.exit_path,
                      private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job),
-                     clean_env=job.submit_env is not None)
+                     clean_env=job.submit_env is not None,
+                     deadline=run_deadline(job), grace_s=config.jobs.cancel_grace_s)
+
+
+def run_deadline(job: Job) -> float | None:
+    """When the current run reaches its time limit (epoch seconds; None: no limit). Each
+    run (a requeue restarts the clock) is limited on its own: a worker's supervisor
+    enforces it, the coordinator ends after the grace."""
+    if job.time_limit_s is None or job.started_at is None:
+        return None
+    return job.started_at + job.time_limit_s
+
+
+def coordinator_deadline(config: Config, job: Job) -> float | None:
+    """The coordinator outlives the workers' grace at the time limit (a gpuflex.elastic
+    job checkpoints on the SIGTERM, through its store)."""
+    deadline = run_deadline(job)
+    return None if deadline is None else deadline + config.jobs.cancel_grace_s
 
 
 # What belongs to a login session or to a host rather than to a job: not recorded at

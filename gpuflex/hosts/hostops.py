@@ -8,6 +8,8 @@ need nothing but gpuflex itself importable by their `python`.
 A worker runs under a small supervisor that is the leader of a new session (so the
 whole group can be signalled) and that records the worker's exit status in an exit
 file; a group that is gone without an exit file was killed or lost with its host.
+The supervisor also keeps the run's time limit (the spec's deadline): no daemon of ours
+runs on a host, so it is the only one there when the deadline comes.
 """
 
 from __future__ import annotations
@@ -72,6 +74,8 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
 
 
 def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int) -> None:
+    if spec.get("socket_dir"):
+        mark_group(spec["socket_dir"])   # before the process exists: see end_run
     argv = list(spec["argv"])
     argv[0] = os.path.expanduser(argv[0])
     try:
@@ -93,14 +97,48 @@ def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    rc = proc.wait()
-    record = {"returncode": rc, "ended_at": time.time()}
+    rc, timed_out = wait_until(proc, spec.get("deadline"), float(spec.get("grace_s") or 0.0))
+    record = {"returncode": rc, "ended_at": time.time(), **({"time_limit": True} if timed_out else {})}
     tmp = exit_path + ".tmp"
     with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
         json.dump(record, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, exit_path)
+
+
+def wait_until(proc: subprocess.Popen, deadline: float | None, grace_s: float) -> tuple[int, bool]:
+    """Wait for the worker; at `deadline` (epoch seconds) SIGTERM its group, wait
+    `grace_s`, then SIGKILL every process of the group but this supervisor. Returns the
+    worker's return code and whether the deadline ended it. Waits in slices, so a clock
+    set forward or back moves the deadline with it."""
+    if deadline is None:
+        return proc.wait(), False
+    while (left := float(deadline) - time.time()) > 0:
+        try:
+            return proc.wait(timeout=min(left, 60.0)), False
+        except subprocess.TimeoutExpired:
+            pass
+    _signal_own_group(signal.SIGTERM)
+    try:
+        rc = proc.wait(timeout=max(0.0, grace_s))
+    except subprocess.TimeoutExpired:
+        _signal_own_group(signal.SIGKILL)
+        rc = proc.wait()
+    _signal_own_group(signal.SIGKILL)   # what the worker left behind: the limit ends the whole run
+    return rc, True
+
+
+def _signal_own_group(signum: int) -> None:
+    """`signum` to every process of this supervisor's group except itself (it ignores
+    SIGTERM but not SIGKILL)."""
+    me, group = os.getpid(), os.getpgrp()
+    for pid, state, _, pgrp in proc_stats():
+        if pgrp == group and pid != me and state != "Z":
+            try:
+                os.kill(pid, signum)
+            except OSError:
+                pass
 
 
 def spawn_env(spec: dict[str, Any]) -> dict[str, str]:
@@ -111,6 +149,38 @@ def spawn_env(spec: dict[str, Any]) -> dict[str, str]:
         env = dict(os.environ)
     env.update(spec.get("env") or {})
     return env
+
+
+GROUP_MARK = "group-"
+
+
+def mark_group(socket_dir: str) -> None:
+    """Mark this process's group as one of the run's, in the run's socket directory."""
+    fd = os.open(os.path.join(socket_dir, f"{GROUP_MARK}{os.getpgrp()}"), os.O_WRONLY | os.O_CREAT, 0o600)
+    os.close(fd)
+
+
+def end_run(socket_dir: str) -> list[int]:
+    """SIGKILL every live process group marked in a run's socket directory (a run whose
+    command died before it recorded it: gpuflex.control.intents), then remove the
+    directory; returns the groups killed. Only our own directory, only our own groups."""
+    d = socket_dir.rstrip("/")
+    if not os.path.basename(d).startswith("gpuflex-"):
+        raise ValueError(f"not a run's socket directory: {socket_dir!r}")
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return []
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ValueError(f"{socket_dir!r} is not our directory")
+    pgids = sorted(int(e.name[len(GROUP_MARK):]) for e in os.scandir(d)
+                   if e.name.startswith(GROUP_MARK) and e.name[len(GROUP_MARK):].isdigit())
+    killed = [g for g, sent in zip(pgids, signal_groups(pgids, signal.SIGKILL)) if sent]
+    deadline = time.monotonic() + 5
+    while any(group_alive(g) for g in killed) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    remove_own_dir(d)
+    return killed
 
 
 def cleanup(socket_dirs: list[str]) -> list[bool]:
@@ -294,6 +364,8 @@ def main(argv: list[str]) -> int:
             reply = read_file(req["path"], int(req.get("offset", 0)), int(req.get("limit", 1 << 20)))
         elif op == "cleanup":
             reply = cleanup(list(req["socket_dirs"]))
+        elif op == "end-run":
+            reply = end_run(str(req["socket_dir"]))
         else:
             print(json.dumps({"error": f"unknown op {op!r}"}))
             return 2

@@ -51,6 +51,11 @@ class SpawnSpec:
     USER, LOGNAME, SHELL), so a job's workers get the environment recorded at submit
     rather than that of whoever runs the command that starts them. A program path
     (`argv[0]`) and `cwd` starting with `~` are the host user's.
+
+    `deadline` (epoch seconds; None: none) is the run's time limit, kept by the
+    supervisor itself, since no daemon watches the hosts: at the deadline it sends
+    SIGTERM to the worker's group, waits `grace_s`, SIGKILLs what is left, and its exit
+    record says `"time_limit": true`.
     """
 
     argv: list[str]
@@ -61,6 +66,8 @@ class SpawnSpec:
     private_dirs: list[str] = dataclasses.field(default_factory=list)
     socket_dir: str | None = None
     clean_env: bool = False
+    deadline: float | None = None
+    grace_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
