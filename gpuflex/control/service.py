@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config
-from gpuflex.control import executor, journal, lifecycle, report, scaling, views
+from gpuflex.control import executor, intents, journal, lifecycle, report, scaling, views
 from gpuflex.control.executor import Ops
 from gpuflex.control.launch import local_user, submit_environment
 from gpuflex.control.pool import Pool
@@ -189,6 +189,7 @@ class JobService:
     def locked(self) -> Iterator[Session]:
         """A session under the database's "ops" lock (gpuflex.db.locks), committed on success."""
         with database_lock(self.config.database_url, "ops").held(), self.sessions.begin() as session:
+            intents.settle(self.config, self.pool, session)   # runs of commands that died mid-start
             yield session
 
     def ops(self, session: Session) -> Ops:
@@ -336,6 +337,7 @@ class JobService:
         results = self.collect_probes()
         with database_lock(self.config.database_url, "ops").held():
             with self.sessions.begin() as session:
+                intents.settle(self.config, self.pool, session)
                 self.record_probes(session, results)
                 job_id = self.get(session, ref).id
             scaling.scale_in_steps(self.sessions.begin, self.config, self.pool, job_id, n)

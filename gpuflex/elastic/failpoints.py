@@ -59,6 +59,7 @@ POINTS: dict[str, str] = {
     "coordinator.formed": "coordinator, after it recorded a formed generation",
     "scale.spawned": "gpuflex scale: newcomers spawned, before the resize request is sent",
     "scale.requested": "gpuflex scale: resize request sent, before the wait for it",
+    "start.spawned": "a command starting a job: its processes spawned, before the transaction commits",
 }
 
 ACTIONS = ("kill", "stop", "exit", "raise", "sleep", "oserror")

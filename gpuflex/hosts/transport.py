@@ -174,6 +174,11 @@ class LocalTransport(Transport):
             return hostops.read_file(request["path"], request.get("offset", 0), request.get("limit", 1 << 20))
         if op == "cleanup":
             return hostops.cleanup(request["socket_dirs"])
+        if op == "end-run":
+            try:
+                return hostops.end_run(request["socket_dir"])
+            except (ValueError, OSError) as e:
+                raise TransportError(self.host.name, f"hostops {op}: {type(e).__name__}: {e}") from None
         raise ValueError(op)
 
     def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
