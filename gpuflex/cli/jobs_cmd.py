@@ -81,6 +81,8 @@ def submit(
     job = svc.job(svc.submit(req), events=False)
     if as_json:
         print_json(render.job_json(job))
+    elif req.array is not None:
+        console.print(render.array_submitted(job.id, len(req.array.indices), req.array.limit))
     elif job.state is JobState.FAILED:
         console.print(f"job {job.id} ({job.name}) failed: {job.exit_reason}")
     else:
@@ -127,6 +129,10 @@ def status(
             return render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id))
         head = Text.assemble(f"job {j.id} ", (j.name, "bold"), f" {j.state} world {j.world_size} "
                              f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
+        if j.array_id is not None:
+            head += f" array {j.array_id}_{j.array_index}"
+        if render.time_left_text(j):
+            head += f" {render.time_left_text(j)}"
         prog = svc.progress.get(j.id)
         if prog:
             head += f" step {prog.get('step')} epoch {prog.get('epoch')}"
@@ -214,13 +220,18 @@ def scale(
 @command
 def cancel(ctx: typer.Context, job: str = typer.Argument(..., help="A job id or name.")) -> None:
     """Stop all workers of a job (SIGTERM, then SIGKILL after the grace period) and free its GPUs.
+    An array's id cancels every job of the array not ended yet; ID_INDEX (5_3) one of them.
 
     Example: gpuflex cancel 3
     """
     parse_ref(job)
     svc = obj(ctx).service()
-    j = svc.cancel(job)
-    console.print(f"job {j.id} cancelled")
+    done = svc.cancel(job)
+    if len(done) == 1:
+        console.print(f"job {done[0].id} cancelled")
+    else:
+        console.print(f"array {done[0].array_id}: cancelled {len(done)} job(s) "
+                      f"({render.id_ranges([j.id for j in done])})")
 
 
 @command

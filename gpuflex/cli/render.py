@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuflex.control.views import EventInfo, JobInfo, WorkerInfo
+from gpuflex.jobspec import format_time
 from gpuflex.states import JobState
 
 
@@ -98,24 +99,76 @@ def ago(ts: float | None) -> str:
 
 
 _STATE_STYLE = {JobState.QUEUED: "yellow", JobState.RUNNING: "green", JobState.SCALING: "cyan",
-                JobState.SUCCEEDED: "bold green", JobState.FAILED: "red", JobState.CANCELLED: "magenta"}
+                JobState.SUCCEEDED: "bold green", JobState.FAILED: "red", JobState.CANCELLED: "magenta",
+                JobState.TIMEOUT: "red"}
+
+
+def id_ranges(ids: list[int]) -> str:
+    """[5, 6, 7, 9] -> "5-7,9"."""
+    out: list[str] = []
+    for i in sorted(ids):
+        if out and out[-1].rsplit("-", 1)[-1] == str(i - 1):
+            out[-1] = out[-1].split("-")[0] + f"-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
+def array_submitted(first: int, count: int, limit: int | None) -> str:
+    """"array 5: jobs 5-20 (16 jobs, at most 4 running)": an array's jobs are numbered on
+    from its first, which is the array's id."""
+    return (f"array {first}: jobs {id_ranges(list(range(first, first + count)))} ({count} jobs"
+            + (f", at most {limit} running)" if limit is not None else ")"))
+
+
+def time_left_text(job: JobInfo) -> str:
+    """"time left 00:12:03 of 01:00:00" for a running job with a limit; "" otherwise."""
+    if job.time_left_s is None or job.time_limit_s is None:
+        return ""
+    return f"time left {format_time(job.time_left_s)} of {format_time(job.time_limit_s)}"
+
+
+def array_summary(jobs: list[JobInfo]) -> str:
+    """"16 jobs: 4 running, 10 queued, 2 succeeded" (states in their life's order)."""
+    counts = {s: sum(1 for j in jobs if j.state is s) for s in JobState}
+    return f"{len(jobs)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
 
 
 def jobs_table(jobs: list[JobInfo], progress: dict[int, dict[str, Any]]) -> Table:
+    """One row per job; an array is one row (its id, counts per state) with its jobs
+    under it, indented, each named NAME[INDEX]."""
     t = Table(title="gpuflex jobs", title_justify="left")
-    for col in ("ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "USER", "AGE", "NOTE"):
+    for col in ("ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "LEFT", "USER", "AGE", "NOTE"):
         t.add_column(col, no_wrap=col != "NOTE")
+    arrays: dict[int, list[JobInfo]] = {}
     for j in jobs:
-        note = j.queue_reason if j.state is JobState.QUEUED else (j.exit_reason or "").split("\n")[0]
-        if j.waiting and j.state.active:
-            note = waiting_text(j.waiting)
-        if j.restarts and not j.state.final:
-            note = f"restarts {j.restarts}" + (f"; {note}" if note else "")
-        step = (progress.get(j.id) or {}).get("step")
-        t.add_row(str(j.id), j.name, Text(str(j.state), style=_STATE_STYLE.get(j.state, "")),
-                  f"{j.world_size}/{j.min_workers}:{j.max_workers}", str(j.generation),
-                  "-" if step is None else str(step), j.user, ago(j.created_at), note or "")
+        if j.array_id is not None:
+            arrays.setdefault(j.array_id, []).append(j)
+    for j in jobs:
+        if j.array_id is None:
+            _job_row(t, j, progress)
+        elif j.array_id in arrays:
+            members = arrays.pop(j.array_id)
+            cap = f" (at most {members[0].array_limit} running)" if members[0].array_limit else ""
+            t.add_row(f"array {j.array_id}", j.name, array_summary(members) + cap, "", "", "", "", j.user,
+                      ago(min(m.created_at for m in members)), "")
+            for m in members:
+                _job_row(t, m, progress, indent=True)
     return t
+
+
+def _job_row(t: Table, j: JobInfo, progress: dict[int, dict[str, Any]], indent: bool = False) -> None:
+    note = j.queue_reason if j.state is JobState.QUEUED else (j.exit_reason or "").split("\n")[0]
+    if j.waiting and j.state.active:
+        note = waiting_text(j.waiting)
+    if j.restarts and not j.state.final:
+        note = f"restarts {j.restarts}" + (f"; {note}" if note else "")
+    step = (progress.get(j.id) or {}).get("step")
+    left = format_time(j.time_left_s) if j.time_left_s is not None else "-"
+    t.add_row(f"  {j.id}" if indent else str(j.id), f"{j.name}[{j.array_index}]" if indent else j.name,
+              Text(str(j.state), style=_STATE_STYLE.get(j.state, "")),
+              f"{j.world_size}/{j.min_workers}:{j.max_workers}", str(j.generation),
+              "-" if step is None else str(step), left, j.user, ago(j.created_at), note or "")
 
 
 def workers_table(job: JobInfo) -> Table:

@@ -22,7 +22,7 @@ from typing import Any
 
 from sqlalchemy.orm import object_session
 
-from gpuflex.control import executor, journal
+from gpuflex.control import executor, journal, queueing
 from gpuflex.control import launch as L
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import facts, observe
@@ -30,8 +30,9 @@ from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import TransportError
 from gpuflex.hosts import hostops
+from gpuflex.jobspec import format_time
 from gpuflex.policy.lifecycle import Observation, decide
-from gpuflex.policy.placement import place
+from gpuflex.policy.placement import Placement, place
 from gpuflex.states import JobState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ def reconcile(ops: Ops, job: Job) -> dict[str, Any] | None:
     """Bring one running job's record in line with its processes and coordinator; returns
     the coordinator's status (None when it did not answer)."""
     seen = observe(ops.config, ops.pool, job)
+    if timed_out(job, seen, time.time()):
+        time_out(ops, job, seen)
+        return seen.coordinator
     stray = strays(job, seen, time.time() - LEAVE_BOUND_S)
     if stray:
         executor.stop_workers(ops, job, stray, "the database and the coordinator disagree: "
@@ -53,6 +57,33 @@ def reconcile(ops: Ops, job: Job) -> dict[str, Any] | None:
         seen = dataclasses.replace(seen, procs={k: v for k, v in seen.procs.items() if k not in gone})
     executor.apply(ops, job, decide(facts(job), seen))
     return seen.coordinator
+
+
+def timed_out(job: Job, seen: Observation, now: float) -> bool:
+    """Whether the run reached its time limit: the deadline passed and some live worker
+    did not end before it (alive, ended at or after it — its supervisor stopped it —, or
+    on a host that did not answer). A run whose workers all ended before the deadline
+    ends by its exit codes, whenever a command sees it."""
+    deadline = L.run_deadline(job)
+    if deadline is None or now < deadline or not job.live_workers:
+        return False
+    for w in job.live_workers:
+        p = seen.procs.get(w.wid)
+        if p is None or p.alive or not p.exited or p.ended_at is None or p.ended_at >= deadline:
+            return True
+    return False
+
+
+def time_out(ops: Ops, job: Job, seen: Observation) -> None:
+    """End a run at its time limit: what still runs gets SIGTERM, the grace, SIGKILL (the
+    supervisors did it at the deadline, unless this command came first); state TIMEOUT."""
+    limit = format_time(job.time_limit_s or 0)
+    by_supervisors = all(p.exited and not p.alive for p in seen.procs.values()) and bool(seen.procs)
+    reason = f"time limit {limit} reached"
+    journal.record(ops.session, job, "time-limit", reason, time_limit_s=job.time_limit_s,
+                   deadline=L.run_deadline(job), stopped_by="supervisors" if by_supervisors else "reconcile")
+    job.exit_reason = reason
+    executor.stop_job(ops, job, JobState.TIMEOUT, reason)
 
 
 def strays(job: Job, seen: Observation, asked_before: float) -> list[Worker]:
@@ -96,18 +127,24 @@ def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:
 
 
 def place_queued(ops: Ops) -> None:
-    """Start queued jobs that fit, by priority then age; record why the others wait."""
+    """Start queued jobs that fit, by priority then age, once their dependencies succeeded
+    and their array has room (gpuflex.control.queueing); a job that does not fit may
+    preempt lower-priority ones; record why the others wait."""
+    queueing.settle_dependencies(ops)
     for job in queries.queued_jobs(ops.session):
         failed = queries.last_event_of(ops.session, job.id, ["launch-failed"])   # one row, not the history
         if failed is not None and time.time() - (failed.last_time or failed.time) < LAUNCH_RETRY_S:
             continue   # a host failed us a moment ago: do not hammer it on every command
-        want_max = job.target_workers or job.max_workers
-        p = place(ops.pool.free(ops.session), job.min_workers, max(want_max, job.min_workers),
-                  job.gpus_per_worker)
+        gate = queueing.gate(ops, job)
+        if not gate.open:
+            wait(ops, job, gate.wait or gate.cancel or "")
+            continue
+        p = placement(ops, job)
         if not p.ok:
-            if job.queue_reason != p.reason:
-                job.queue_reason = p.reason
-                journal.record(ops.session, job, "queued", p.reason)
+            reason = queueing.make_room(ops, job, p.reason or "")
+            p = placement(ops, job) if reason is not None else p
+        if not p.ok:
+            wait(ops, job, reason or p.reason or "")
             continue
         try:
             executor.start_job(ops, job, list(p.assignments))
@@ -121,3 +158,16 @@ def place_queued(ops: Ops) -> None:
                 job.queue_reason = f"launch failed (retrying in {LAUNCH_RETRY_S:.0f} s): {e}"
                 journal.record(ops.session, job, "launch-failed", str(e))
         ops.session.flush()
+
+
+def placement(ops: Ops, job: Job) -> Placement:
+    """Where the job's workers would go now: MIN to its target (else MAX) on free devices."""
+    want_max = job.target_workers or job.max_workers
+    return place(ops.pool.free(ops.session), job.min_workers, max(want_max, job.min_workers), job.gpus_per_worker)
+
+
+def wait(ops: Ops, job: Job, reason: str) -> None:
+    """The job stays queued: its reason, and an event when the reason changed."""
+    if job.queue_reason != reason:
+        job.queue_reason = reason
+        journal.record(ops.session, job, "queued", reason)

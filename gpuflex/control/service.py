@@ -38,6 +38,7 @@ from gpuflex.states import JobState
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _ID = re.compile(r"[0-9]+")   # ASCII only: str.isdigit() takes '²', which int() refuses
+_ARRAY_REF = re.compile(r"([0-9]+)_([0-9]+)")
 MAX_RETRIES = 1000
 # Every count the CLI takes lands in an INTEGER column, 32 bits wide in PostgreSQL (and
 # 64 in SQLite): bounds at the edge so a typo is a clear refusal, never an OverflowError.
@@ -111,9 +112,9 @@ class SubmitRequest:
             check_text("--workdir", self.workdir)
         if self.name is not None and not _NAME.fullmatch(self.name):
             raise UsageError(f"--name {self.name!r}: use letters, digits, '.', '_' or '-' (at most 64).")
-        if self.name is not None and self.name.isdigit():
-            raise UsageError(f"--name {self.name!r}: a name of digits only would read as a job id; "
-                             f"add a letter (e.g. run-{self.name}).")
+        if self.name is not None and (self.name.isdigit() or _ARRAY_REF.fullmatch(self.name)):
+            raise UsageError(f"--name {self.name!r}: a name of digits only would read as a job id "
+                             f"(or ID_INDEX as an array's job); add a letter (e.g. run-{self.name}).")
         if self.workdir is not None and not os.path.isdir(os.path.expanduser(self.workdir)):
             raise UsageError(f"--workdir {self.workdir!r} is not a directory.")
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) \
@@ -144,15 +145,31 @@ def parse_workers(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def parse_ref(ref: str | int) -> int | str:
-    """A job reference as the id (int) or the name (str) it can be, checked before any
-    database is opened; UnknownJobError for what can be neither."""
+@dataclasses.dataclass(frozen=True)
+class ArrayRef:
+    """`5_3`: index 3 of the array 5 (Slurm's way of naming an array's task)."""
+
+    array_id: int
+    index: int
+
+
+def _id(text: str) -> int:
+    if len(text) > 10 or int(text) > INT_MAX:   # no such row can exist; the driver would overflow
+        raise UsageError(f"job id {text[:20]}{'...' if len(text) > 20 else ''}: job ids go from 1 "
+                         f"to {INT_MAX}.", hint="Run 'gpuflex status' to list jobs.")
+    return int(text)
+
+
+def parse_ref(ref: str | int) -> int | str | ArrayRef:
+    """A job reference as the id (int), the array task (`5_3`: ArrayRef) or the name (str)
+    it can be, checked before any database is opened; UnknownJobError for what can be
+    none of them."""
     text = str(ref).strip()
     if _ID.fullmatch(text):
-        if len(text) > 10 or int(text) > INT_MAX:   # no such row can exist; the driver would overflow
-            raise UsageError(f"job id {text[:20]}{'...' if len(text) > 20 else ''}: job ids go from 1 "
-                             f"to {INT_MAX}.", hint="Run 'gpuflex status' to list jobs.")
-        return int(text)
+        return _id(text)
+    m = _ARRAY_REF.fullmatch(text)
+    if m:
+        return ArrayRef(_id(m.group(1)), _id(m.group(2)))
     if _NAME.fullmatch(text):
         return text
     raise UnknownJobError(text)
@@ -200,7 +217,10 @@ class JobService:
     def get(self, session: Session, ref: str | int) -> Job:
         """A job by id or name (the newest of that name); UnknownJobError otherwise."""
         key = parse_ref(ref)
-        job = queries.job(session, key) if isinstance(key, int) else queries.newest_job_named(session, key)
+        if isinstance(key, ArrayRef):
+            job = queries.array_job(session, key.array_id, key.index)
+        else:
+            job = queries.job(session, key) if isinstance(key, int) else queries.newest_job_named(session, key)
         if job is None:
             raise UnknownJobError(str(ref).strip())
         return job
@@ -319,15 +339,25 @@ class JobService:
                              f"{req.gpus_per_worker} can never start: the pool holds at most {fits} such "
                              f"worker(s) ({', '.join(parts)}); lower MIN or add hosts.")
 
-    def cancel(self, ref: str) -> views.JobInfo:
+    def cancel(self, ref: str) -> list[views.JobInfo]:
+        """Cancel a job; an array's id (a plain id that is an array's, as Slurm's scancel
+        reads it) cancels every job of the array not ended yet (`5_3`: one of them).
+        Returns the jobs cancelled."""
         with self.locked() as session:
-            job = self.get(session, ref)
-            if job.state.final:
-                raise UsageError(f"job {job.id} is already {job.state}; nothing to cancel.")
+            key = parse_ref(ref)
+            array = queries.array_jobs(session, key) if isinstance(key, int) else []
+            jobs = [j for j in array if not j.state.final] if array else [self.get(session, ref)]
+            if not jobs or jobs[0].state.final:
+                what = f"array {key}: every job" if array else f"job {jobs[0].id}"
+                raise UsageError(f"{what} is already {'ended' if array else jobs[0].state}; nothing to cancel.")
             ops = self.ops(session)
-            executor.stop_job(ops, job, JobState.CANCELLED, "cancelled by user")
+            for job in jobs:
+                if job.state is JobState.QUEUED:   # nothing runs: no process to stop
+                    journal.set_state(session, job, JobState.CANCELLED, "cancelled by user")
+                else:
+                    executor.stop_job(ops, job, JobState.CANCELLED, "cancelled by user")
             lifecycle.place_queued(ops)
-            return views.job_info(job)
+            return [views.job_info(j) for j in jobs]
 
     def scale(self, ref: str, n: int) -> views.JobInfo:
         """Resize a running job. A grow commits its steps one by one under the ops lock

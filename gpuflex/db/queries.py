@@ -41,6 +41,45 @@ def queued_jobs(session: Session) -> list[Job]:
                                 .order_by(Job.priority.desc(), Job.id)))
 
 
+def array_jobs(session: Session, array_id: int) -> list[Job]:
+    """The jobs of the array `array_id` (the id of its first job), by index; [] when no
+    array has that id."""
+    return list(session.scalars(select(Job).where(Job.array_id == array_id)
+                                .order_by(Job.array_index, Job.id)))
+
+
+def array_job(session: Session, array_id: int, index: int) -> Job | None:
+    """The job at `index` of the array `array_id`."""
+    return session.scalar(select(Job).where(Job.array_id == array_id, Job.array_index == index).limit(1))
+
+
+def job_states(session: Session, ids: Iterable[int]) -> dict[int, list[tuple[int, JobState]]]:
+    """For each id: (id, state) of every job of the array it names, or of the job itself
+    when it names no array; [] for an id that names nothing."""
+    ids = list(dict.fromkeys(ids))
+    out: dict[int, list[tuple[int, JobState]]] = {i: [] for i in ids}
+    for jid, array_id, state in session.execute(select(Job.id, Job.array_id, Job.state).where(
+            (Job.array_id.in_(ids)) | (Job.id.in_(ids))).order_by(Job.id)):
+        if array_id in out:
+            out[array_id].append((jid, state))
+    for jid, array_id, state in session.execute(select(Job.id, Job.array_id, Job.state).where(Job.id.in_(ids))):
+        if not out[jid]:
+            out[jid].append((jid, state))
+    return out
+
+
+def active_in_array(session: Session, array_id: int) -> int:
+    """How many of the array's jobs run now."""
+    return session.scalar(select(func.count(Job.id)).where(Job.array_id == array_id,
+                                                          Job.state.in_(list(ACTIVE)))) or 0
+
+
+def dependents(session: Session) -> list[Job]:
+    """Queued jobs that wait for others (`--after`), by id."""
+    return [j for j in session.scalars(select(Job).where(Job.state == JobState.QUEUED,
+                                                         Job.after.is_not(None)).order_by(Job.id)) if j.after]
+
+
 # ---- workers ------------------------------------------------------------------------------
 def held_devices(session: Session) -> dict[str, set[int]]:
     """Devices held by live workers of running jobs, per host."""

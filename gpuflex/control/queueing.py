@@ -1,0 +1,108 @@
+"""The queue's gates and preemption, carried out: what gpuflex.policy.preemption decides
+for a queued job, read from the database and acted on.
+
+gpuflex.control.lifecycle.place_queued asks, per queued job in placing order (priority,
+then age): `settle_dependencies` first (a failed, cancelled or timed-out dependency
+cancels the job, and a chain below it in the same command), then `gate` (dependencies
+not done yet, the array's cap), and when the job does not fit, `make_room` (preempt
+lower-priority jobs). Every decision leaves a trace on both sides: the waiting job's
+queue_reason and a "preempting" event name the preempted jobs, and each preempted job's
+"preempted" event (and its requeue's reason) names the waiting one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from gpuflex.control import executor, journal, scaling
+from gpuflex.control.executor import Ops
+from gpuflex.db import queries
+from gpuflex.db.models import Job
+from gpuflex.errors import GpuflexError
+from gpuflex.policy.preemption import (Dependency, Gate, HeldWorker, Shrink, Stop, Victim, array_gate,
+                                       dependency_gate, plan_preemption)
+from gpuflex.states import JobState, WorkerState
+
+log = logging.getLogger(__name__)
+
+PREEMPTED_CAUSE = "preempted"   # a requeue's cause (never counted against --retries)
+
+
+def dependencies(ops: Ops, job: Job) -> list[Dependency]:
+    states = queries.job_states(ops.session, job.after or [])
+    return [Dependency(ref, tuple(states[ref]), array=any(jid != ref for jid, _ in states[ref]))
+            for ref in states]
+
+
+def settle_dependencies(ops: Ops) -> None:
+    """Cancel every queued job whose dependency ended badly, until none is left: a job
+    cancelled here may be the dependency of the next (A failed -> B cancelled -> C)."""
+    for _ in range(1000):   # each round cancels at least one job; a chain is never this long
+        cancelled = False
+        for job in queries.dependents(ops.session):
+            verdict = dependency_gate(dependencies(ops, job))
+            if verdict.cancel:
+                job.queue_reason = None
+                job.exit_reason = verdict.cancel
+                journal.set_state(ops.session, job, JobState.CANCELLED, verdict.cancel)
+                cancelled = True
+        ops.session.flush()
+        if not cancelled:
+            return
+
+
+def gate(ops: Ops, job: Job) -> Gate:
+    """Why the job may not start yet (its dependencies, its array's cap), or open."""
+    if job.after:
+        verdict = dependency_gate(dependencies(ops, job))
+        if not verdict.open:
+            return verdict
+    if job.array_id is not None and job.array_limit is not None:
+        return array_gate(job.array_id, job.array_limit, queries.active_in_array(ops.session, job.array_id))
+    return Gate()
+
+
+def victims(ops: Ops, job: Job) -> list[Victim]:
+    """The running jobs of lower priority than `job`, as the policy sees them."""
+    return [Victim(j.id, j.priority, j.elastic, bool(j.requeue), j.min_workers,
+                   tuple(HeldWorker(w.wid, w.host, tuple(w.gpus)) for w in j.members),
+                   can_shrink=j.state is JobState.RUNNING)
+            for j in queries.jobs(ops.session, queries.ACTIVE) if j.priority < job.priority]
+
+
+def leaving(ops: Ops) -> list[HeldWorker]:
+    """Devices that leavers of running jobs are giving back (retired, not gone yet)."""
+    return [HeldWorker(w.wid, w.host, tuple(w.gpus)) for j in queries.jobs(ops.session, queries.ACTIVE)
+            for w in j.live_workers if w.state is WorkerState.LEAVING]
+
+
+def make_room(ops: Ops, job: Job, waiting: str) -> str | None:
+    """Preempt lower-priority jobs so that `job` fits (see gpuflex.policy.preemption).
+    Returns the job's new queue reason (None: nothing would make room; `waiting` stays)."""
+    plan = plan_preemption(ops.pool.free(ops.session), leaving(ops), job.min_workers, job.gpus_per_worker,
+                           job.priority, victims(ops, job))
+    if not plan.ok:
+        return None
+    if not plan.actions:
+        return f"{waiting}; preempted workers are leaving"
+    names = []
+    by = f"preempted by job {job.id} (priority {job.priority})"
+    for action in plan.actions:
+        victim = queries.job(ops.session, action.job_id)
+        try:
+            if isinstance(action, Shrink):
+                journal.record(ops.session, victim, "preempted", f"{by}: worker(s) "
+                               f"{', '.join(map(str, action.wids))} leave", by=job.id, wids=list(action.wids))
+                scaling.retire(ops, victim, list(action.wids), why=by)
+                names.append(f"job {victim.id} (shrinking by {len(action.wids)})")
+            elif isinstance(action, Stop):
+                journal.record(ops.session, victim, "preempted", f"{by}: stopped and requeued", by=job.id)
+                executor.requeue(ops, victim, by, cause=PREEMPTED_CAUSE)
+                names.append(f"job {victim.id} (requeued)")
+        except GpuflexError as e:
+            log.warning("job %s: preempting job %s failed: %s", job.id, action.job_id, e)
+            names.append(f"job {victim.id} (failed: {e})")
+    message = "preempting " + ", ".join(names)
+    journal.record(ops.session, job, "preempting", message, jobs=[a.job_id for a in plan.actions])
+    ops.session.flush()
+    return message

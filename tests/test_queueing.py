@@ -1,0 +1,160 @@
+"""The queue's decisions without processes (gpuflex.policy.preemption): dependency gates,
+array caps, preemption plans, and the time spellings the limits take."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuflex.control.service import ArrayRef, parse_ref
+from gpuflex.errors import UsageError
+from gpuflex.jobspec import format_time, parse_time
+from gpuflex.policy.placement import HostFree
+from gpuflex.policy.preemption import (Dependency, HeldWorker, Shrink, Stop, Victim, array_gate,
+                                       dependency_gate, plan_preemption)
+from gpuflex.states import JobState as S
+
+# ---- dependencies ---------------------------------------------------------------------------
+
+
+def dep(ref: int, *states: S, array: bool = False) -> Dependency:
+    return Dependency(ref, tuple((ref + i, s) for i, s in enumerate(states)), array=array)
+
+
+def test_a_job_waits_naming_each_dependency_not_done_and_its_state():
+    gate = dependency_gate([dep(12, S.RUNNING), dep(13, S.QUEUED), dep(14, S.SUCCEEDED)])
+    assert (gate.open, gate.cancel) == (False, None)
+    assert gate.wait == "waiting for job 12 (running), job 13 (queued)"
+
+
+def test_every_dependency_succeeded_opens_the_gate():
+    assert dependency_gate([dep(12, S.SUCCEEDED), dep(5, S.SUCCEEDED, S.SUCCEEDED, array=True)]).open
+    assert dependency_gate([]).open
+
+
+@pytest.mark.parametrize("state,words", [(S.FAILED, "failed"), (S.CANCELLED, "was cancelled"),
+                                         (S.TIMEOUT, "timed out")])
+def test_a_dependency_that_ended_badly_cancels_the_job_with_that_reason(state, words):
+    gate = dependency_gate([dep(13, S.QUEUED), dep(12, state)])
+    assert gate.cancel == f"job 12 {words}" and not gate.open
+
+
+def test_an_array_id_stands_for_every_job_of_the_array():
+    waiting = dependency_gate([dep(5, S.SUCCEEDED, S.RUNNING, S.QUEUED, S.SUCCEEDED, array=True)])
+    assert waiting.wait == "waiting for array 5 (2 of 4 not done)"
+    failed = dependency_gate([dep(5, S.SUCCEEDED, S.FAILED, S.QUEUED, array=True)])
+    assert failed.cancel == "job 6 of array 5 failed"
+
+
+def test_an_id_that_names_no_job_any_more_waits_and_says_so():
+    assert dependency_gate([Dependency(99, ())]).wait == "waiting for job 99 (unknown)"
+
+
+# ---- arrays ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("limit,running,open_", [(None, 9, True), (4, 3, True), (4, 4, False), (1, 1, False)])
+def test_an_array_runs_at_most_its_cap(limit, running, open_):
+    gate = array_gate(5, limit, running)
+    assert gate.open is open_
+    if not open_:
+        assert gate.wait == f"waiting for a slot of array 5: {running} of at most {limit} running"
+
+
+def test_a_job_outside_an_array_has_no_cap():
+    assert array_gate(None, 2, 7).open
+
+
+def test_an_array_task_reference_is_id_underscore_index():
+    assert parse_ref("5_3") == ArrayRef(5, 3)
+    assert parse_ref(" 12 ") == 12 and parse_ref("run-5_3") == "run-5_3"
+    with pytest.raises(UsageError, match="job ids go from 1"):
+        parse_ref("5_99999999999")
+
+
+# ---- preemption -----------------------------------------------------------------------------
+def workers(host: str, *devices: int, first_wid: int = 0) -> tuple[HeldWorker, ...]:
+    return tuple(HeldWorker(first_wid + i, host, (d,)) for i, d in enumerate(devices))
+
+
+def victim(job_id: int, priority: int, devices: tuple[int, ...], elastic: str | None = None,
+           requeue: bool = False, min_workers: int | None = None, host: str = "h") -> Victim:
+    return Victim(job_id, priority, elastic, requeue, len(devices) if min_workers is None else min_workers,
+                  workers(host, *devices))
+
+
+def plan(victims, need: int, priority: int = 10, free: tuple[int, ...] = (), coming=()):
+    return plan_preemption([HostFree("h", free, slots=True)], coming, need, 1, priority, victims)
+
+
+def test_in_place_jobs_shrink_toward_min_first_newest_workers_first():
+    v = [victim(1, 0, (0, 1, 2, 3), elastic="inplace", min_workers=1),
+         victim(2, 0, (4, 5), requeue=True)]
+    p = plan(v, 2)
+    assert p.ok and p.actions == (Shrink(1, (2, 3)),)
+
+
+def test_only_as_many_as_needed_lowest_priority_first():
+    v = [victim(1, 5, (0, 1), requeue=True), victim(2, 1, (2, 3), requeue=True),
+         victim(3, 1, (4, 5), elastic="restart", min_workers=1)]
+    p = plan(v, 2)
+    assert p.ok and p.actions == (Stop(3),)    # priority 1, the newest of the two
+    assert plan(v, 4).actions == (Stop(3), Stop(2))
+    assert plan(v, 6).actions == (Stop(3), Stop(2), Stop(1))
+
+
+def test_a_shrink_that_is_not_enough_gives_way_to_one_stop_of_that_job():
+    v = [victim(1, 0, (0, 1, 2), elastic="inplace", requeue=True, min_workers=2)]
+    assert plan(v, 2).actions == (Stop(1),)
+
+
+def test_an_action_made_useless_by_a_later_one_is_dropped():
+    # the shrink of job 1 frees one device, not enough; the stop of job 2 alone frees both
+    v = [victim(1, 0, (0, 1), elastic="inplace", min_workers=1), victim(2, 0, (2, 3), requeue=True)]
+    assert plan(v, 2).actions == (Stop(2),)
+
+
+def test_gangs_equal_or_higher_priority_and_resizing_jobs_are_never_preempted():
+    assert not plan([victim(1, 0, (0, 1))], 1).ok                                   # a gang
+    assert not plan([victim(1, 10, (0, 1), requeue=True)], 1).ok                    # same priority
+    assert not plan([victim(1, 0, (0, 1), elastic="inplace", min_workers=2)], 1).ok   # at its MIN
+    busy = Victim(1, 0, "inplace", False, 1, workers("h", 0, 1), can_shrink=False)
+    assert not plan([busy], 1).ok
+
+
+def test_nobody_is_preempted_when_even_all_of_them_would_not_make_room():
+    v = [victim(1, 0, (0,), requeue=True), victim(2, 0, (1, 2), elastic="inplace", min_workers=1)]
+    assert plan(v, 4) .ok is False and plan(v, 4).actions == ()
+
+
+def test_devices_leavers_are_giving_back_count_and_nothing_more_is_preempted():
+    v = [victim(1, 0, (0, 1), requeue=True)]
+    p = plan(v, 2, free=(2,), coming=workers("h", 3, first_wid=7))
+    assert p.ok and p.actions == ()
+
+
+def test_preemption_counts_whole_workers_on_one_host():
+    """A 2-device worker needs both devices on one host: one freed device on each of two
+    hosts is no room."""
+    v = [Victim(1, 0, None, True, 1, (HeldWorker(0, "a", (0,)),)),
+         Victim(2, 0, None, True, 1, (HeldWorker(0, "b", (0,)),)),
+         Victim(3, 0, None, True, 1, (HeldWorker(0, "a", (1,)),))]
+    free = [HostFree("a", (), True), HostFree("b", (), True)]
+    p = plan_preemption(free, (), 1, 2, 10, v)
+    assert p.ok and set(p.actions) == {Stop(1), Stop(3)}
+
+
+# ---- time limits ----------------------------------------------------------------------------
+@pytest.mark.parametrize("text,seconds", [("90s", 90), ("30m", 1800), ("4h", 14400), ("2d", 172800),
+                                          ("1-12:00:00", 129600), ("5", 300), ("1:30", 90),
+                                          ("01:00:00", 3600), ("2-3", 2 * 86400 + 3 * 3600), ("0.5s", 0.5)])
+def test_time_limits_take_slurm_spellings(text, seconds):
+    assert parse_time(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["0", "0s", "00:00:00", "5x", "", "-1", "1-", "367d", "1:2:3:4", "s"])
+def test_a_time_that_is_no_limit_is_refused_naming_it(text):
+    with pytest.raises(UsageError, match="--time"):
+        parse_time(text)
+
+
+def test_times_are_written_as_slurm_writes_them():
+    assert [format_time(s) for s in (0, 59.9, 3600, 86400, 129600 + 61)] == [
+        "00:00:00", "00:00:59", "01:00:00", "1-00:00:00", "1-12:01:01"]
