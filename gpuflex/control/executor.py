@@ -18,12 +18,13 @@ import time
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
-from gpuflex.control import journal
+from gpuflex.control import intents, journal
 from gpuflex.control import launch as L
 from gpuflex.control.observe import coordinator_request
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
+from gpuflex.elastic import failpoints
 from gpuflex.errors import TransportError
 from gpuflex.policy import lifecycle as P
 from gpuflex.policy.placement import Assignment
@@ -46,6 +47,16 @@ class Ops:
 # ---- starting -------------------------------------------------------------------------------
 def start_job(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
     """Start the coordinator on the first host, then one worker per assignment."""
+    launch_run(ops, job, assignments)
+    journal.set_state(ops.session, job, JobState.RUNNING,
+                      f"{len(assignments)} worker(s) on {', '.join(sorted({a.host for a in assignments}))}",
+                      world_size=len(assignments))
+
+
+def launch_run(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
+    """A new run of the job: a fresh coordinator (store port, socket directory) on the
+    first host and one worker per assignment, in rank order; the job's state is the
+    caller's to set."""
     first = ops.config.host(assignments[0].host)
     t = ops.pool.transport(first)
     job.started_at = time.time()   # the current run: workers started before it are history
@@ -57,17 +68,18 @@ def start_job(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
         job.checkpoint_dir = posixpath.join(L.job_dir(first, job), "checkpoints")
     first_wid = next_wid(ops, job)
     wids = list(range(first_wid, first_wid + len(assignments)))
+    # durably, before the first process: a command killed before it commits leaves a run
+    # the next command ends (gpuflex.control.intents)
+    intents.note(ops.config.database_url, job.id, job.socket_dir, [first.name, *(a.host for a in assignments)])
     spawned = t.spawn(L.coordinator_spec(ops.config, first, job, job.store_port, wids))
     job.store_pgid = spawned.pgid
     for rank, (wid, a) in enumerate(zip(wids, assignments)):
         spawn_worker(ops, job, wid, a, rank, len(assignments))
+    if failpoints.ARMED: failpoints.hit("start.spawned", job=job.id)
     job.generation = 0
     job.world_size = len(assignments)
     job.target_workers = len(assignments)
     job.queue_reason = None
-    journal.set_state(ops.session, job, JobState.RUNNING,
-                      f"{len(assignments)} worker(s) on {', '.join(sorted({a.host for a in assignments}))}",
-                      world_size=len(assignments))
 
 
 def next_wid(ops: Ops, job: Job) -> int:
@@ -177,13 +189,14 @@ def poke_workers(ops: Ops, job: Job) -> None:
 
 
 # ---- stopping -------------------------------------------------------------------------------
-def stop_processes(ops: Ops, job: Job) -> None:
-    """SIGTERM every live worker (grace, then SIGKILL), all hosts at once, then the coordinator."""
+def stop_processes(ops: Ops, job: Job, grace_s: float | None = None) -> None:
+    """SIGTERM every live worker (grace, then SIGKILL), all hosts at once, then the
+    coordinator. `grace_s`: [jobs] cancel_grace_s unless given (a reclaim has a deadline)."""
     by_host: dict[str, list[Worker]] = collections.defaultdict(list)
     for w in job.live_workers:
         if w.pgid:
             by_host[w.host].append(w)
-    grace = ops.config.jobs.cancel_grace_s
+    grace = ops.config.jobs.cancel_grace_s if grace_s is None else max(0.0, grace_s)
     hosts = [ops.config.host(h) for h in by_host]
 
     def stop_host(t):
@@ -234,12 +247,13 @@ def stop_job(ops: Ops, job: Job, target: JobState, why: str) -> None:
     journal.set_state(ops.session, job, target, why)
 
 
-def requeue(ops: Ops, job: Job, why: str, cause: str = "requeue") -> None:
+def requeue(ops: Ops, job: Job, why: str, cause: str = "requeue", grace_s: float | None = None) -> None:
     """Stop the job gracefully (the workers checkpoint at their step boundary) and queue it;
     it restarts from that checkpoint when it fits again. Every requeue of a job that ran
     is a restart: counted in jobs.restarts; its state event gives the reason, the count
-    and the `cause` ("crash" restarts count against the job's --retries)."""
-    stop_processes(ops, job)
+    and the `cause` ("crash" restarts count against the job's --retries). `grace_s`: as
+    stop_processes."""
+    stop_processes(ops, job, grace_s)
     job.restarts += 1
     journal.set_state(ops.session, job, JobState.QUEUED, why, restarts=job.restarts, cause=cause)
 

@@ -14,10 +14,14 @@ A tick, in order:
 4. outside the lock, wait for the leavers to exit; a leaver still alive at
    SHRINK_SHARE x reclaim_deadline_s after that tick's start is SIGKILLed (the
    survivors recover without it, as from any crashed worker). SIGTERM is not used for a
-   single leaver: the worker runtime reads SIGTERM as "stop the whole job";
+   single leaver: the worker runtime reads SIGTERM as "stop the whole job". A restart job
+   (--elastic restart) cannot shrink in place: under the lock, every worker gets SIGTERM
+   and is SIGKILLed at cancel_grace_s or at the shrink window, whichever comes first, then
+   the gang restarts without the owner's GPUs (gpuflex.control.restarts);
 5. record each reclaim (event "reclaim": host, gpu, latency_s from `clock_from`, the start
    of the tick that saw the owner; deadline_s, method, `killed_at` of a SIGKILL), start
-   queued jobs that now fit, plan again and grow --harvest jobs onto idle GPUs.
+   queued jobs that now fit, plan again and grow --harvest jobs onto idle GPUs (a restart
+   job by a restart at the larger size; a fixed gang is never grown: it is at its MAX).
 
 Ticks never overlap: a second one finds the tick lock (beside the DB) held and skips.
 A tick's run time is bounded: probes by the hosts' timeouts, reclaims by the deadline;
@@ -35,7 +39,7 @@ import logging
 from typing import Any, Iterator
 
 from gpuflex.config import Config
-from gpuflex.control import executor, journal, lifecycle, scaling
+from gpuflex.control import executor, journal, lifecycle, restarts, scaling
 from gpuflex.control.executor import Ops
 from gpuflex.control.pool import Pool
 from gpuflex.control.harvest_inputs import current_plan
@@ -132,7 +136,10 @@ def _tick(svc: JobService, dry_run: bool) -> TickResult:
         for a in t.plan.of(Requeue):
             t.actions += _requeue(ops, a)
         for a in t.plan.of(Yield):
-            pending.append(_start_yield(ops, a, t))
+            if restarts.is_restart(queries.job(session, a.job)):
+                t.actions += _restart_yield(ops, a)
+            else:
+                pending.append(_start_yield(ops, a, t))
     outcomes = _watch_exits(svc.config, svc.pool, [x for p in pending for x in p.leavers])
     with database_lock(svc.config.database_url, "ops").held():   # one lock, several commits
         with svc.sessions.begin() as session:
@@ -221,6 +228,42 @@ def _requeue(ops: Ops, a: Requeue) -> list[dict[str, Any]]:
     kill its workers on the owner's GPUs if that takes past the shrink window, and queue
     it. Runs under the lock, so no other command sees the job half stopped."""
     job = queries.job(ops.session, a.job)
+    _sigterm(ops, job)
+    p = _Reclaim(a, _leavers(ops.config, job, a), "requeue")
+    done = _record(ops, p, _watch_exits(ops.config, ops.pool, p.leavers))
+    try:
+        executor.requeue(ops, job, a.reason)   # stops the others (grace, then SIGKILL)
+    except GpuflexError as e:
+        journal.record(ops.session, job, "requeue-failed", str(e))
+    return done + [{"action": "requeue", "job": job.id, "ok": job.state is JobState.QUEUED,
+                    "reason": a.reason}]
+
+
+def _restart_yield(ops: Ops, a: Yield) -> list[dict[str, Any]]:
+    """A restart job gives the owner's GPUs back by a restart without them: SIGTERM to
+    every worker, each killed if still alive at cancel_grace_s after it or at the shrink
+    window, whichever comes first (the whole gang must be gone before it starts again,
+    and the owner's GPUs within the deadline), then the gang relaunched on the rest."""
+    job = queries.job(ops.session, a.job)
+    keep, old = restarts.without(job, a.wids), len(job.members)
+    sigterm_at = _sigterm(ops, job)
+    kill_at = min(sigterm_at + ops.config.jobs.cancel_grace_s,
+                  a.since + SHRINK_SHARE * ops.config.harvest.reclaim_deadline_s)
+    everyone = dataclasses.replace(a, wids=tuple(w.wid for w in job.live_workers))
+    p = _Reclaim(a, _leavers(ops.config, job, everyone, kill_at=kill_at), "restart")
+    done = _record(ops, p, _watch_exits(ops.config, ops.pool, p.leavers))
+    try:
+        ok = restarts.restart(ops, job, keep, f"reclaim: {a.reason}", grace_s=0, sigterm_at=sigterm_at,
+                              old=old)
+    except GpuflexError as e:
+        journal.record(ops.session, job, "restart-failed", str(e))
+        ok = False
+    return done + [{"action": "restart", "job": job.id, "ok": ok, "workers": len(keep), "reason": a.reason}]
+
+
+def _sigterm(ops: Ops, job: Job) -> float:
+    """SIGTERM every live worker of the job (all hosts); when it was sent."""
+    sent = time.time()
     by_host: dict[str, list[int]] = collections.defaultdict(list)
     for w in job.live_workers:
         if w.pgid:
@@ -230,14 +273,7 @@ def _requeue(ops: Ops, a: Requeue) -> list[dict[str, Any]]:
             ops.pool.transport(host).signal(pgids, signal.SIGTERM)
         except GpuflexError as e:
             log.debug("job %s: SIGTERM on %s failed (the watch kills or records it): %s", job.id, host, e)
-    p = _Reclaim(a, _leavers(ops.config, job, a), "requeue")
-    done = _record(ops, p, _watch_exits(ops.config, ops.pool, p.leavers))
-    try:
-        executor.requeue(ops, job, a.reason)   # stops the others (grace, then SIGKILL)
-    except GpuflexError as e:
-        journal.record(ops.session, job, "requeue-failed", str(e))
-    return done + [{"action": "requeue", "job": job.id, "ok": job.state is JobState.QUEUED,
-                    "reason": a.reason}]
+    return sent
 
 
 def _watch_exits(config: Config, pool: Pool, leavers: list[_Leaver]) -> dict[tuple[int, int], _Exit]:
@@ -337,8 +373,9 @@ def _place(ops: Ops) -> list[dict[str, Any]]:
 
 
 def _grow(svc: JobService, grows: list[Grow]) -> list[dict[str, Any]]:
-    """Grow each job in committed steps (scaling.grow_in_steps); the caller holds the ops
-    lock. A failed grow has stopped its newcomers; it is recorded and the others go on."""
+    """Grow each job in committed steps (scaling.grow_in_steps; a restart job by a restart
+    at the larger size, restarts.restart_in_steps); the caller holds the ops lock. A failed
+    grow has stopped its newcomers; it is recorded and the others go on."""
     by_job: dict[int, list[Grow]] = collections.defaultdict(list)
     for g in grows:
         by_job[g.job].append(g)
@@ -346,9 +383,18 @@ def _grow(svc: JobService, grows: list[Grow]) -> list[dict[str, Any]]:
     for job_id, gs in by_job.items():
         where = [[g.host, d] for g in gs for d in g.devices]
         text = ", ".join(f"{h}:{d}" for h, d in where)
+        added = [Assignment(g.host, g.devices) for g in gs]
+        with svc.sessions() as session:
+            job = queries.job(session, job_id)
+            gang = restarts.with_more(job, added) if restarts.is_restart(job) else None
         try:
+            if gang is not None:
+                ok = restarts.restart_in_steps(svc.sessions.begin, svc.config, svc.pool, job_id, gang,
+                                               f"harvesting idle {text}")
+                out.append({"action": "restart", "job": job_id, "ok": ok, "gpus": where, "workers": len(gang)})
+                continue
             wids = scaling.grow_in_steps(svc.sessions.begin, svc.config, svc.pool, job_id,
-                                         [Assignment(g.host, g.devices) for g in gs], why=f"harvesting idle {text}")
+                                         added, why=f"harvesting idle {text}")
             out.append({"action": "grow", "job": job_id, "ok": True, "gpus": where, "wids": wids})
         except GpuflexError as e:
             with svc.sessions.begin() as session:

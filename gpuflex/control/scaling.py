@@ -2,7 +2,9 @@
 
 `gpuflex scale` (a count) and `gpuflex harvest` (specific GPUs) both end here: newcomers
 are spawned and warm up, the coordinator gets the desired membership, and the workers
-switch at their next step boundary. (Requeueing a job is `executor.requeue`.)
+switch at their next step boundary. (Requeueing a job is `executor.requeue`.) A
+restart-elastic job is resized by a restart instead (gpuflex.control.restarts), and a
+fixed gang not at all.
 
 The database must match the processes: a newcomer's row and id are written before its
 process starts, and a resize the coordinator refuses stops its newcomers and ends their
@@ -21,7 +23,7 @@ from typing import Callable, ContextManager
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
-from gpuflex.control import executor, journal
+from gpuflex.control import executor, journal, restarts
 from gpuflex.control.executor import Ops
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
@@ -37,7 +39,13 @@ Transactions = Callable[[], ContextManager[Session]]
 
 def scale(ops: Ops, job: Job, n: int) -> Job:
     """Ask a running job for `n` workers: start newcomers on free devices, or retire the
-    newest workers."""
+    newest workers (a restart job: a restart at `n`; a gang: UsageError)."""
+    restarts.refuse_gang(job)
+    if restarts.is_restart(job):
+        plan = restarts.plan_scale(ops, job, n)
+        if plan is not None:
+            restarts.restart(ops, job, plan, f"scale {len(job.members)} -> {n}")
+        return job
     grows = plan_scale(ops, job, n)
     if grows:
         grow(ops, job, grows)
@@ -140,10 +148,16 @@ def grow_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
 
 
 def scale_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int, n: int) -> None:
-    """`scale` with a grow's steps committed one by one (see `grow_in_steps`). A bad `n`
-    changes nothing."""
+    """`scale` with a grow's steps committed one by one (see `grow_in_steps`; a restart
+    job's stop and launch: restarts.scale_in_steps). A bad `n` changes nothing."""
     with tx() as session:
-        grows = plan_scale(Ops(config, pool, session), queries.job(session, job_id), n)
+        job = queries.job(session, job_id)
+        restarts.refuse_gang(job)
+        restart = restarts.is_restart(job)
+        grows = [] if restart else plan_scale(Ops(config, pool, session), job, n)
+    if restart:
+        restarts.scale_in_steps(tx, config, pool, job_id, n)
+        return
     if grows:
         grow_in_steps(tx, config, pool, job_id, grows)
 
