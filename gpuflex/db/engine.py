@@ -15,7 +15,16 @@ from gpuflex.db.url import sqlite_path
 from gpuflex.errors import DatabaseError
 from gpuflex.hosts.private import private_dir, tighten_file
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+def migrations_dir() -> Path:
+    """The Alembic scripts: `gpuflex/migrations` inside an installed wheel (mapped there from
+    the repository's top-level `migrations/` at build time), else the repository's own."""
+    inside = Path(__file__).resolve().parents[1] / "migrations"
+    if (inside / "env.py").is_file():
+        return inside
+    return Path(__file__).resolve().parents[2] / "migrations"
+
+
+MIGRATIONS_DIR = migrations_dir()
 _HINT = "Set [database] url in gpuflex.toml to a writable SQLite file (sqlite:///path/gpuflex.db)."
 
 
