@@ -390,3 +390,30 @@ def test_empty_host_strings_are_refused_before_the_database_exists(run_fast, hom
     assert_rejected(run_fast(f, "submit", "--", "true"), str(f), f"hosts[0].{key}", "must not be empty")
     _no_db(home)
     assert sorted(p.name for p in home.iterdir()) == ["bad.toml"]
+
+
+# ---- issue 11: time limits, dependencies, arrays, elastic modes ----------------------------
+@pytest.mark.parametrize("args,fragments", [
+    (["--time", "0"], ["--time '0'", "more than 0"]),
+    (["--time", "5x"], ["--time '5x' is not a time", "1-12:00:00"]),
+    (["--after", "999"], ["--after 999: there is no job 999"]),
+    (["--after", "1,x"], ["--after '1,x'", "job ids separated by commas"]),
+    (["--array", "5-1"], ["--array '5-1'", "goes down", "write 1-5"]),
+    (["--array", "0-3%0"], ["--array '0-3%0'", "at least 1"]),
+    (["--array", "1,1"], ["names an index twice"]),
+    (["--elastic", "restart", "--workers", "4:4"], ["--elastic restart with --workers 4:4", "--workers 1:4"]),
+    (["--elastic", "sideways"], ["--elastic 'sideways'"]),
+    (["--retries", "-1"], ["--retries -1", "from 0 to"]),
+], ids=["time-0", "time-5x", "after-unknown", "after-not-ids", "array-down", "array-cap-0", "array-twice",
+        "restart-fixed", "elastic-unknown", "retries-negative"])
+def test_issue_11_options_refuse_bad_values_with_one_line_and_no_change(run_fast, seeded, db_path, args, fragments):
+    check_unchanged(run_fast, seeded, db_path, ["submit", *args, "--", "true"], *fragments)
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["status", "1_99999999999"], "job ids go from 1"),
+    (["cancel", "7_0"], "no job '7_0'"),
+    (["submit", "--name", "5_3", "--", "true"], "ID_INDEX"),
+], ids=["status-array-ref", "cancel-unknown-array-ref", "name-like-an-array-ref"])
+def test_array_references_are_checked_like_job_ids(run_fast, seeded, db_path, args, fragment):
+    check_unchanged(run_fast, seeded, db_path, args, fragment)
