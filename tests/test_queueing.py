@@ -1,17 +1,22 @@
 """The queue's decisions without processes (gpuflex.policy.preemption): dependency gates,
-array caps, preemption plans, and the time spellings the limits take."""
+array caps, preemption plans; and time limits: their spellings, and which runs reached
+theirs (gpuflex.control.lifecycle.timed_out)."""
 
 from __future__ import annotations
 
 import pytest
 
+from gpuflex.control.lifecycle import timed_out
 from gpuflex.control.service import ArrayRef, parse_ref
+from gpuflex.db.models import Job, Worker
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import format_time, parse_time
+from gpuflex.policy.lifecycle import Observation, ProcSeen
 from gpuflex.policy.placement import HostFree
 from gpuflex.policy.preemption import (Dependency, HeldWorker, Shrink, Stop, Victim, array_gate,
                                        dependency_gate, plan_preemption)
 from gpuflex.states import JobState as S
+from gpuflex.states import WorkerState
 
 # ---- dependencies ---------------------------------------------------------------------------
 
@@ -121,7 +126,7 @@ def test_gangs_equal_or_higher_priority_and_resizing_jobs_are_never_preempted():
 
 def test_nobody_is_preempted_when_even_all_of_them_would_not_make_room():
     v = [victim(1, 0, (0,), requeue=True), victim(2, 0, (1, 2), elastic="inplace", min_workers=1)]
-    assert plan(v, 4) .ok is False and plan(v, 4).actions == ()
+    assert plan(v, 4).ok is False and plan(v, 4).actions == ()
 
 
 def test_devices_leavers_are_giving_back_count_and_nothing_more_is_preempted():
@@ -158,3 +163,28 @@ def test_a_time_that_is_no_limit_is_refused_naming_it(text):
 def test_times_are_written_as_slurm_writes_them():
     assert [format_time(s) for s in (0, 59.9, 3600, 86400, 129600 + 61)] == [
         "00:00:00", "00:00:59", "01:00:00", "1-00:00:00", "1-12:01:01"]
+
+
+# ---- which runs reached their limit (control.lifecycle.timed_out) ----------------------------
+def limited_job(*wids: int, started: float = 1000.0, limit: float | None = 60.0):
+    job = Job(state=S.RUNNING, started_at=started, time_limit_s=limit)
+    job.workers = [Worker(wid=w, host="h", gpus=[w], state=WorkerState.RUNNING) for w in wids]
+    return job
+
+
+@pytest.mark.parametrize("now,procs,out", [
+    (1059.0, {0: (True, None)}, False),                    # before the deadline
+    (1060.0, {0: (True, None)}, True),                     # at it, still running: this command stops it
+    (1070.0, {0: (False, 1061.0)}, True),                  # its supervisor ended it after the deadline
+    (1070.0, {0: (False, 1050.0), 1: (False, 1059.0)}, False),   # all ended before: their exit codes decide
+    (1070.0, {0: (False, 1050.0)}, True),                  # worker 1's host did not answer
+    (1070.0, {0: (False, None), 1: (False, 1059.0)}, True),   # gone without an exit record
+], ids=["early", "running", "supervised", "ended-before", "unreachable", "lost"])
+def test_a_run_is_timed_out_once_its_deadline_passed_and_a_worker_did_not_end_before_it(now, procs, out):
+    seen = Observation({w: ProcSeen(alive, 0 if end else None, end, exited=end is not None)
+                        for w, (alive, end) in procs.items()})
+    assert timed_out(limited_job(0, 1), seen, now) is out
+
+
+def test_a_run_without_a_limit_never_times_out():
+    assert not timed_out(limited_job(0, limit=None), Observation({0: ProcSeen(True)}), 10**12)
