@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from gpuflex.control.lifecycle import timed_out
-from gpuflex.control.service import ArrayRef, parse_ref
+from gpuflex.config import parse_config
+from gpuflex.control.pool import Pool
+from gpuflex.control.service import ArrayRef, JobService, SubmitRequest, parse_ref
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import format_time, parse_time
@@ -17,6 +19,7 @@ from gpuflex.policy.preemption import (Dependency, HeldWorker, Shrink, Stop, Vic
                                        dependency_gate, plan_preemption)
 from gpuflex.states import JobState as S
 from gpuflex.states import WorkerState
+from tests.fakes.hosts import FakeHost, World
 
 # ---- dependencies ---------------------------------------------------------------------------
 
@@ -188,3 +191,61 @@ def test_a_run_is_timed_out_once_its_deadline_passed_and_a_worker_did_not_end_be
 
 def test_a_run_without_a_limit_never_times_out():
     assert not timed_out(limited_job(0, limit=None), Observation({0: ProcSeen(True)}), 10**12)
+
+
+# ---- preemption carried out, on simulated hosts (tests/fakes/hosts.py) ----------------------
+@pytest.fixture
+def sim(tmp_path):
+    """The real service, DB and executor over one simulated 4-GPU host."""
+    world = World(warmup_s=0.0, leave_s=(0.0, 0.0), gpus_per_host=4)
+    cfg = parse_config({"database": {"url": f"sqlite:///{tmp_path}/g.db"}, "jobs": {"cancel_grace_s": 2},
+                        "hosts": [{"name": "pool", "address": "10.9.1.1", "workdir": "/w"}]}, "<test>")
+    svc = JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
+    svc.world = world
+    yield svc
+    svc.close()
+
+
+def submit(svc: JobService, tmp_path, lo: int, hi: int, priority: int = 0, **kw) -> int:
+    return svc.submit(SubmitRequest(argv=["python3", "train.py"], min_workers=lo, max_workers=hi,
+                                    priority=priority, workdir=str(tmp_path), **kw))
+
+
+def test_an_in_place_job_shrinks_for_a_higher_priority_one_which_starts_once_they_left(sim, tmp_path):
+    low = submit(sim, tmp_path, 2, 4)
+    high = submit(sim, tmp_path, 2, 2, priority=10)
+    waiting = sim.job(high)
+    assert (waiting.state, waiting.queue_reason) == (S.QUEUED, f"preempting job {low} (shrinking by 2)")
+    events = [(e.kind, e.message) for e in sim.job(low).events]
+    assert ("preempted", f"preempted by job {high} (priority 10): worker(s) 2, 3 leave") in events
+    assert [w.state for w in sim.job(low).workers] == [WorkerState.STARTING] * 2 + [WorkerState.LEAVING] * 2
+    freed = sorted(d for w in sim.job(low).workers[2:] for d in w.gpus)
+    sim.refresh(probe=True)
+    assert sim.job(high).queue_reason.endswith("; preempted workers are leaving")   # nothing more preempted
+    assert [e.kind for e in sim.job(low).events].count("preempted") == 1
+    for wid, proc in sim.world.workers().items():   # the leavers reach their step boundary and exit 0
+        if wid in (2, 3):
+            sim.world.end(proc, 0)
+    sim.refresh(probe=True)
+    placed, shrunk = sim.job(high), sim.job(low)
+    assert placed.state is S.RUNNING and sorted(d for w in placed.workers for d in w.gpus) == freed
+    assert (shrunk.state, len([w for w in shrunk.workers if not w.state.final]), shrunk.restarts) == (
+        S.RUNNING, 2, 0)
+
+
+def test_a_requeue_job_is_stopped_and_requeued_and_the_waiting_one_starts_in_the_same_command(sim, tmp_path):
+    low = submit(sim, tmp_path, 4, 4, requeue=True)
+    high = submit(sim, tmp_path, 2, 2, priority=10)
+    assert sim.job(high).state is S.RUNNING
+    stopped = sim.job(low)
+    assert (stopped.state, stopped.restarts) == (S.QUEUED, 1)
+    assert [e.message for e in stopped.events if e.kind == "state"][-1] == \
+        f"queued: preempted by job {high} (priority 10)"
+    assert ("preempting", f"preempting job {low} (requeued)") in [(e.kind, e.message) for e in sim.job(high).events]
+
+
+def test_a_gang_without_requeue_is_never_preempted(sim, tmp_path):
+    gang = submit(sim, tmp_path, 4, 4)
+    high = submit(sim, tmp_path, 2, 2, priority=10)
+    assert sim.job(gang).state is S.RUNNING and not [e for e in sim.job(gang).events if e.kind == "preempted"]
+    assert sim.job(high).queue_reason.startswith("waiting for 2 free GPUs")
