@@ -83,13 +83,13 @@ def submit(
         print_json(render.job_json(job))
     elif req.array is not None:
         console.print(render.array_submitted(job.id, len(req.array.indices), req.array.limit))
-    elif job.state is JobState.FAILED:
-        console.print(f"job {job.id} ({job.name}) failed: {job.exit_reason}")
+    elif job.state in (JobState.FAILED, JobState.CANCELLED):   # cancelled: a dependency already ended badly
+        console.print(f"job {job.id} ({job.name}) {job.state}: {job.exit_reason}")
     else:
         console.print(f"job {job.id} ({job.name}) {job.state}"
                       + (f": {job.queue_reason}" if job.queue_reason else
                          f" with {job.world_size} worker(s)"))
-    if job.state is JobState.FAILED:
+    if job.state in (JobState.FAILED, JobState.CANCELLED):
         raise typer.Exit(1)
 
 
