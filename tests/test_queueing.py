@@ -7,12 +7,15 @@ from __future__ import annotations
 import pytest
 
 from gpuflex.control.lifecycle import timed_out
+from rich.console import Console
+
+import gpuflex.cli.render as render
 from gpuflex.config import parse_config
 from gpuflex.control.pool import Pool
 from gpuflex.control.service import ArrayRef, JobService, SubmitRequest, parse_ref
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import UsageError
-from gpuflex.jobspec import format_time, parse_time
+from gpuflex.jobspec import format_time, parse_array, parse_time
 from gpuflex.policy.lifecycle import Observation, ProcSeen
 from gpuflex.policy.placement import HostFree
 from gpuflex.policy.preemption import (Dependency, HeldWorker, Shrink, Stop, Victim, array_gate,
@@ -249,3 +252,28 @@ def test_a_gang_without_requeue_is_never_preempted(sim, tmp_path):
     high = submit(sim, tmp_path, 2, 2, priority=10)
     assert sim.job(gang).state is S.RUNNING and not [e for e in sim.job(gang).events if e.kind == "preempted"]
     assert sim.job(high).queue_reason.startswith("waiting for 2 free GPUs")
+
+
+def test_an_array_on_simulated_hosts_caps_its_running_jobs_groups_in_status_and_cancels_as_one(sim, tmp_path):
+    first = submit(sim, tmp_path, 1, 1, array=parse_array("0-3%2"), name="sweep")
+    jobs = sim.jobs()
+    assert [(j.id, j.array_id, j.array_index, j.state) for j in jobs] == [
+        (first, first, 0, S.RUNNING), (first + 1, first, 1, S.RUNNING),
+        (first + 2, first, 2, S.QUEUED), (first + 3, first, 3, S.QUEUED)]
+    assert jobs[2].queue_reason == f"waiting for a slot of array {first}: 2 of at most 2 running"
+    envs = sorted((p.env["GPUFLEX_ARRAY_ID"], p.env["GPUFLEX_ARRAY_INDEX"]) for p in sim.world.procs.values()
+                  if not p.coordinator)
+    assert envs == [(str(first), "0"), (str(first), "1")]
+    assert sim.job(f"{first}_3").id == first + 3
+
+    console = Console(width=200, record=True)
+    console.print(render.jobs_table(jobs, {}))
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in console.export_text().splitlines()
+            if line.startswith("│")]
+    assert rows[0][:3] == [f"array {first}", "sweep", "4 jobs: 2 queued, 2 running (at most 2 running)"]
+    assert [row[:3] for row in rows[1:]] == [[str(first + i), f"sweep[{i}]", s]
+                                            for i, s in enumerate(["running"] * 2 + ["queued"] * 2)]
+
+    done = sim.cancel(str(first))
+    assert [j.id for j in done] == [first + i for i in range(4)]
+    assert {j.state for j in sim.jobs()} == {S.CANCELLED}
