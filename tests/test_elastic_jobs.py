@@ -182,7 +182,7 @@ def test_gradients_launched_during_backward_line_up_with_a_rank_that_has_no_samp
 
 def test_store_death_restarts_the_job_from_its_checkpoint(ej, tmp_path_factory, home):
     report = home / "r.json"
-    job = ej.submit(example_argv(report, epochs=6, sleep=0.05), "--workers", "2")
+    job = ej.submit(example_argv(report, epochs=6, sleep=0.05), "--workers", "2", "--elastic", "inplace")
     wait_for(ej, job["id"], lambda j: step_of(j) >= 40, "steps past the first checkpoints")
     (store_pgid,) = db_rows(home / "g.db", "SELECT store_pgid FROM jobs WHERE id = ?", (job["id"],))[0]
     os.killpg(store_pgid, signal.SIGKILL)

@@ -59,7 +59,7 @@ def submit_with_a_slow_first_worker(cli: GpuflexCLI, home: Path, workers: str) -
     wrapper, marker, report = home / "wrapper.py", home / "first.pid", home / "r.json"
     wrapper.write_text(WRAPPER)
     job = cli.submit([sys.executable, str(wrapper), str(marker), EXAMPLE, *ARGS, "--epochs", "2",
-                      "--report", str(report)], "--workers", workers)
+                      "--report", str(report)], "--workers", workers, "--elastic", "inplace")
     end = time.monotonic() + 60
     while not (marker.exists() and marker.read_text()):
         if time.monotonic() > end:

@@ -145,7 +145,8 @@ class Running:
 
     def __init__(self, cli: GpuflexCLI, home: Path) -> None:
         from tests.test_elastic_jobs import example_argv, step_of, wait_for
-        job = cli.submit(example_argv(home / "r.json", epochs=200, sleep=0.05), "--workers", "2")
+        job = cli.submit(example_argv(home / "r.json", epochs=200, sleep=0.05), "--workers", "2",
+                         "--elastic", "inplace")
         self.id = job["id"]
         wait_for(cli, self.id, lambda j: step_of(j) >= 5, "training", BOUND_S)
         db = home / "g.db"

@@ -77,7 +77,9 @@ def forming_text(forming: dict[str, Any] | None, now: float | None = None) -> st
     if wids:
         text += ", waiting for " + (f"worker {wids[0]}" if len(wids) == 1 else "workers " + ", ".join(map(str, wids)))
     phase = forming.get("phase")
-    return text + (f" ({phase})" if isinstance(phase, str) and phase else "")
+    text += f" ({phase})" if isinstance(phase, str) and phase else ""
+    hint = forming.get("hint")   # an in-place job of a plain script (gpuflex.elastic.forming)
+    return text + (f"; {hint}" if isinstance(hint, str) and hint else "")
 
 
 def restarts_text(job: JobInfo) -> str:

@@ -1,7 +1,15 @@
-"""What gpuflex starts on hosts for a job: the coordinator (store) and the workers."""
+"""What gpuflex starts on hosts for a job: the coordinator (store) and the workers.
+
+Every worker gets the GPUFLEX_* contract and torchrun's (gpuflex.elastic.env), so an
+unmodified torch.distributed script runs as a gang. torchrun's variables need the whole
+run's layout (`Layout`: which host and devices each rank has, and rank 0's MASTER_PORT,
+a free port picked at each launch): the starter passes it; without it (a newcomer of an
+in-place resize) the job's live rows stand in, and MASTER_PORT is left out.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import posixpath
 import secrets
@@ -15,6 +23,7 @@ from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic import env as env_contract
 from gpuflex.elastic import failpoints
+from gpuflex.jobspec import INPLACE, torchrun_args
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.hosts import hostops
 from gpuflex.hosts.transport import SpawnSpec, Transport
@@ -84,7 +93,9 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               # it ends itself once its job is gone (no daemon watches the hosts)
               "--orphan-timeout", str(config.jobs.orphan_timeout_s), "--job-dir", d,
               # a member that does not join a forming generation in time is left out (or held)
-              "--formation-timeout", str(config.jobs.formation_timeout_s)],
+              "--formation-timeout", str(config.jobs.formation_timeout_s),
+              # a gang's plain processes never join: the control side watches them instead
+              *(["--gang"] if is_gang(job) else [])],
         cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_TOKEN: job.token,
                      env_contract.JOB_SECRET: job.secret, **armed_failpoints(job)},
         log=posixpath.join(d, "coordinator.log"),
@@ -100,8 +111,71 @@ def armed_failpoints(job: Job) -> dict[str, str]:
     return {failpoints.ENV: {**(job.submit_env or {}), **(job.env or {})}.get(failpoints.ENV, "")}
 
 
-def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank: int, world: int) -> SpawnSpec:
+def is_gang(job: Job) -> bool:
+    """A job launched as a whole (a fixed gang, or a restart job): anything but 'inplace'."""
+    return job.elastic != INPLACE
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A run's ranks: `places[rank]` is (host, devices) of each rank known, and rank 0's
+    `master_port` (None: not picked)."""
+
+    places: Mapping[int, tuple[str, tuple[int, ...]]]
+    master_port: int | None = None
+
+    @classmethod
+    def of(cls, places: list[tuple[str, list[int] | tuple[int, ...]]], master_port: int | None = None) -> "Layout":
+        """From (host, devices) in rank order: what a launch of the whole run gives."""
+        return cls({r: (h, tuple(d)) for r, (h, d) in enumerate(places)}, master_port)
+
+    def local_ranks(self, rank: int) -> list[int]:
+        """The ranks on `rank`'s host, in order: LOCAL_RANK is the index in it."""
+        host = self.places[rank][0]
+        return sorted(r for r, (h, _) in self.places.items() if h == host)
+
+    def group_rank(self, rank: int) -> int:
+        """GROUP_RANK: the index of `rank`'s host among the run's hosts, in rank order."""
+        hosts = list(dict.fromkeys(self.places[r][0] for r in sorted(self.places)))
+        return hosts.index(self.places[rank][0])
+
+    def local_devices(self, rank: int) -> tuple[int, ...]:
+        """The devices of the ranks on `rank`'s host, in local-rank order."""
+        return tuple(d for r in self.local_ranks(rank) for d in self.places[r][1])
+
+
+def rows_layout(job: Job, worker: Worker, rank: int) -> Layout:
+    """A layout from the job's live rows of its current run (ranked ones in rank order,
+    then the others by id), `worker` at `rank`: a stand-in where no launch gave one."""
+    since = job.started_at or 0.0
+    others = sorted((w for w in job.workers if w is not worker and not w.state.final and w.started_at >= since),
+                    key=lambda w: (w.rank is None, w.rank or 0, w.wid))
+    order = [w for w in others]
+    order.insert(min(rank, len(order)), worker)
+    return Layout({r: (w.host, tuple(w.gpus)) for r, w in enumerate(order)})
+
+
+def visible_gpus(job: Job, layout: Layout, rank: int, own: tuple[int, ...]) -> tuple[int, ...] | None:
+    """What CUDA_VISIBLE_DEVICES lists beyond the worker's own GPUs, so that
+    `cuda:{LOCAL_RANK}` is its own: the job's GPUs on the host in local-rank order for a
+    gang or restart job of one GPU per worker (torchrun's convention). None (own GPUs
+    only) for several per worker, a torchrun command, or an in-place job (the runtime
+    uses cuda:0)."""
+    if not is_gang(job) or len(own) != 1 or torchrun_args(list(job.argv)) is not None:
+        return None
+    devices = layout.local_devices(rank)
+    return devices if len(devices) > 1 and own[0] in devices else None
+
+
+def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank: int, world: int,
+                layout: Layout | None = None) -> SpawnSpec:
+    """The worker's process: the job's command with the GPUFLEX_* and torchrun contracts
+    (gpuflex.elastic.env) in the environment recorded at submit; `layout` (None: the
+    job's rows stand in, see `rows_layout`) gives the torchrun variables."""
     d = job_dir(host, job)
+    layout = layout if layout is not None and rank in layout.places else rows_layout(job, worker, rank)
+    own = tuple(worker.gpus)
+    local = layout.local_ranks(rank)
     contract = WorkerEnv(
         worker_id=worker.wid, job_id=job.id, job_token=job.token, job_secret=job.secret,
         store=f"{job.store_addr}:{job.store_port}", control=worker_socket(job, worker.wid),
@@ -109,12 +183,17 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
         checkpoint_interval_s=config.jobs.checkpoint_interval_s, pg_timeout_s=config.jobs.pg_timeout_s,
         gpus=tuple(worker.gpus) if host.cpu_slots is None else None,
         slots=tuple(worker.gpus) if host.cpu_slots is not None else None,
-        rank=rank, world_size=world)
+        rank=rank, world_size=world,
+        local_rank=local.index(rank), local_world_size=len(local), group_rank=layout.group_rank(rank),
+        master_addr=job.store_addr, master_port=layout.master_port, restart_count=job.restarts or 0,
+        visible_gpus=visible_gpus(job, layout, rank, own) if host.cpu_slots is None else None)
     # the environment recorded at submit, never that of whoever runs this (a scale, a
     # harvest tick); a job from before it was recorded keeps the spawner's
     env = {**(job.submit_env or {}), **job.env}
     env.setdefault(OMP_THREADS, str(omp_threads(host, len(worker.gpus), _gpus_on_host(host, job))))
     env.update(contract.to_env())
+    if torchrun_args(list(job.argv)) is not None:
+        env.update(contract.torchrun_env())
     if job.array_id is not None:
         env.update({ARRAY_ID: str(job.array_id), ARRAY_INDEX: str(job.array_index)})
     return SpawnSpec(argv=list(job.argv), cwd=job.workdir, env=env,

@@ -20,7 +20,7 @@ from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import JobError, TransportError
-from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, CRASH_CAUSE, FORGED_KIND, HISTORY_KINDS, WAITING_KIND,
+from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, RETRY_CAUSES, WAITING_KIND,
                                       JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
 
 log = logging.getLogger(__name__)
@@ -132,14 +132,15 @@ def facts(job: Job) -> JobFacts:
     waiting = queries.last_event_of(session, job.id, [WAITING_KIND], since)
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
-        workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code)
+        workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code, w.ended_at)
                       for w in job.workers),
         generation=job.generation, world_size=job.world_size, started_at=job.started_at,
         recorded=frozenset(_ints([(newest_history.data if newest_history else {}).get("generation")])),
         forged_recorded=_ints([(forged.data if forged else {}).get("count")], default=0)[0],
         checkpoint_failures_recorded=queries.max_count_by_wid(session, job.id, CHECKPOINT_FAILED_KIND, since),
         retries=job.retries or 0, restarts=job.restarts or 0,
-        crash_restarts=queries.events_with_cause(session, job.id, "state", CRASH_CAUSE),
+        crash_restarts=sum(queries.events_with_cause(session, job.id, "state", c) for c in RETRY_CAUSES),
+        elastic=job.elastic,
         waiting=frozenset((e["wid"], tuple(e["for"]), e.get("phase") or "")
                           for e in ((waiting.data if waiting else {}).get("waiting") or ())))
 

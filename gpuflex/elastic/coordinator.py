@@ -16,6 +16,14 @@ on its control socket for `--orphan-timeout` seconds. It then logs one JSON line
 supervisor's exit record keeps for the next command; its workers lose the store and exit
 STORE_LOST_EXIT.
 
+Gang mode (`--gang`: every job but an in-place elastic one) runs plain processes too
+(torch.distributed scripts, torchrun, shell commands): they never beat nor join, so the
+formation deadline leaves a worker that never beat to the control side (forming.py), and
+a local worker still running is a sign of life: one of the job's workers on this host (rank
+0 always is) whose exit record (`worker-{wid}.exit` beside its `worker-{wid}.log` in
+--job-dir) is not written yet. A gang's coordinator so ends itself only after its local
+workers ended and no command came for the orphan timeout, or once its job dir is removed.
+
 The store listens only on `--bind` (the address the workers use: 127.0.0.1 on one host):
 torch's TCPStore server ignores its host name and listens on every interface, so the
 coordinator binds and listens on a socket itself and hands its descriptor to the store
@@ -35,7 +43,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from torch.distributed import TCPStore
 
@@ -58,10 +66,11 @@ class Coordinator:
     never an orphan) hears of every request; `max_workers` bounds a resize."""
 
     def __init__(self, generations: Generations, watch: OrphanWatch | None = None,
-                 max_workers: int | None = None) -> None:
+                 max_workers: int | None = None, local_workers: Callable[[], bool] | None = None) -> None:
         self.generations = generations
         self.watch = watch
         self.max_workers = max_workers
+        self.local_workers = local_workers   # whether a worker on this host still runs (a gang)
         self.lock = threading.Lock()
 
     def tick(self) -> None:
@@ -74,6 +83,8 @@ class Coordinator:
             return None
         with self.lock:
             self.watch.beat(self.generations.heartbeats.last_change())
+            if self.local_workers is not None and self.watch.reason() is not None and self.local_workers():
+                self.watch.contact()
             return self.watch.reason()
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:
@@ -95,6 +106,17 @@ class Coordinator:
         with self.lock:
             members = check_members(msg.get("members"), self.generations.known, self.max_workers)
             return {"desired": self.generations.resize(members)}
+
+
+def local_workers_running(job_dir: str | None, wids: Callable[[], Iterable[int]]) -> Callable[[], bool]:
+    """Whether one of the workers `wids()` ran on this host (its log is in `job_dir`) and
+    has no exit record yet (its supervisor writes it when the worker ends)."""
+    def running() -> bool:
+        if not job_dir:
+            return False
+        return any(os.path.exists(os.path.join(job_dir, f"worker-{w}.log"))
+                   and not os.path.exists(os.path.join(job_dir, f"worker-{w}.exit")) for w in wids())
+    return running
 
 
 def listen(address: str, port: int) -> socket.socket:
@@ -170,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--job-dir", default=None, help="end once this directory is removed")
     ap.add_argument("--formation-timeout", type=seconds, default=60.0,
                     help="a member not joined this long after a formation began is left out (or the job held)")
+    ap.add_argument("--gang", action="store_true",
+                    help="the job runs as a whole: a worker that never beat is the control side's to watch, "
+                         "and a local worker still running keeps the coordinator alive")
     args = ap.parse_args(argv)
     ensure_handler(sys.stdout)
     stop = threading.Event()
@@ -179,11 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     secret = os.environ.get(JOB_SECRET) or None
     job_dir = os.path.expanduser(args.job_dir) if args.job_dir else None   # "~/..." as the host's workdir
     watch = OrphanWatch(args.orphan_timeout, job_dir, time.monotonic)
-    coord = Coordinator(Generations(store, [int(w) for w in args.members.split(",") if w],
-                                    hb_timeout_s=args.heartbeat_timeout, secret=secret,
-                                    min_workers=args.min_workers, max_failures=args.max_failures,
-                                    formation_timeout_s=args.formation_timeout),
-                        watch, args.max_workers)
+    generations = Generations(store, [int(w) for w in args.members.split(",") if w],
+                              hb_timeout_s=args.heartbeat_timeout, secret=secret,
+                              min_workers=args.min_workers, max_failures=args.max_failures,
+                              formation_timeout_s=args.formation_timeout)
+    if args.gang:
+        generations.formation.as_gang()
+    local = local_workers_running(job_dir, lambda: sorted(generations.known)) if args.gang else None
+    coord = Coordinator(generations, watch, args.max_workers, local)
     server = ControlServer(args.control, coord.handlers())
     log.info("coordinator listening on %s:%d (%s), control %s, min %d worker(s), max %d same "
              "failures", args.bind, args.port,

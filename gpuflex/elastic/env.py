@@ -4,6 +4,14 @@ Written by the control side (`gpuflex.control.launch`, through `WorkerEnv.to_env
 read by the runtime (`WorkerEnv.from_environ`). Standard library only, like `keys`, so the
 control side imports it without torch. Every `GPUFLEX_*` variable a worker reads is named
 here and nowhere else.
+
+Besides gpuflex's own variables every worker gets torchrun's contract (issue 11), so an
+unmodified `init_process_group()` (env://) works: MASTER_ADDR/MASTER_PORT (rank 0's
+host, a port picked at each launch), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+GROUP_RANK (the host's index among the job's hosts) and TORCHELASTIC_RESTART_COUNT. A
+worker running torchrun itself is one torchrun node: `torchrun_env` gives its agent the
+static rendezvous through torchrun's PET_* variables (its options' defaults), so the
+user's torchrun line holds nothing host-specific.
 """
 
 from __future__ import annotations
@@ -25,6 +33,11 @@ CHECKPOINT_INTERVAL_S = "GPUFLEX_CHECKPOINT_INTERVAL_S"
 PG_TIMEOUT_S = "GPUFLEX_PG_TIMEOUT_S"
 HEARTBEAT_TIMEOUT_S = "GPUFLEX_HEARTBEAT_TIMEOUT_S"   # a member silent this long is taken for dead
 SLOTS = "GPUFLEX_SLOTS"                      # CPU slots held (on GPU hosts: CUDA_VISIBLE_DEVICES)
+GPUS = "GPUFLEX_GPUS"                        # the worker's own GPUs (host indices)
+# Its first GPU's index among CUDA_VISIBLE_DEVICES (that lists the job's GPUs on the host,
+# in local-rank order, for a gang: torchrun's convention): the device it should use.
+CUDA_DEVICE = "GPUFLEX_CUDA_DEVICE"
+RESTART_COUNT = "GPUFLEX_RESTART_COUNT"      # the job's relaunches so far (jobs.restarts)
 # Tuning knobs a user may set in a job's environment (read by gpuflex.elastic.gradients).
 DIRECT_BYTES = "GPUFLEX_DIRECT_BYTES"
 EXCHANGE_BYTES = "GPUFLEX_EXCHANGE_BYTES"
@@ -52,6 +65,15 @@ class WorkerEnv:
     gpus: tuple[int, ...] | None = None       # GPU indices (CUDA_VISIBLE_DEVICES); None on CPU slots
     rank: int = 0
     world_size: int = 1
+    # torchrun's contract (see the module's doc); visible_gpus: what CUDA_VISIBLE_DEVICES
+    # lists when more than the worker's own GPUs (None: its own)
+    local_rank: int = 0
+    local_world_size: int = 1
+    group_rank: int = 0
+    master_addr: str | None = None
+    master_port: int | None = None
+    restart_count: int = 0
+    visible_gpus: tuple[int, ...] | None = None
 
     @property
     def distributed(self) -> bool:
@@ -65,16 +87,23 @@ class WorkerEnv:
             CHECKPOINT_INTERVAL_S: str(self.checkpoint_interval_s),
             PG_TIMEOUT_S: str(self.pg_timeout_s),
             HEARTBEAT_TIMEOUT_S: str(self.heartbeat_timeout_s),
-            # torch-style variables for scripts that only read these
-            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": "0",
+            # torchrun's variables, for scripts that only read these
+            "RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+            "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": str(self.group_rank),
+            RESTART_COUNT: str(self.restart_count), "TORCHELASTIC_RESTART_COUNT": str(self.restart_count),
         }
         for name, value in ((JOB_ID, self.job_id), (JOB_TOKEN, self.job_token),
                             (JOB_SECRET, self.job_secret), (STORE, self.store),
-                            (CONTROL, self.control), (CHECKPOINT_DIR, self.checkpoint_dir)):
+                            (CONTROL, self.control), (CHECKPOINT_DIR, self.checkpoint_dir),
+                            ("MASTER_ADDR", self.master_addr), ("MASTER_PORT", self.master_port)):
             if value is not None:
                 env[name] = str(value)
         if self.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.gpus))
+            visible = self.visible_gpus or self.gpus
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, visible))
+            env[GPUS] = ",".join(map(str, self.gpus))
+            env[CUDA_DEVICE] = str(visible.index(self.gpus[0]) if self.gpus and self.gpus[0] in visible else 0)
         if self.slots is not None:
             env[SLOTS] = ",".join(map(str, self.slots))
         return env
@@ -90,6 +119,9 @@ class WorkerEnv:
             return tuple(int(x) for x in raw.split(",") if x.strip())
 
         job_id = env.get(JOB_ID)
+        visible = ints("CUDA_VISIBLE_DEVICES") if SLOTS not in env else None
+        own = ints(GPUS) if visible is not None and GPUS in env else visible
+        port = env.get("MASTER_PORT")
         return cls(
             worker_id=int(env.get(WORKER_ID, "0")),
             store=env.get(STORE) or None,
@@ -102,10 +134,31 @@ class WorkerEnv:
             pg_timeout_s=float(env.get(PG_TIMEOUT_S, DEFAULT_PG_TIMEOUT_S)),
             heartbeat_timeout_s=float(env.get(HEARTBEAT_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S)),
             slots=ints(SLOTS),
-            gpus=ints("CUDA_VISIBLE_DEVICES") if SLOTS not in env else None,
+            gpus=own,
             rank=int(env.get("RANK", "0")),
             world_size=int(env.get("WORLD_SIZE", "1")),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+            group_rank=int(env.get("GROUP_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR") or None,
+            master_port=int(port) if port else None,
+            restart_count=int(env.get(RESTART_COUNT, "0")),
+            visible_gpus=visible if visible != own else None,
         )
+
+    def torchrun_env(self) -> dict[str, str]:
+        """What a worker whose command is torchrun gives it: one node of a static
+        rendezvous of world_size nodes at rank 0's MASTER_ADDR:MASTER_PORT, this worker's
+        rank as its node rank, no restarts of its own (gpuflex relaunches the gang). PET_X
+        is the default of torchrun's --x (torch/distributed/argparse_util.py): an option
+        on the user's line still wins."""
+        env = {"PET_NNODES": str(self.world_size), "PET_NODE_RANK": str(self.rank),
+               "PET_RDZV_BACKEND": "static", "PET_MAX_RESTARTS": "0"}
+        if self.master_addr is not None:
+            env["PET_MASTER_ADDR"] = self.master_addr
+        if self.master_port is not None:
+            env["PET_MASTER_PORT"] = str(self.master_port)
+        return env
 
 
 def env_bytes(name: str, default: int) -> int:

@@ -19,7 +19,16 @@ that names them and the phase (the control side requeues a held job). A member t
 joined and then died is a recovery's case (a failed collective, a stale heartbeat), not
 this one. The deadline counts from the start of the formation, so it must exceed a
 training step: the members of a running generation join a resize at their next step
-boundary. Standard library only.
+boundary.
+
+A worker that never beat has not joined the gpuflex.elastic runtime: a plain script
+(torch.distributed, a shell command) never will. In a gang (`gang`: the coordinator's
+`--gang`, any job but an in-place elastic one) such a worker is never dropped nor the job
+held for it: the control side watches its process instead, and nothing forms. In an
+in-place job it is stuck like any other, and the record and the reason say why and name
+`--elastic restart` (NOT_JOINED_HINT) when no worker of the first generation became ready
+or ever beat (one killed while importing torch is not a plain script): an in-place job of
+a plain script must not seem to hang. Standard library only.
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ from gpuflex.elastic.failures import Heartbeats
 JOINING = "joining"
 STARTING = "starting"          # the first generation: the workers are not ready yet
 FORMING = "forming the process group and copying state"   # everyone joined, no verdict yet
+NOT_JOINED_HINT = ("never joined the gpuflex.elastic runtime (no heartbeat): a plain script runs with "
+                   "--elastic restart, or as a fixed-size gang (--workers N without --elastic)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,14 +63,15 @@ class FormationWatch:
     signed record is there; `clock` (monotonic) times the deadline."""
 
     def __init__(self, timeout_s: float, heartbeats: Heartbeats, valid: Callable[[str], bool], *,
-                 clock: Callable[[], float], wall: Callable[[], float]) -> None:
+                 clock: Callable[[], float], wall: Callable[[], float], gang: bool = False) -> None:
         if not timeout_s > 0:
             raise ValueError(f"formation timeout must be positive, not {timeout_s}")
         self.timeout_s, self.heartbeats, self.valid = timeout_s, heartbeats, valid
-        self.clock, self.wall = clock, wall
+        self.clock, self.wall, self.gang = clock, wall, gang
         self.active = True
         self.generation, self.since, self.started = 1, wall(), clock()
         self.phase, self.waiting_for = STARTING, []
+        self.desired_first: list[int] = []   # the first generation's desired workers
 
     def begin(self, g: int) -> None:
         """Generation g was published: its members have `timeout_s` to join it."""
@@ -71,17 +83,32 @@ class FormationWatch:
         """The generation's verdict arrived: it is formed (or rolled back)."""
         self.active = False
 
+    def as_gang(self) -> None:
+        """From now on, a worker that never beat is the control side's to watch (see the
+        module's doc)."""
+        self.gang = True
+
     def record(self) -> dict[str, Any] | None:
-        """{generation, since, waiting_for, phase} for status; None when nothing forms."""
+        """{generation, since, waiting_for, phase} for status, with `hint` once half the
+        deadline passed in an in-place job none of whose workers became ready or ever beat
+        (what to do about it); None when nothing forms, or when a gang waits only for
+        workers that never beat (plain processes: nothing of the runtime's forms)."""
         if not self.active:
             return None
-        return {"generation": self.generation, "since": self.since,
-                "waiting_for": list(self.waiting_for), "phase": self.phase}
+        not_joined = [w for w in self.waiting_for if not self._beat(w)]
+        if self.gang and self.waiting_for and len(not_joined) == len(self.waiting_for):
+            return None
+        late = self.clock() - self.started > self.timeout_s / 2
+        plain = self.generation == 1 and self.phase == STARTING and len(not_joined) == len(self.desired_first)
+        hint = f"worker(s) {not_joined} {NOT_JOINED_HINT}" if plain and not_joined and late and not self.gang else None
+        return {"generation": self.generation, "since": self.since, "waiting_for": list(self.waiting_for),
+                "phase": self.phase, **({"hint": hint} if hint else {})}
 
     def first(self, desired: list[int], ready: list[int], min_workers: int) -> Outcome | None:
         """The first generation, from the desired workers and those ready (and alive):
         None while it should wait."""
         self.waiting_for = [w for w in desired if w not in ready]
+        self.desired_first = list(desired)
         everyone = f"{len(ready)} worker(s) ready"
         return self._decide(list(ready), self.waiting_for, "become ready", everyone, min_workers)
 
@@ -95,24 +122,32 @@ class FormationWatch:
             return None
         return self._decide([w for w in members if not gone(w)], self.waiting_for, "join", "", min_workers)
 
+    def _beat(self, wid: int) -> bool:
+        """It has beaten at least once: it runs the gpuflex.elastic runtime."""
+        return self.heartbeats.has(keys.hb(wid))
+
     def _dead(self, wid: int) -> bool:
         """It has beaten (its heartbeat thread ran) and stopped: a worker that never beat
         may still be importing torch."""
-        return self.heartbeats.has(keys.hb(wid)) and not self.heartbeats.alive(wid)
+        return self._beat(wid) and not self.heartbeats.alive(wid)
 
     def _decide(self, have: list[int], missing: list[int], verb: str, everyone: str,
                 min_workers: int) -> Outcome | None:
         dead = [w for w in missing if self._dead(w)]
         overdue = self.clock() - self.started > self.timeout_s
-        stuck = [w for w in missing if w not in dead] if overdue else []
+        # a gang never drops one that never beat: a plain process the control side watches
+        stuck = [w for w in missing if w not in dead and (self._beat(w) or not self.gang)] if overdue else []
         if len(dead) + len(stuck) < len(missing):
             return None   # someone may still arrive in time
         dropped = sorted(dead + stuck)
         members = [w for w in have if w not in dropped]
+        # no one ready, no one ever beat: a plain script, not one killed while it started
+        plain = [w for w in stuck if not self._beat(w)] if not have and not any(map(self._beat, missing)) else []
         parts = ([f"worker(s) {dead} died (no heartbeat)"] if dead else []) + \
                 ([f"worker(s) {stuck} did not {verb} within {self.timeout_s:g} s"] if stuck else [])
         why = f"{' and '.join(parts)} while {self.phase} generation {self.generation}" if dropped else everyone
+        note = f"; worker(s) {plain} {NOT_JOINED_HINT}" if plain else ""
         if len(members) < min_workers:
-            return Outcome(members, dropped, why, hold=f"{why}: {len(members)} worker(s) left, below "
-                                                        f"the job's minimum of {min_workers}")
-        return Outcome(members, dropped, f"formed without them: {why}" if dropped else why)
+            return Outcome(members, dropped, why + note, hold=f"{why}: {len(members)} worker(s) left, below "
+                                                              f"the job's minimum of {min_workers}{note}")
+        return Outcome(members, dropped, (f"formed without them: {why}" if dropped else why) + note)

@@ -1,0 +1,306 @@
+"""How a job's run comes out: the facts the lifecycle policy decides on, the actions it
+returns, and the rules for crashes, gangs and runs whose workers all ended. Pure, no I/O.
+
+gpuflex.policy.lifecycle's `decide` reads the coordinator and the processes; the rules
+here judge the workers' ends:
+
+- A crash is a bug, not a fault: a worker of this run that ended with a non-zero exit
+  code the runtime does not use (keys.RUNTIME_EXITS; a Python exception exits 1), or one
+  the coordinator lists in "crashed". Record "crash" (worker, host, error, traceback),
+  then Requeue (cause "crash") while the job's restarts that count against --retries are
+  fewer than them, else Finish FAILED at once (the others are stopped).
+- A gang (any job but an in-place elastic one: `JobFacts.elastic` is not "inplace") runs
+  as a whole, torchrun-style: the first of this run's workers to end badly (a non-zero
+  exit code, a signal, or gone without an exit record) stops the others at once (no one
+  is left in a collective) and, in a "worker-failed" event naming the worker, its host
+  and its exit code (a signal N as 128+N, a worker gone without a record as 137), fails
+  the job with that code, unless --retries is left: then the whole gang is relaunched
+  (Requeue, cause "gang"). A restart-elastic job relaunches for a fault (a signal, a
+  lost worker) without counting it: it resumes from its own checkpoint; its crashes
+  (exit codes) are a gang's.
+- Once no worker lives: Requeue (cause "store-lost") when the last generation's members
+  exited with STORE_LOST_EXIT; FAILED when one exited ABORTED_EXIT; else SUCCEEDED when
+  they all exited 0, FAILED with the first bad exit code otherwise. A restarted job's
+  Finish carries its restarts: its final event says "succeeded after N restart(s)".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Mapping, Union
+
+from gpuflex.elastic.keys import ABORTED_EXIT, RUNTIME_EXITS, STORE_LOST_EXIT
+from gpuflex.states import JobState, WorkerState
+
+INPLACE = "inplace"      # jobs.elastic of a job resized in place (gpuflex.jobspec.INPLACE)
+RESTART = "restart"      # and of a restart-elastic one
+CRASH_KIND = "crash"     # the event of a worker that crashed (a bug in the training code)
+CRASH_CAUSE = "crash"    # a requeue's cause, counted against the job's --retries
+GANG_FAILED_KIND = "worker-failed"   # the event of a gang's worker that ended badly
+GANG_CAUSE = "gang"      # a gang relaunched after a worker failed: counted against --retries
+FAULT_CAUSE = "fault"    # a restart job relaunched after a fault: not counted
+RETRY_CAUSES = (CRASH_CAUSE, GANG_CAUSE)
+LOST_EXIT = 128 + 9      # a gang worker gone without an exit record: as if SIGKILLed
+TRACEBACK_LINES = 10     # the lines of a crash's traceback kept in the job's exit reason
+
+
+# ---- the inputs ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class WorkerFacts:
+    """One worker as the DB knows it."""
+
+    wid: int
+    host: str
+    state: WorkerState
+    generation: int = 0
+    started_at: float = 0.0
+    exit_code: int | None = None
+    ended_at: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class JobFacts:
+    """One running (or scaling) job as the DB knows it."""
+
+    id: int
+    state: JobState
+    min_workers: int
+    workers: tuple[WorkerFacts, ...]
+    generation: int = 0
+    world_size: int = 0
+    started_at: float | None = None
+    # generations whose formation is an event in this run (every one up to the newest is skipped)
+    recorded: frozenset[int] = frozenset()
+    forged_recorded: int = 0   # forged store records this run's events already report
+    # wid -> the failed checkpoint writes of that worker this run's events already report
+    checkpoint_failures_recorded: Mapping[int, int] = dataclasses.field(default_factory=dict)
+    retries: int = 0           # restarts allowed after a crash or a gang's failure (submit --retries)
+    restarts: int = 0          # restarts so far, for any cause
+    crash_restarts: int = 0    # of which counted against --retries (RETRY_CAUSES)
+    # who this run's last "waiting" event says waits: (wid, waited-for wids, phase)
+    waiting: frozenset[tuple[int, tuple[int, ...], str]] = frozenset()
+    elastic: str | None = INPLACE   # jobs.elastic: "inplace", "restart", or None (a fixed gang)
+
+    @property
+    def gang(self) -> bool:
+        """Launched and judged as a whole (see the module's doc): all but in-place jobs."""
+        return self.elastic != INPLACE
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcSeen:
+    """A worker's process group as its host saw it: alive, and its exit record if any."""
+
+    alive: bool
+    returncode: int | None = None
+    ended_at: float | None = None
+    exited: bool = False          # an exit record was found (the supervisor saw it end)
+
+
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What reading reality gave for one job."""
+
+    procs: Mapping[int, ProcSeen]                 # wid -> its group, for hosts that answered
+    unreachable: Mapping[str, str] = dataclasses.field(default_factory=dict)   # host -> error
+    coordinator: Mapping[str, Any] | None = None  # its status reply; None: it did not answer
+    coordinator_alive: bool = True                # its process group runs (asked when it did not answer)
+    coordinator_exit: int | None = None           # its exit code, once it ended and left a record
+    # wid -> the last lines of the log of a worker that ended with a crash's exit code
+    log_tails: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+
+
+# ---- the actions --------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class EndWorker:
+    wid: int
+    state: WorkerState            # final
+    exit_code: int | None = None
+    ended_at: float | None = None  # None: now
+
+
+@dataclasses.dataclass(frozen=True)
+class Adopt:
+    """The coordinator's generation and members (in rank order) into the job's record."""
+
+    generation: int
+    members: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Record:
+    """An event (the journal makes one that repeats the job's last event a count there:
+    a host that stays unreachable is one event, however many commands see it)."""
+
+    kind: str
+    message: str
+    data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SetState:
+    target: JobState
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Requeue:
+    """Stop what still runs (gracefully: the workers checkpoint) and queue the job again;
+    `cause` ("crash", "below-min", "store-lost"...) goes with the restart's event."""
+
+    reason: str
+    cause: str = "requeue"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finish:
+    """End the job in `state`: stop what still runs (nothing, unless a crash or an abort
+    ended it early) and the coordinator. `restarts`: the job's restarts so far, named in
+    its final state event."""
+
+    state: JobState               # SUCCEEDED or FAILED
+    exit_code: int
+    reason: str
+    restarts: int = 0
+
+
+Action = Union[EndWorker, Adopt, Record, SetState, Requeue, Finish]
+
+
+@dataclasses.dataclass(frozen=True)
+class Crash:
+    """A worker that crashed: what its crashed record (or the tail of its log) says."""
+
+    wid: int
+    host: str
+    error: str
+    traceback: tuple[str, ...] = ()
+    phase: str | None = None
+    exit_code: int | None = None
+
+    @property
+    def summary(self) -> str:
+        return f"worker {self.wid} on {self.host} crashed: {self.error}"
+
+    @property
+    def reason(self) -> str:
+        """The failed job's exit reason: the summary, then the traceback's last lines."""
+        how = ", ".join(([f"exit code {self.exit_code}"] if self.exit_code is not None else [])
+                        + ([f"in {self.phase}"] if self.phase else []))
+        head = f"worker {self.wid} on {self.host} crashed" + (f" ({how})" if how else "") + f": {self.error}"
+        return "\n".join([head, *self.traceback[-TRACEBACK_LINES:]])
+
+    def data(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "traceback": list(self.traceback)}
+
+
+def is_crash_exit(rc: int | None) -> bool:
+    """A worker's exit code that means its training code failed: non-zero, not one of the
+    runtime's own exits, not a signal (negative)."""
+    return rc is not None and rc > 0 and rc not in RUNTIME_EXITS
+
+
+# ---- the rules ---------------------------------------------------------------------------
+def first_crash(job: JobFacts, workers: Iterable[WorkerFacts], records: Any,
+                log_tails: Mapping[int, tuple[str, ...]]) -> Crash | None:
+    """The first crash among this run's workers: a crashed record the coordinator reports
+    ([{"wid", "error", "traceback", "phase"}]), else a worker that ended with a crash's
+    exit code (its error and traceback from the tail of its log)."""
+    current = {w.wid: w for w in _current(job, workers)}
+    for r in records if isinstance(records, list) else ():
+        if isinstance(r, Mapping) and is_int(r.get("wid")) and r["wid"] in current:
+            w = current[r["wid"]]
+            tb = printable_lines(line for line in r.get("traceback") or () if isinstance(line, str))
+            return Crash(w.wid, w.host, one_line(r.get("error"), 300) or "an exception", tb,
+                         one_line(r.get("phase"), 40) or None,
+                         w.exit_code if w.state is WorkerState.FAILED else None)
+    for w in current.values():
+        if w.state is WorkerState.FAILED and is_crash_exit(w.exit_code):
+            tail = printable_lines(log_tails.get(w.wid, ()))
+            last = next((line.strip() for line in reversed(tail) if line.strip()), "")
+            return Crash(w.wid, w.host, last or f"exit code {w.exit_code}", tail, None, w.exit_code)
+    return None
+
+
+def after_crash(job: JobFacts, crash: Crash) -> Requeue | Finish:
+    """Restart while the job's --retries allow, else fail it now."""
+    if job.crash_restarts < job.retries:
+        return Requeue(f"{crash.summary}; restart {job.crash_restarts + 1} of {job.retries}", CRASH_CAUSE)
+    return Finish(JobState.FAILED, crash.exit_code or 1, crash.reason, job.restarts)
+
+
+def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int) -> Requeue | Finish:
+    """How a job whose workers have all ended comes out: judged by the members of its last
+    generation in the current run (workers of an earlier run are history); a crash of any
+    worker of this run fails it (or restarts it, see `after_crash`)."""
+    current = _current(job, workers)
+    last = [w for w in current if w.generation == generation]
+    if any(w.exit_code == STORE_LOST_EXIT for w in last):
+        return Requeue("the job store was lost; restarting from the last checkpoint", "store-lost")
+    crash = first_crash(job, current, None, {})
+    if crash is not None:
+        return after_crash(job, crash)
+    if any(w.exit_code == ABORTED_EXIT for w in last):
+        return Finish(JobState.FAILED, ABORTED_EXIT, "aborted by its coordinator: the same failure repeated",
+                      job.restarts)
+    failed = [w for w in last or current if w.state is not WorkerState.EXITED]
+    if failed:
+        rc = failed[0].exit_code if failed[0].exit_code is not None else -9
+        return Finish(JobState.FAILED, rc,
+                      f"worker {failed[0].wid} {failed[0].state} (exit code {failed[0].exit_code})", job.restarts)
+    return Finish(JobState.SUCCEEDED, 0, "all workers exited 0", job.restarts)
+
+
+def gang_failure(job: JobFacts, workers: Iterable[WorkerFacts], records: Any,
+                 log_tails: Mapping[int, tuple[str, ...]]) -> list[Record | Requeue | Finish]:
+    """A gang's end when one of this run's workers ended badly (see the module's doc):
+    [] while none has. The first to end decides: the others often fail because of it (a
+    reset connection in their collective). A crash is told as `first_crash` tells it
+    (`records`: the coordinator's crashed list, for a gpuflex.elastic script)."""
+    bad = [w for w in _current(job, workers) if w.state in (WorkerState.FAILED, WorkerState.LOST)]
+    if not bad:
+        return []
+    w = min(bad, key=lambda w: (w.ended_at if w.ended_at is not None else float("inf"), w.wid))
+    if is_crash_exit(w.exit_code):
+        crash = first_crash(job, [w], records, log_tails)
+        if crash is not None:
+            return [Record(CRASH_KIND, crash.summary, crash.data()), after_crash(job, crash)]
+    code, how = gang_exit(w)
+    summary = f"worker {w.wid} on {w.host} {how}"
+    data = {"wid": w.wid, "host": w.host, "exit_code": code, "returncode": w.exit_code}
+    first = Record(GANG_FAILED_KIND, f"{summary}; the gang is stopped", data)
+    if job.elastic == RESTART and (w.exit_code is None or w.exit_code < 0):
+        return [first, Requeue(f"{summary}; relaunching the gang from its checkpoint", FAULT_CAUSE)]
+    if job.crash_restarts < job.retries:
+        return [first, Requeue(f"{summary}; relaunch {job.crash_restarts + 1} of {job.retries}", GANG_CAUSE)]
+    return [first, Finish(JobState.FAILED, code, summary, job.restarts)]
+
+
+def gang_exit(w: WorkerFacts) -> tuple[int, str]:
+    """The job's exit code for a gang worker that ended badly, torchrun-style, and how it
+    ended in words: its code; 128+N for signal N; LOST_EXIT when it left no record."""
+    rc = w.exit_code
+    if rc is None:
+        return LOST_EXIT, f"was lost (no exit record: killed with its supervisor, or its host went down; exit code {LOST_EXIT})"
+    if rc < 0:
+        return 128 - rc, f"was killed by signal {-rc} (exit code {128 - rc})"
+    return rc, f"exited with code {rc}"
+
+
+def _current(job: JobFacts, workers: Iterable[WorkerFacts]) -> list[WorkerFacts]:
+    return [w for w in workers if job.started_at is None or w.started_at >= job.started_at]
+
+
+def is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def printable_lines(lines: Iterable[str]) -> tuple[str, ...]:
+    """A traceback's lines as shown: printable, without Python's "Traceback (most recent
+    call last):" header (the frames and the error say it all)."""
+    return tuple(one_line(line, 300) for line in lines if not line.startswith("Traceback (most recent call"))
+
+
+def one_line(value: Any, limit: int) -> str:
+    """What a worker or the coordinator wrote, as one printable line of at most `limit`."""
+    return "".join(c for c in str(value or "") if c.isprintable())[:limit]
