@@ -5,15 +5,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+# apt-get update once (not once per missing package): a fresh machine has no package lists
+APT_UPDATE := test -e $(VENV)/.apt-updated || { apt-get update -qq && touch $(VENV)/.apt-updated; }
 
-.PHONY: demo test venv sshd bench clean
+.PHONY: demo test venv sshd postgresql bench clean
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
-	$(PIP) -e ".[test]"
+	$(PIP) -e ".[test,postgres]"
 	touch $@
 
 # The SSH tests need OpenSSH's sshd; install it where it is missing and we are root (as on CI).
@@ -21,10 +23,19 @@ sshd:
 	@if command -v sshd >/dev/null 2>&1 || test -x /usr/sbin/sshd; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
 		echo "installing openssh-server for the SSH tests"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; \
+		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; \
 	else echo "sshd not found and not root: the SSH tests will be skipped"; fi
 
-test: venv sshd
+# The PostgreSQL tests start a throw-away cluster of Debian's postgresql (tests/pgbed.py);
+# install it where it is missing and we are root (as on CI).
+postgresql:
+	@if command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing postgresql for the PostgreSQL tests"; \
+		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	else echo "postgresql not found and not root: the PostgreSQL tests will be skipped"; fi
+
+test: venv sshd postgresql
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: venv

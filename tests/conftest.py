@@ -265,3 +265,26 @@ def gpuflex_logger_restored():
     logger.setLevel(level)
     logger.handlers[:] = handlers
     logger.propagate = propagate
+
+
+@pytest.fixture(scope="session")
+def pg_cluster():
+    """One throw-away PostgreSQL server for the whole session (tests/pgbed.py), stopped at
+    its end. Skips where PostgreSQL is missing and cannot be installed (not root); as root
+    a missing one is a failure, since `make test` installs it."""
+    from tests import pgbed
+
+    reason = pgbed.missing_reason()
+    if reason is not None:
+        if os.geteuid() == 0:
+            pytest.fail(f"{reason}: run make test, or apt-get install postgresql")
+        pytest.skip(reason)
+    cluster = pgbed.start_cluster()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def pg_url(pg_cluster) -> str:
+    """The URL of a fresh, empty database of the session's PostgreSQL server."""
+    return pg_cluster.database()

@@ -1,4 +1,12 @@
-"""Engine from a URL, SQLite pragmas, and migrations applied under a file lock."""
+"""Engine from a URL (SQLite or PostgreSQL), SQLite pragmas, and migrations applied under
+the database's "migration" lock (gpuflex.db.locks).
+
+Every failure to open the database is a DatabaseError (exit 2 in the CLI) whose hint says
+what to fix: the URL, the file's place and modes, the server, or the driver (PostgreSQL
+needs the extra `gpuflex[postgres]`, psycopg 3). Sessions from `open_database` check before
+each commit that this process still holds the advisory locks it took (a server's lock
+is lost with its connection), so nothing is committed by a command that lost its lock.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +18,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from gpuflex.db.locks import LOCK_SUFFIXES, database_lock
-from gpuflex.db.url import sqlite_path
+from gpuflex.db.locks import LOCK_SUFFIXES, database_lock, verify_held
+from gpuflex.db.url import connect_args, shown, sqlite_path, where
 from gpuflex.errors import DatabaseError
 from gpuflex.hosts.private import private_dir, tighten_file
 
@@ -26,32 +34,49 @@ def migrations_dir() -> Path:
 
 MIGRATIONS_DIR = migrations_dir()
 _HINT = "Set [database] url in gpuflex.toml to a writable SQLite file (sqlite:///path/gpuflex.db)."
+_SERVER_HINT = ("Check [database] url in gpuflex.toml "
+                "(postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE) and that the server is up.")
+_DRIVER_HINT = "Install the PostgreSQL driver: pip install 'gpuflex[postgres]' (psycopg 3)."
 
 
 def make_engine(url: str) -> Engine:
     """An engine for `url`; for SQLite the file is made private (see `private_database`)
-    and WAL + busy timeout set.
+    and WAL + busy timeout set; for a server, a connect timeout and TCP keepalives.
 
-    Raises DatabaseError when the file cannot be created or opened.
+    Raises DatabaseError when the URL is malformed, its driver is not installed, or the
+    file cannot be created or opened. (A server is first reached by `upgrade`.)
     """
     try:
         path = sqlite_path(url)
-    except sa.exc.ArgumentError as e:
-        raise DatabaseError(f"not a usable database URL {url!r}: {e}.", hint=_HINT) from None
+        parsed = sa.engine.make_url(url)
+    except (sa.exc.ArgumentError, ValueError) as e:
+        raise DatabaseError(f"not a usable database URL {_masked(url)!r}: {e}.", hint=_HINT) from None
     if path is not None:
         private_database(path)
         if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
             raise DatabaseError(f"the database {path} is not writable.", hint=_HINT)
-        url = sa.engine.make_url(url).set(database=str(path)).render_as_string(hide_password=False)
+        url = parsed.set(database=str(path)).render_as_string(hide_password=False)
     try:
-        engine = sa.create_engine(url, connect_args={"timeout": 30} if path else {})
-    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as e:
-        # an unknown dialect, or a driver that is not installed
-        shown = sa.engine.make_url(url).render_as_string(hide_password=True)
-        raise DatabaseError(f"cannot use the database URL {shown!r}: {e}.", hint=_HINT) from None
+        engine = sa.create_engine(url, connect_args=connect_args(parsed))
+    except ImportError as e:
+        # a dialect whose driver is not installed (psycopg without gpuflex[postgres])
+        raise DatabaseError(f"cannot use the database URL {shown(url)!r}: the driver is not installed "
+                            f"({e}).", hint=_DRIVER_HINT if parsed.get_backend_name() == "postgresql"
+                            else _HINT) from None
+    except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError) as e:   # an unknown dialect
+        raise DatabaseError(f"cannot use the database URL {shown(url)!r}: {e}.", hint=_HINT) from None
     if path is not None:
         event.listen(engine, "connect", _sqlite_pragmas)
     return engine
+
+
+def _masked(url: str) -> str:
+    """A URL that does not parse, its password masked as well as can be told."""
+    scheme, sep, rest = url.partition("://")
+    creds, at, host = rest.rpartition("@")
+    if at and ":" in creds:
+        return f"{scheme}{sep}{creds.split(':', 1)[0]}:***@{host}"
+    return url
 
 
 def private_database(path: Path) -> None:
@@ -126,10 +151,11 @@ def upgrade(engine: Engine) -> bool:
     try:
         if current_revision(engine) == head:
             return False
-    except sa.exc.DatabaseError as e:  # unopenable, or a file that is not a database
-        raise DatabaseError(f"cannot open the database {engine.url.database}: {e.orig}.",
-                            hint=_HINT) from None
-    with database_lock(str(engine.url), "migration").held():
+    except sa.exc.DBAPIError as e:  # unopenable, a file that is not a database, no server
+        detail = " ".join(str(e.orig).split()) or type(e.orig).__name__
+        raise DatabaseError(f"cannot open the database {where(engine.url)}: {detail}.",
+                            hint=_HINT if engine.url.get_backend_name() == "sqlite" else _SERVER_HINT) from None
+    with database_lock(engine.url.render_as_string(hide_password=False), "migration").held():
         if current_revision(engine) == head:
             return False
         command.upgrade(alembic_config(engine), "head")
@@ -140,4 +166,6 @@ def open_database(url: str) -> sessionmaker[Session]:
     """Engine + schema at head + a session factory: the one entry point the service uses."""
     engine = make_engine(url)
     upgrade(engine)
-    return sessionmaker(engine, expire_on_commit=False)
+    sessions = sessionmaker(engine, expire_on_commit=False)
+    event.listen(sessions, "before_commit", lambda _session: verify_held())
+    return sessions

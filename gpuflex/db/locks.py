@@ -10,10 +10,20 @@ Three locks, chosen by purpose with `database_lock(url, purpose)`:
 For SQLite the locks are files beside the database (`<db>.lock`, `<db>.ops.lock`,
 `<db>.harvest.lock`), held with flock through the maintained `filelock` package: the
 kernel drops them when a process dies, so a crashed command never leaves one held.
-A database that is not a file has no lock yet for "migration" and "ops" (`NoLock`): a
-server database would take an advisory lock (PostgreSQL's pg_advisory_lock) here, as one
-more `Lock` chosen in `database_lock`. The harvest lock needs no database at all, so for
-such a URL it is a file in the temp directory named after the URL.
+
+For PostgreSQL they are advisory locks (`AdvisoryLock`): pg_advisory_lock(NAMESPACE, key
+of the purpose) taken on a connection of the lock's own, held open for the lock's life
+("harvest" with pg_try_advisory_lock). Advisory locks belong to one database of the
+server, so two gpuflex databases on one server never wait for each other, and the server
+drops them when the connection ends, so a crashed command, or a control host that died,
+never leaves one held. That cuts both ways: a held lock whose connection is lost is
+no longer held, and another command may take it. So the holder must not commit as if it
+still held it: `verify_held()` asks the server about every advisory lock this process
+holds, and `gpuflex.db.engine` calls it before every commit (a lost lock rolls the
+transaction back with a DatabaseError: nothing is changed).
+
+Any other database gets no lock (`NoLock`) for "migration" and "ops", and a file in the
+temp directory named after the URL for "harvest".
 """
 
 from __future__ import annotations
@@ -22,14 +32,17 @@ import abc
 import contextlib
 import hashlib
 import os
+import socket
 import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
 
 import filelock
+import sqlalchemy as sa
 
-from gpuflex.db.url import sqlite_path
+from gpuflex.db.url import connect_args, is_postgresql, sqlite_path, where
+from gpuflex.errors import DatabaseError
 
 _SUFFIX = {"migration": ".lock", "ops": ".ops.lock", "harvest": ".harvest.lock"}
 LOCK_SUFFIXES = tuple(_SUFFIX.values())   # the files beside a SQLite database
@@ -92,6 +105,124 @@ class FileLock(Lock):
             return super().holder()
 
 
+# pg_advisory_lock(int, int): the first key says "gpuflex", the second the purpose;
+# both positive, so pg_locks shows them as they are (its classid/objid are unsigned)
+NAMESPACE = int.from_bytes(b"gflx", "big") & 0x7FFFFFFF
+_PURPOSE_KEY = {"migration": 1, "ops": 2, "harvest": 3}
+_HELD: set["AdvisoryLock"] = set()   # this process's advisory locks now held (verify_held)
+_MINE = ("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
+         "AND pid = pg_backend_pid() AND database = (SELECT oid FROM pg_database "
+         "WHERE datname = current_database()) AND classid = :ns AND objid = :key AND objsubid = 2)")
+_WHO = ("SELECT a.application_name, a.client_addr, a.backend_start FROM pg_locks l "
+        "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
+        "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+        "AND l.classid = :ns AND l.objid = :key AND l.objsubid = 2 LIMIT 1")
+
+
+class AdvisoryLock(Lock):
+    """A PostgreSQL advisory lock on a connection of its own (see the module docstring).
+
+    Raises DatabaseError when the server cannot be reached or the connection fails while
+    waiting."""
+
+    def __init__(self, url: str, purpose: str) -> None:
+        self.url = url
+        self.purpose = purpose
+        self.params = {"ns": NAMESPACE, "key": _PURPOSE_KEY[purpose]}
+        self._engine: sa.engine.Engine | None = None
+        self._conn: sa.engine.Connection | None = None
+
+    def _connect(self) -> sa.engine.Connection:
+        # the holder's name, for holder(): pg_stat_activity shows it to every user
+        name = f"gpuflex {self.purpose} pid {os.getpid()} on {socket.gethostname()}"[:63]
+        engine = sa.create_engine(self.url, poolclass=sa.pool.NullPool,
+                                  connect_args={**connect_args(self.url), "application_name": name})
+        try:
+            return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        except BaseException:
+            engine.dispose()
+            raise
+
+    def acquire(self, blocking: bool = True) -> bool:
+        if self._conn is not None:
+            raise RuntimeError(f"the {self.purpose} lock is already held by this object")
+        try:
+            conn = self._connect()
+        except sa.exc.DBAPIError as e:
+            raise _unreachable(self.url, e) from None
+        try:
+            if blocking:
+                conn.execute(sa.text("SELECT pg_advisory_lock(:ns, :key)"), self.params)
+            elif not conn.execute(sa.text("SELECT pg_try_advisory_lock(:ns, :key)"), self.params).scalar():
+                conn.close()
+                return False
+        except sa.exc.DBAPIError as e:
+            conn.close()
+            raise _unreachable(self.url, e) from None
+        self._conn = conn
+        _HELD.add(self)
+        return True
+
+    def release(self) -> None:
+        _HELD.discard(self)
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            conn.execute(sa.text("SELECT pg_advisory_unlock(:ns, :key)"), self.params)
+        except sa.exc.SQLAlchemyError:
+            pass   # the connection is gone, and the server dropped the lock with it
+        finally:
+            conn.close()
+            conn.engine.dispose()
+
+    def holds(self) -> bool:
+        """Whether the server still counts the lock as this object's: False once its
+        connection is lost (the server has dropped the lock then) or after `release`."""
+        if self._conn is None:
+            return False
+        try:
+            return bool(self._conn.execute(sa.text(_MINE), self.params).scalar())
+        except sa.exc.SQLAlchemyError:   # lost now, or invalidated by an earlier loss
+            return False
+
+    def holder(self) -> str:
+        try:
+            conn = self._connect()
+        except sa.exc.DBAPIError:
+            return super().holder()
+        try:
+            row = conn.execute(sa.text(_WHO), self.params).first()
+        except sa.exc.DBAPIError:
+            row = None
+        finally:
+            conn.close()
+            conn.engine.dispose()
+        if row is None:
+            return super().holder()
+        name, addr, since = row
+        who = name.removeprefix("gpuflex ").removeprefix(f"{self.purpose} ") if name else "a session"
+        who += f" ({addr})" if addr and not name else ""
+        return f"{who}, since {since.astimezone().strftime('%H:%M:%S')}" if since else who
+
+
+def verify_held() -> None:
+    """Raise DatabaseError when an advisory lock this process holds was lost with its
+    connection (another command may hold it now); called before every commit."""
+    for lock in list(_HELD):
+        if not lock.holds():
+            raise DatabaseError(
+                f"lost the connection that held the database's {lock.purpose} lock "
+                f"({where(lock.url)}); nothing was committed.",
+                hint="Run the command again once the database server answers.")
+
+
+def _unreachable(url: str, e: sa.exc.DBAPIError) -> DatabaseError:
+    detail = " ".join(str(e.orig).split()) or type(e.orig).__name__
+    return DatabaseError(f"cannot reach the database {where(url)}: {detail}.",
+                         hint="Check [database] url in gpuflex.toml and that the server is up.")
+
+
 class NoLock(Lock):
     """No lock: a database for which no lock is implemented yet (see the module docstring)."""
 
@@ -108,6 +239,8 @@ def database_lock(url: str, purpose: str) -> Lock:
     path = sqlite_path(url)
     if path is not None:
         return FileLock(Path(str(path) + suffix))
+    if is_postgresql(url):
+        return AdvisoryLock(url, purpose)
     if purpose == "harvest":
         digest = hashlib.sha256(url.encode()).hexdigest()[:16]
         return FileLock(Path(tempfile.gettempdir()) / f"gpuflex-harvest-{digest}.lock")
