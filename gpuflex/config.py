@@ -23,6 +23,7 @@ import math
 import os
 import re
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Optional, Union
 
@@ -36,7 +37,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from gpuflex.errors import ConfigError
+from gpuflex.errors import ConfigError, UsageError
 
 BUILTIN = "<built-in default>"
 MAX_CPU_SLOTS = 4096  # each slot is a DB row: a typo like cpu:40000000 must not hang every command
@@ -146,6 +147,53 @@ class JobSettings:
     default_time: Optional[Annotated[StrictStr, AfterValidator(_time_limit)]] = None
 
 
+# what a job's owner can hear of by webhook (gpuflex.control.notify); `[notify] events`
+NOTIFY_EVENTS = ("succeeded", "failed", "timeout", "preempted", "cancelled")
+MAX_URL = 2048
+
+
+def check_webhook_url(url: str, option: str = "--notify") -> str:
+    """`url` if it is an http(s) URL with a host and no spaces or control characters;
+    UsageError naming the option and the URL otherwise (checked before anything is written)."""
+    shown = url if len(url) <= 80 else url[:77] + "..."
+    if len(url) > MAX_URL or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
+        raise UsageError(f"{option} {shown!r}: a URL holds no spaces or control characters (at most "
+                         f"{MAX_URL} characters); e.g. https://hooks.example.org/gpuflex.")
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port   # raises ValueError for a port that is no number or out of range
+    except ValueError as e:
+        raise UsageError(f"{option} {shown!r}: not a URL ({e}).") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"{option} {shown!r}: give an http:// or https:// URL with a host, "
+                         "e.g. https://hooks.example.org/gpuflex.")
+    return url
+
+
+def _notify_url(value: str) -> str:
+    try:
+        return check_webhook_url(value, "")
+    except UsageError as e:
+        raise _invalid(str(e).lstrip()) from None
+
+
+def _notify_events(value: tuple[str, ...]) -> tuple[str, ...]:
+    for name in value:
+        if name not in NOTIFY_EVENTS:
+            raise _invalid(f"unknown event {name!r} (known: {', '.join(NOTIFY_EVENTS)}).")
+    return value
+
+
+@dataclass(frozen=True, config=_TABLE)
+class NotifySettings:
+    """Webhooks (gpuflex.control.notify): the URL a job gets unless `submit --notify`
+    names one (stored with the job at submit), and which of its moves are posted."""
+
+    url: Optional[Annotated[StrictStr, AfterValidator(_notify_url)]] = None
+    events: Annotated[tuple[StrictStr, ...], AfterValidator(_notify_events)] = \
+        ("succeeded", "failed", "timeout", "preempted")
+
+
 @dataclass(frozen=True, config=_TABLE)
 class HostConfig:
     name: HostName
@@ -195,6 +243,7 @@ class Config:
     harvest: HarvestSettings
     jobs: JobSettings
     hosts: tuple[HostConfig, ...]
+    notify: NotifySettings = NotifySettings()
 
     def host(self, name: str) -> HostConfig:
         for h in self.hosts:
@@ -220,6 +269,7 @@ class _File:
     harvest: HarvestSettings = HarvestSettings()
     jobs: JobSettings = JobSettings()
     hosts: tuple[HostConfig, ...] = Field(default_factory=_local_host)
+    notify: NotifySettings = NotifySettings()
 
     @field_validator("hosts", mode="before")
     @classmethod
@@ -242,7 +292,7 @@ class _File:
 
 _FILE = TypeAdapter(_File)
 _TABLES = {"": _File, "database": _Database, "harvest": HarvestSettings, "jobs": JobSettings,
-           "hosts": HostConfig}
+           "hosts": HostConfig, "notify": NotifySettings}
 _UNKNOWN = ("unexpected_keyword_argument", "extra_forbidden")
 _TYPE_NAMES = {"int_type": "int", "string_type": "str"}
 
@@ -286,7 +336,8 @@ def parse_config(data: dict[str, Any], path: str) -> Config:
         f = _FILE.validate_python(data)
     except ValidationError as e:
         raise _config_error(path, e) from None
-    return Config(path=path, database_url=f.database.url, harvest=f.harvest, jobs=f.jobs, hosts=f.hosts)
+    return Config(path=path, database_url=f.database.url, harvest=f.harvest, jobs=f.jobs, hosts=f.hosts,
+                  notify=f.notify)
 
 
 def _config_error(path: str, error: ValidationError) -> ConfigError:

@@ -56,6 +56,8 @@ def submit(
                                         "most N running at once (0-15%4); each gets GPUFLEX_ARRAY_INDEX."),
     requeue: bool = typer.Option(False, "--requeue", help="Let a higher-priority job preempt it: stopped "
                                  "(SIGTERM, grace) and requeued."),
+    notify: Optional[str] = typer.Option(None, "--notify", help="Webhook URL (http or https): a JSON POST when "
+                                         "the job ends, fails, is preempted or times out. Default: [notify] url."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -76,7 +78,8 @@ def submit(
                         env=parse_env(env or []), workdir=workdir, retries=retries, elastic=elastic,
                         time_limit_s=parse_time(time) if time is not None else None,
                         after=parse_after(after) if after is not None else (),
-                        array=parse_array(array) if array is not None else None, requeue=requeue)
+                        array=parse_array(array) if array is not None else None, requeue=requeue,
+                        notify=notify)
     svc = obj(ctx).service()
     job = svc.job(svc.submit(req), events=False)
     if as_json:

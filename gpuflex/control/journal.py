@@ -19,6 +19,7 @@ import time
 
 from sqlalchemy.orm import Session
 
+from gpuflex.control import notify
 from gpuflex.db import queries
 from gpuflex.db.models import Event, Job, Worker
 from gpuflex.states import JobState, WorkerState
@@ -54,12 +55,15 @@ def set_state(session: Session, job: Job, target: JobState, message: str, label:
               **data) -> None:
     """Move the job to `target` (IllegalTransition if its states do not allow it); the
     event reads "LABEL: message", LABEL the state unless given ("succeeded after 1
-    restart(s)")."""
+    restart(s)"). A move the job's owner is to hear of becomes a webhook note, posted
+    only once the transaction has committed (gpuflex.control.notify)."""
     job.state.check_transition(target)
     job.state = target
     if target.final:
         job.ended_at = time.time()
-    record(session, job, "state", f"{label or target.value}: {message}", state=target.value, **data)
+    text = f"{label or target.value}: {message}"
+    record(session, job, "state", text, state=target.value, **data)
+    notify.collect(session, job, target, text, data)
 
 
 _HOW = {WorkerState.EXITED: "exited 0", WorkerState.LOST: "was lost (killed, or its host is gone)",

@@ -19,8 +19,8 @@ from typing import Any, Iterator, Mapping
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from gpuflex.config import Config
-from gpuflex.control import executor, intents, journal, lifecycle, report, scaling, views
+from gpuflex.config import Config, check_webhook_url
+from gpuflex.control import executor, intents, journal, lifecycle, notify, report, scaling, views
 from gpuflex.control.executor import Ops
 from gpuflex.control.launch import local_user, submit_environment
 from gpuflex.control.pool import Pool
@@ -89,6 +89,7 @@ class SubmitRequest:
     after: tuple[int, ...] = ()
     array: ArraySpec | None = None
     requeue: bool = False
+    notify: str | None = None   # --notify: the webhook URL (None: [notify] url, if any)
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
@@ -122,6 +123,8 @@ class SubmitRequest:
             raise UsageError(f"--retries {self.retries!r}: give a number of restarts from 0 to {MAX_RETRIES}.")
         elastic_mode(self.elastic, self.min_workers, self.max_workers)
         check_torchrun(self.argv, self.gpus_per_worker)
+        if self.notify is not None:
+            check_webhook_url(self.notify)
 
     @property
     def elastic_mode(self) -> str | None:
@@ -198,16 +201,25 @@ class JobService:
         self.pool = pool or Pool(config)
         self.progress: dict[int, dict] = {}  # job id -> the coordinator's last progress report
         self.forming: dict[int, dict | None] = {}   # job id -> the generation it forms now, if any
+        self.outbox = notify.Outbox(self.sessions)   # webhooks of committed moves, not posted yet
 
     def close(self) -> None:
+        self.notify()
+        self.outbox.close()
         self.pool.close()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Session]:
-        """A session under the database's "ops" lock (gpuflex.db.locks), committed on success."""
+        """A session under the database's "ops" lock (gpuflex.db.locks), committed on success;
+        then, the lock released, the webhooks of what it committed are posted."""
         with database_lock(self.config.database_url, "ops").held(), self.sessions.begin() as session:
             intents.settle(self.config, self.pool, session)   # runs of commands that died mid-start
             yield session
+        self.notify()
+
+    def notify(self) -> None:
+        """Post the webhooks of the moves committed so far (gpuflex.control.notify)."""
+        self.outbox.deliver(self.config.notify.events, journal.record)
 
     def ops(self, session: Session) -> Ops:
         """What the actions need, for the transaction of `session`."""
@@ -296,6 +308,7 @@ class JobService:
                     gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
                     retries=req.retries, elastic=req.elastic_mode, time_limit_s=limit,
                     after=list(req.after) or None, requeue=req.requeue,
+                    notify_url=req.notify or self.config.notify.url,
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
                     user=local_user(),
                 )
@@ -371,4 +384,5 @@ class JobService:
                 self.record_probes(session, results)
                 job_id = self.get(session, ref).id
             scaling.scale_in_steps(self.sessions.begin, self.config, self.pool, job_id, n)
+        self.notify()
         return self.job(job_id, events=False)

@@ -125,6 +125,9 @@ class Job(Base):
     array_index: Mapped[int | None] = mapped_column(Integer)
     array_limit: Mapped[int | None] = mapped_column(Integer)
     requeue: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    # where a webhook is posted when the job ends, fails, is preempted or times out
+    # (`submit --notify`, else `[notify] url` at submit; migration 0007); None: nowhere
+    notify_url: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
