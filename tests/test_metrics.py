@@ -5,7 +5,10 @@ jobs of several users and states, generation, restart and reclaim events)."""
 from __future__ import annotations
 
 import math
+import os
 import secrets
+import subprocess
+from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,9 +18,10 @@ from gpuflex.control import metrics
 from gpuflex.db.engine import open_database
 from gpuflex.db.models import Event, Gpu, Host, Job, Worker
 from gpuflex.states import JobState, WorkerState
-from tests.conftest import db_dump, write_config
+from tests.conftest import db_dump, gpuflex_script, write_config
 from tests.test_cli import make_cli
 
+ROOT = Path(__file__).resolve().parent.parent
 HOSTS = '''
 [[hosts]]
 name = "gpu1"
@@ -168,3 +172,23 @@ def test_the_command_refreshes_first_like_status(home, config_path):
     # the refresh mirrored the configured pool into the database: its 4 slots are listed
     assert value(got, "gpuflex_cpu_slots", host="local", holder="free") == 4
     assert not any(n == "gpuflex_jobs" for n, _ in got)
+
+
+def test_the_cron_example_writes_a_whole_file_by_rename(home, config_path):
+    """The crontab line of examples/cron/gpuflex-metrics.crontab, its paths pointed at this
+    test's, run by /bin/sh as cron would: gpuflex.prom parses, no temporary file is left."""
+    line = next(x for x in (ROOT / "examples/cron/gpuflex-metrics.crontab").read_text().splitlines()
+                if x.startswith("* * * * * "))
+    collector = home / "textfile_collector"
+    collector.mkdir()
+    (home / ".local/state/gpuflex").mkdir(parents=True)
+    command = (line.removeprefix("* * * * * ")
+               .replace("$HOME/.venvs/gpuflex/bin/gpuflex", gpuflex_script())
+               .replace("$HOME/.config/gpuflex/gpuflex.toml", str(config_path))
+               .replace("/var/lib/node_exporter/textfile_collector", str(collector)))
+    p = subprocess.run(["/bin/sh", "-c", command], env={**os.environ, "HOME": str(home)}, cwd=home,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr + (home / ".local/state/gpuflex/metrics.log").read_text()
+    assert [f.name for f in collector.iterdir()] == ["gpuflex.prom"]
+    got = samples((collector / "gpuflex.prom").read_text())
+    assert value(got, "gpuflex_cpu_slots", host="local", holder="free") == 4
