@@ -83,8 +83,8 @@ class Coordinator:
             return None
         with self.lock:
             self.watch.beat(self.generations.heartbeats.last_change())
-            if self.local_workers is not None and self.watch.reason() is not None and self.local_workers():
-                self.watch.contact()
+            if self.local_workers is not None and self.local_workers():
+                self.watch.contact()   # the timeout counts from the last local worker's end
             return self.watch.reason()
 
     def handlers(self) -> dict[str, Callable[[dict[str, Any]], dict[str, Any]]]:

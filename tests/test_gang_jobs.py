@@ -1,0 +1,169 @@
+"""Gang jobs (issue 11 items 1 and 2): any torch.distributed program, as torchrun runs it.
+
+A job that is not an in-place elastic one runs as a gang of N workers with torchrun's
+environment contract. Real processes: an unmodified env:// DDP script
+(examples/torchrun/ddp_tutorial.py) on the local pool and across two sshd hosts, torchrun
+as the command (2 nodes x 2 processes), a gang whose worker is killed or exits 3 (stopped,
+failed with that code, relaunched once with --retries 1), and a plain command that runs
+longer than the formation deadline and the orphan timeout (it ran once: before gang mode
+it was requeued again and again).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gpuflex.hosts.hostops import group_alive
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, py
+from tests.sshbed import host_toml, restart_sshd, ssh_hosts  # noqa: F401 (fixtures)
+
+REPO = Path(__file__).resolve().parents[1]
+DDP = str(REPO / "examples" / "torchrun" / "ddp_tutorial.py")
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+FORMATION_S = 1
+ORPHAN_S = 2
+DEADLINE_S = 300
+
+
+def config(home: Path, hosts: str, jobs: str = "") -> Path:
+    cfg = home / "g.toml"
+    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
+                   f"[jobs]\ncancel_grace_s = 3\n{jobs}\n" + hosts)
+    return cfg
+
+
+def local_host(home: Path, slots: int = 4) -> str:
+    return f'[[hosts]]\nname = "local"\naddress = "local"\ngpus = "cpu:{slots}"\nworkdir = "{home}/work"\n'
+
+
+@pytest.fixture
+def gj(home):
+    """The local pool (4 CPU slots) with a formation deadline and an orphan timeout of
+    seconds: a plain process outlives both."""
+    cli = GpuflexCLI(home, config(home, local_host(home), f"formation_timeout_s = {FORMATION_S}\n"
+                                                         f"orphan_timeout_s = {ORPHAN_S}\n"))
+    yield cli
+    cleanup_jobs(cli, home / "g.db")
+
+
+def ranks(out: Path, world: int) -> list[dict]:
+    """Every rank's file, in rank order; each saw the same world and ended with the same
+    parameters (DDP keeps them equal)."""
+    files = sorted(out.glob("rank-*.json"))
+    got = sorted((json.loads(f.read_text()) for f in files), key=lambda r: r["rank"])
+    assert [r["rank"] for r in got] == list(range(world))
+    assert {r["world_size"] for r in got} == {world}
+    assert len({r["hash"] for r in got}) == 1, [r["hash"] for r in got]
+    assert json.loads((out / "params.json").read_text())   # rank 0's parameters
+    return got
+
+
+def events(cli: GpuflexCLI, job_id: int, kind: str) -> list[dict]:
+    return [e for e in cli.json("events", str(job_id)) if e["kind"] == kind]
+
+
+def test_a_plain_command_longer_than_the_formation_deadline_and_the_orphan_timeout_runs_once(gj, home):
+    job = gj.submit(["sleep", "10"])
+    # no command for longer than the orphan timeout: the coordinator lives on while its
+    # local worker runs (its exit record not written), and the deadline never drops it
+    time.sleep(ORPHAN_S + FORMATION_S + 4)
+    done = gj.wait_final(job["id"], DEADLINE_S)
+    assert (done["state"], done["exit_code"], done["restarts"], done["elastic"]) == ("succeeded", 0, 0, None), done
+    log = next((home / "work" / "jobs").glob("*/coordinator.log")).read_text()
+    assert "orphan" not in log and "held" not in log, log
+    assert not [e for e in gj.json("events", str(job["id"])) if e["kind"] == "state" and "queued" in e["message"]
+                and e["data"].get("cause")]
+
+
+def test_the_ddp_tutorial_runs_unmodified_on_the_local_pool(gj, home):
+    out = home / "out"
+    job = gj.submit([sys.executable, DDP, "--out", str(out)], "--workers", "2")
+    done = gj.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded" and done["restarts"] == 0, (done, gj("logs", str(job["id"])).stdout[-3000:])
+    env = [r["env"] for r in ranks(out, 2)]
+    assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) for e in env] == \
+        [("0", "0", "2", "0"), ("1", "1", "2", "0")]
+    assert {e["MASTER_ADDR"] for e in env} == {"127.0.0.1"} and len({e["MASTER_PORT"] for e in env}) == 1
+    store_port = db_rows(home / "g.db", "SELECT store_port FROM jobs")[0][0]
+    assert env[0]["MASTER_PORT"] != str(store_port)
+    assert {(e["GPUFLEX_RESTART_COUNT"], e["TORCHELASTIC_RESTART_COUNT"]) for e in env} == {("0", "0")}
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in env} == {None}   # CPU slots
+
+
+def test_torchrun_as_the_command_two_nodes_of_two_processes(gj, home):
+    out = home / "out"
+    job = gj.submit([TORCHRUN, "--nproc-per-node", "2", DDP, "--out", str(out)],
+                    "--workers", "2", "--gpus-per-worker", "2")
+    done = gj.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", (done, gj("logs", str(job["id"])).stdout[-3000:])
+    env = [r["env"] for r in ranks(out, 4)]
+    assert [(e["LOCAL_RANK"], e["GROUP_RANK"]) for e in env] == [("0", "0"), ("1", "0"), ("0", "1"), ("1", "1")]
+
+
+# rank 1 is SIGKILLed in the first run and exits 3 in the second; rank 0 would sleep on
+FAILING = """
+import os, signal, sys, time
+out, run, rank = sys.argv[1], os.environ["GPUFLEX_RESTART_COUNT"], os.environ["RANK"]
+with open(os.path.join(out, f"run{run}-rank{rank}"), "w") as f:
+    f.write(os.environ["TORCHELASTIC_RESTART_COUNT"])
+if rank == "1":
+    time.sleep(1)
+    if run == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(3)
+time.sleep(600)
+"""
+
+
+def test_a_failed_worker_stops_the_gang_which_is_relaunched_once_then_fails_with_its_code(gj, home):
+    out = home / "out"
+    out.mkdir()
+    job = gj.submit([*py(FAILING), str(out)], "--workers", "2", "--retries", "1")
+    done = gj.wait_final(job["id"], DEADLINE_S)
+    assert (done["state"], done["exit_code"], done["restarts"]) == ("failed", 3, 1), done
+    assert sorted(p.name for p in out.iterdir()) == ["run0-rank0", "run0-rank1", "run1-rank0", "run1-rank1"]
+    assert (out / "run1-rank1").read_text() == "1"   # TORCHELASTIC_RESTART_COUNT in the relaunch
+    failed = events(gj, job["id"], "worker-failed")
+    assert [(e["data"]["exit_code"], e["data"]["host"]) for e in failed] == [(137, "local"), (3, "local")]
+    assert "signal 9" in failed[0]["message"] and "exited with code 3" in failed[1]["message"]
+    # rank 0 (sleeping) was stopped both times, rank 1 failed
+    assert sorted((w["rank"], w["state"]) for w in done["workers"]) == \
+        [(0, "stopped"), (0, "stopped"), (1, "failed"), (1, "failed")], done["workers"]
+    pgids = [r[0] for r in db_rows(home / "g.db", "SELECT pgid FROM workers")]
+    assert len(pgids) == 4 and not any(group_alive(p) for p in pgids)
+
+
+@pytest.fixture
+def two_hosts(ssh_hosts, home):
+    bed = ssh_hosts
+    bed.reset_smi()
+    cli = GpuflexCLI(home, config(home, "\n".join(host_toml(h, bed) for h in bed.hosts[:2])))
+    yield cli
+    for h in bed.hosts:
+        if h.proc is None or h.proc.poll() is not None:
+            restart_sshd(bed, h)
+    cleanup_jobs(cli, home / "g.db")
+
+
+def test_the_ddp_tutorial_across_two_sshd_hosts_with_torchruns_environment(two_hosts, home):
+    out = home / "out"
+    job = two_hosts.submit([sys.executable, DDP, "--out", str(out)], "--workers", "3")
+    done = two_hosts.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", (done, two_hosts("logs", str(job["id"])).stdout[-3000:])
+    env = [r["env"] for r in ranks(out, 3)]
+    hosts = {w["rank"]: (w["host"], w["gpus"]) for w in done["workers"]}
+    assert [hosts[r][0] for r in range(3)] == ["gpu01", "gpu01", "gpu02"], hosts
+    # one fake GPU per worker: CUDA_VISIBLE_DEVICES lists the job's GPUs on the host in
+    # local-rank order, so cuda:{LOCAL_RANK} is the worker's own
+    assert [(e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"], e["GROUP_RANK"]) for e in env] == \
+        [("0", "2", "0"), ("1", "2", "0"), ("0", "1", "1")]
+    visible = [e["CUDA_VISIBLE_DEVICES"].split(",") for e in env]
+    for r, e in enumerate(env):
+        assert visible[r][int(e["LOCAL_RANK"])] == str(hosts[r][1][0])
+    assert visible[0] == visible[1] and len(visible[0]) == 2 and len(visible[2]) == 1
+    assert {e["MASTER_ADDR"] for e in env} == {"127.0.0.2"}   # gpu01, as gpu02 reaches it
