@@ -18,7 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from gpuflex.control.launch import Layout, visible_gpus
+from gpuflex.db.models import Job
+from gpuflex.elastic.env import WorkerEnv
 from gpuflex.hosts.hostops import group_alive
+from gpuflex.policy.lifecycle import Finish, JobFacts, Requeue, WorkerFacts, gang_failure
+from gpuflex.states import JobState, WorkerState
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, py
 from tests.sshbed import host_toml, restart_sshd, ssh_hosts  # noqa: F401 (fixtures)
 
@@ -51,6 +56,79 @@ def gj(home):
     cleanup_jobs(cli, home / "g.db")
 
 
+# ---- the pure parts ---------------------------------------------------------------------------
+def test_a_layout_gives_local_ranks_host_groups_and_the_gpus_in_local_rank_order():
+    run = Layout.of([("a", [3]), ("b", [0]), ("a", [1]), ("c", [2]), ("b", [1])], master_port=5)
+    assert [run.local_ranks(r).index(r) for r in range(5)] == [0, 0, 1, 0, 1]        # LOCAL_RANK
+    assert [len(run.local_ranks(r)) for r in range(5)] == [2, 2, 2, 1, 2]             # LOCAL_WORLD_SIZE
+    assert [run.group_rank(r) for r in range(5)] == [0, 1, 0, 2, 1]                   # GROUP_RANK
+    assert run.local_devices(2) == (3, 1)
+
+
+@pytest.mark.parametrize("elastic,argv,own,visible", [
+    (None, ["python", "t.py"], (1,), (3, 1)),            # a gang, one GPU each: cuda:{LOCAL_RANK} is its own
+    ("restart", ["python", "t.py"], (1,), (3, 1)),
+    ("inplace", ["python", "t.py"], (1,), None),         # the runtime uses cuda:0
+    (None, ["torchrun", "--nproc-per-node", "1", "t.py"], (1,), None),   # torchrun's node: its own GPUs
+    (None, ["python", "t.py"], (1, 2), None),            # several GPUs each: its own
+])
+def test_cuda_visible_devices_follows_torchruns_convention(elastic, argv, own, visible):
+    run = Layout.of([("a", [3]), ("b", [0]), ("a", list(own))])
+    assert visible_gpus(Job(elastic=elastic, argv=argv), run, 2, own) == visible
+
+
+def test_a_torchrun_node_gets_a_static_rendezvous_and_no_restarts_of_its_own():
+    env = WorkerEnv(rank=1, world_size=2, master_addr="10.0.0.1", master_port=29511, gpus=(5,),
+                    visible_gpus=(4, 5), local_rank=1, local_world_size=2, restart_count=2)
+    assert env.torchrun_env() == {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_RDZV_BACKEND": "static",
+                                  "PET_MAX_RESTARTS": "0", "PET_MASTER_ADDR": "10.0.0.1",
+                                  "PET_MASTER_PORT": "29511"}
+    vars = env.to_env()
+    assert (vars["CUDA_VISIBLE_DEVICES"], vars["GPUFLEX_CUDA_DEVICE"], vars["LOCAL_RANK"]) == ("4,5", "1", "1")
+    assert (vars["GPUFLEX_RESTART_COUNT"], vars["TORCHELASTIC_RESTART_COUNT"]) == ("2", "2")
+    assert WorkerEnv.from_environ(vars) == env
+
+
+def gang(elastic, *ends, retries=0, crash_restarts=0) -> JobFacts:
+    """A two-worker job on hosts a and b; `ends`: (wid, state, exit code, ended_at)."""
+    workers = {0: WorkerFacts(0, "a", WorkerState.RUNNING), 1: WorkerFacts(1, "b", WorkerState.RUNNING)}
+    for wid, state, rc, at in ends:
+        workers[wid] = WorkerFacts(wid, workers[wid].host, state, exit_code=rc, ended_at=at)
+    return JobFacts(7, JobState.RUNNING, 2, tuple(workers.values()), elastic=elastic, retries=retries,
+                    crash_restarts=crash_restarts, restarts=crash_restarts)
+
+
+@pytest.mark.parametrize("job,wid,outcome", [
+    (gang(None), None, None),
+    (gang(None, (0, WorkerState.EXITED, 0, 5.0)), None, None),                # rank 0 done first: wait for 1
+    (gang(None, (1, WorkerState.FAILED, -9, 5.0)), 1,
+     Finish(JobState.FAILED, 137, "worker 1 on b was killed by signal 9 (exit code 137)")),
+    (gang(None, (1, WorkerState.LOST, None, None)), 1, Finish(JobState.FAILED, 137, "no exit record")),
+    # the first to end decides: worker 0 failed because worker 1 was killed
+    (gang(None, (0, WorkerState.FAILED, 3, 6.0), (1, WorkerState.FAILED, -15, 5.0)), 1,
+     Finish(JobState.FAILED, 143, "signal 15")),
+    (gang(None, (0, WorkerState.FAILED, 3, 5.0), retries=1), 0, Requeue("relaunch 1 of 1", "gang")),
+    (gang(None, (0, WorkerState.FAILED, 3, 5.0), retries=1, crash_restarts=1), 0,
+     Finish(JobState.FAILED, 3, "worker 0 on a ended with exit code 3")),
+    (gang("restart", (0, WorkerState.FAILED, -9, 5.0)), 0, Requeue("from its checkpoint", "fault")),
+    (gang("restart", (0, WorkerState.FAILED, 3, 5.0)), 0, Finish(JobState.FAILED, 3, "exit code 3")),
+])
+def test_a_gang_is_stopped_and_fails_with_its_first_bad_workers_code_unless_retries_are_left(job, wid, outcome):
+    actions = gang_failure(job, job.workers, None, {})
+    if outcome is None:
+        assert actions == []
+        return
+    record, end = actions
+    assert (record.kind, record.data["wid"], record.data["host"]) == ("worker-failed", wid, "ab"[wid])
+    assert type(end) is type(outcome) and outcome.reason in end.reason
+    if isinstance(outcome, Finish):
+        assert (end.state, end.exit_code, record.data["exit_code"]) == (outcome.state, outcome.exit_code,
+                                                                         outcome.exit_code)
+    else:
+        assert end.cause == outcome.cause
+
+
+# ---- real processes ---------------------------------------------------------------------------
 def ranks(out: Path, world: int) -> list[dict]:
     """Every rank's file, in rank order; each saw the same world and ended with the same
     parameters (DDP keeps them equal)."""
@@ -130,7 +208,7 @@ def test_a_failed_worker_stops_the_gang_which_is_relaunched_once_then_fails_with
     assert (out / "run1-rank1").read_text() == "1"   # TORCHELASTIC_RESTART_COUNT in the relaunch
     failed = events(gj, job["id"], "worker-failed")
     assert [(e["data"]["exit_code"], e["data"]["host"]) for e in failed] == [(137, "local"), (3, "local")]
-    assert "signal 9" in failed[0]["message"] and "exited with code 3" in failed[1]["message"]
+    assert "signal 9" in failed[0]["message"] and "ended with exit code 3" in failed[1]["message"]
     # rank 0 (sleeping) was stopped both times, rank 1 failed
     assert sorted((w["rank"], w["state"]) for w in done["workers"]) == \
         [(0, "stopped"), (0, "stopped"), (1, "failed"), (1, "failed")], done["workers"]

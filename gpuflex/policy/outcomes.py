@@ -284,7 +284,7 @@ def gang_exit(w: WorkerFacts) -> tuple[int, str]:
         return LOST_EXIT, f"was lost (no exit record: killed with its supervisor, or its host went down; exit code {LOST_EXIT})"
     if rc < 0:
         return 128 - rc, f"was killed by signal {-rc} (exit code {128 - rc})"
-    return rc, f"exited with code {rc}"
+    return rc, f"ended with exit code {rc}"
 
 
 def _current(job: JobFacts, workers: Iterable[WorkerFacts]) -> list[WorkerFacts]:
