@@ -20,7 +20,10 @@ import pytest
 
 from gpuflex.control.launch import Layout, visible_gpus
 from gpuflex.db.models import Job
+from gpuflex.cli.render import forming_text
 from gpuflex.elastic.env import WorkerEnv
+from gpuflex.elastic.failures import Heartbeats
+from gpuflex.elastic.forming import FormationWatch
 from gpuflex.hosts.hostops import group_alive
 from gpuflex.policy.lifecycle import Finish, JobFacts, Requeue, WorkerFacts, gang_failure
 from gpuflex.states import JobState, WorkerState
@@ -126,6 +129,38 @@ def test_a_gang_is_stopped_and_fails_with_its_first_bad_workers_code_unless_retr
                                                                          outcome.exit_code)
     else:
         assert end.cause == outcome.cause
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def watch(beating: set[int], clock: Clock) -> FormationWatch:
+    hb = Heartbeats(lambda key: int(key.rsplit("/", 1)[1]) in beating, lambda key: str(clock.now).encode(), 3.0, clock)
+    return FormationWatch(10.0, hb, lambda key: False, clock=clock, wall=lambda: 1000.0)
+
+
+def test_an_inplace_job_of_a_plain_script_says_so_and_a_gang_waits_for_its_processes():
+    clock = Clock()
+    plain, gang_watch, killed = watch(set(), clock), watch(set(), clock), watch({1}, clock)
+    gang_watch.as_gang()
+    for w in (plain, gang_watch, killed):
+        assert w.first([0, 1], [], 1) is None
+    assert "hint" not in plain.record()            # it may still be importing torch
+    clock.now = 6.0                               # past half the deadline: status says why
+    assert plain.first([0, 1], [], 1) is None and "--elastic restart" in plain.record()["hint"]
+    assert "never joined the gpuflex.elastic runtime" in forming_text(plain.record(), now=1006.0)
+    clock.now = 11.0
+    held = plain.first([0, 1], [], 1)
+    assert held.hold is not None and "worker(s) [0, 1] never joined the gpuflex.elastic runtime" in held.hold
+    assert "--elastic restart" in held.hold
+    assert gang_watch.first([0, 1], [], 1) is None and gang_watch.record() is None   # never dropped nor held
+    # worker 1 beat (a gpuflex.elastic script), worker 0 was killed while it started: no hint
+    assert killed.first([0, 1], [1], 1).hold is None and "runtime" not in killed.first([0, 1], [1], 1).message
 
 
 # ---- real processes ---------------------------------------------------------------------------
