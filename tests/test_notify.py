@@ -16,12 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from gpuflex.config import load_config
+from gpuflex.config import load_config, parse_config
 from gpuflex.control import journal, notify
-from gpuflex.control.service import JobService
+from gpuflex.control.pool import Pool
+from gpuflex.control.service import JobService, SubmitRequest
 from gpuflex.db.models import Job
 from gpuflex.states import JobState
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, py, write_config
+from tests.fakes.hosts import FakeHost, World
 from tests.test_cli import make_cli
 
 
@@ -163,6 +165,29 @@ def test_a_receiver_that_refuses_is_recorded_as_failed(service, receiver):
         (ev,) = [e for e in session.get(Job, job_id).events if e.kind == "notify-failed"]
     assert "HTTP 500" in ev.message and ev.data["event"] == "timeout"
     assert "token=abc" not in ev.message   # the URL's path and query may hold its secret
+
+
+def test_a_preempted_job_posts_preempted_from_the_submit_that_preempted_it(tmp_path, receiver):
+    """On a simulated 4-GPU host (tests/fakes/hosts.py): a --requeue job holding every GPU
+    is stopped and requeued by a higher-priority submit, which posts its webhook."""
+    world = World(warmup_s=0.0, leave_s=(0.0, 0.0), gpus_per_host=4)
+    cfg = parse_config({"database": {"url": f"sqlite:///{tmp_path}/g.db"}, "jobs": {"cancel_grace_s": 2},
+                        "hosts": [{"name": "pool", "address": "10.9.1.1", "workdir": "/w"}]}, "<test>")
+    svc = JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
+    try:
+        def submit(lo, **kw):
+            return svc.submit(SubmitRequest(argv=["python3", "train.py"], min_workers=lo, max_workers=lo,
+                                            workdir=str(tmp_path), **kw))
+
+        low = submit(4, requeue=True, notify=receiver.url + "/low")
+        assert receiver.posts == []   # started: nobody is told
+        high = submit(2, priority=10)
+        assert svc.job(low).state is JobState.QUEUED
+        (body,) = receiver.bodies("/low")
+        assert (body["job"], body["event"], body["state"]) == (low, "preempted", "queued")
+        assert body["reason"] == f"queued: preempted by job {high} (priority 10)" and body["restarts"] == 1
+    finally:
+        svc.close()
 
 
 # ---- real CLI runs -----------------------------------------------------------------------
