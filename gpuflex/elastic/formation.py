@@ -107,7 +107,10 @@ class Formation:
             except (RuntimeError, TimeoutError, ValueError) as e:
                 self._formation_failed(g, e)
                 after, failed_at = g, time.time()
-            was_member = was_member or self.state.has_state
+            # g listed this worker: a newer generation that leaves it out dropped it (Evicted).
+            # Waiting to be included instead kept a stateless one (frozen in its first
+            # formation, then woken) alive, holding its device, until the job finished.
+            was_member = True
 
     # ---- pieces -------------------------------------------------------------------------------
     def _destroy(self) -> None:
