@@ -54,6 +54,7 @@ JOBS = {"checkpoint_interval_s": 5, "heartbeat_timeout_s": 3, "pg_timeout_s": 10
 WEIGHTS = {"tick": 5, "scale": 3, "owner": 2, "kill_worker": 2, "kill_newcomer": 1,
            "stop_worker": 1, "kill_coordinator": 1, "kill_scale": 1}
 CLI_TIMEOUT_S = 150
+END_LAG_S = JOBS["pg_timeout_s"] + JOBS["heartbeat_timeout_s"] + 30   # last step -> job ended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,19 @@ class Planned:
     at: float                  # seconds from the start of the schedule
     action: str
     args: dict[str, Any]
+
+
+@dataclasses.dataclass
+class Bg:
+    """A gpuflex command running in the background."""
+    started: float
+    what: str
+    proc: subprocess.Popen
+    out: Path
+    kill_at: float | None = None      # SIGKILL it then (a scale killed mid-resize)
+
+    def output(self) -> tuple[str, str]:
+        return self.out.read_text(), self.out.with_suffix(".err").read_text()
 
 
 def make_schedule(seed: int, minutes: float) -> list[Planned]:
@@ -129,6 +143,7 @@ class Pool:
         self.home.mkdir(parents=True)
         self.config = root / "gpuflex.toml"
         self.owners: dict[tuple[str, int], subprocess.Popen] = {}
+        self.runs = 0
         tables = []
         for host in ("fa", "fb"):
             smi = root / f"{host}-nvidia-smi"
@@ -183,9 +198,14 @@ class Pool:
         return subprocess.run([GPUFLEX, *args], capture_output=True, text=True, timeout=timeout,
                               env=self.env(), cwd=self.home)
 
-    def popen(self, *args: str, **extra: str) -> subprocess.Popen:
-        return subprocess.Popen([GPUFLEX, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                env=self.env(**extra), cwd=self.home)
+    def popen(self, *args: str, **extra: str) -> Bg:
+        """`gpuflex ARGS` in the background, its stdout and stderr to files (read once it ends)."""
+        self.runs += 1
+        out = self.root / "cli" / f"{self.runs}.out"
+        out.parent.mkdir(exist_ok=True)
+        with open(out, "w") as o, open(out.with_suffix(".err"), "w") as e:
+            proc = subprocess.Popen([GPUFLEX, *args], stdout=o, stderr=e, env=self.env(**extra), cwd=self.home)
+        return Bg(time.monotonic(), args[0], proc, out)
 
     def db(self, sql: str, *params) -> list[tuple]:
         con = sqlite3.connect(str(self.root / "g.db"), timeout=30)
@@ -205,13 +225,32 @@ def one_line(p: subprocess.CompletedProcess | str) -> str:
     return (lines[-1] if lines else "")[:160]
 
 
+def tick_text(rc: int, out: str, err: str) -> str:
+    """A harvest tick's actions in a few words."""
+    try:
+        data = json.loads(out)
+    except json.JSONDecodeError:
+        return f"exit {rc}: {one_line(out + err)}"
+    acts = [f"{x['action']}{'' if x.get('ok', True) else '(failed)'}"
+            + (f"[{x['method']}]" if x.get("method") else "") for x in data.get("actions", [])]
+    return f"exit {rc}: " + (", ".join(acts) or "nothing to do") + (" (skipped)" if data.get("skipped") else "")
+
+
 def failpoint_placed(name: str) -> bool:
     """Whether the control side calls failpoint `name` (FP1 places the call sites)."""
     return any(f'"{name}"' in p.read_text() for p in (ROOT / "gpuflex" / "control").glob("*.py"))
 
 
-def signal_pid(pid: int | None, sig: int) -> bool:
+def signal_pid(pid: int | None, sig: int, mark: str = "") -> bool:
+    """Signal `pid` if it lives and its command line holds `mark` (this soak's temp dir,
+    in every worker's --report path): a pid read from a status a moment ago may have been
+    reused by then, and the soak must never signal a process it did not start."""
     if not pid:
+        return False
+    try:
+        if mark and mark.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return False
+    except OSError:
         return False
     try:
         os.kill(pid, sig)
@@ -228,7 +267,8 @@ class Soak:
         self.pool, self.job, self.hang_s = pool, job, hang_s
         self.t0 = time.monotonic()
         self.executed: list[tuple[float, str, str, str]] = []    # (t, action, args, result)
-        self.background: list[tuple[float, str, subprocess.Popen, float | None]] = []  # (t, what, proc, kill at)
+        self.background: list[Bg] = []
+        self.poller: Bg | None = None
         self.pending: list[tuple[float, str, Any]] = []          # (t, what, argument): SIGCONTs, newcomer kills
         self.view: dict[str, Any] = {}
         self.last_step: int | None = None
@@ -236,6 +276,8 @@ class Soak:
         self.problems: list[str] = []
         self.loads: list[float] = []
         self.stopped: set[int] = set()
+        self.last_line = 0.0
+        self.mark = str(pool.root)
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -247,20 +289,48 @@ class Soak:
 
     # -- watching --
     def poll(self) -> dict[str, Any]:
-        """`gpuflex status JOB --json` (each call also refreshes the job, as a user's would);
-        the step advancing is what counts as training."""
-        p = self.pool.cli("status", str(self.job), "--json")
-        if p.returncode != 0:
-            self.problems.append(f"{self.now():.0f}s status failed: {one_line(p)}")
+        """`gpuflex status JOB --json` now (each call also refreshes the job, as a user's
+        would): for a fresh view before a victim is chosen."""
+        try:
+            p = self.pool.cli("status", str(self.job), "--json")
+        except subprocess.TimeoutExpired:
+            self.problems.append(f"{self.now():.0f}s gpuflex status did not return in {CLI_TIMEOUT_S} s")
             return self.view
-        self.view = json.loads(p.stdout)
+        return self.absorb(p.returncode, p.stdout, p.stderr)
+
+    def absorb(self, rc: int, out: str, err: str) -> dict[str, Any]:
+        """Take a status reply in; the step advancing is what counts as training."""
+        if rc != 0:
+            self.problems.append(f"{self.now():.0f}s status failed: {one_line(out + err)}")
+            return self.view
+        self.view = json.loads(out)
         step = self.view.get("step")
         if isinstance(step, int) and (self.last_step is None or step > self.last_step):
             self.last_progress = time.monotonic()
         if isinstance(step, int):
             self.last_step = step
         self.loads.append(os.getloadavg()[0])
+        if time.monotonic() - self.last_line >= 60:
+            self.last_line = time.monotonic()
+            live = self.live(("starting", "running", "leaving"))
+            print(f"{self.now():8.1f}  -- {self.view.get('state')}, step {step}, world size "
+                  f"{self.view.get('world_size')}, workers {[w['wid'] for w in live]}, "
+                  f"load {self.loads[-1]:.1f}", flush=True)
         return self.view
+
+    def poll_in_background(self) -> None:
+        """Start a status call, or take in the one that ended: the loop never waits on it."""
+        bg = self.poller
+        if bg is None:
+            self.poller = self.pool.popen("status", str(self.job), "--json")
+        elif bg.proc.poll() is not None:
+            self.poller = None
+            self.absorb(bg.proc.returncode, *bg.output())
+        elif time.monotonic() - bg.started > CLI_TIMEOUT_S:
+            bg.proc.kill()
+            bg.proc.wait()
+            self.poller = None
+            self.problems.append(f"{self.now():.0f}s gpuflex status did not return in {CLI_TIMEOUT_S} s")
 
     def final(self) -> bool:
         return self.view.get("state") in ("succeeded", "failed", "cancelled")
@@ -279,21 +349,26 @@ class Soak:
 
     # -- background commands and pending signals --
     def reap(self) -> None:
-        for item in list(self.background):
-            t, what, proc, kill_at = item
-            if kill_at is not None and time.monotonic() >= kill_at and proc.poll() is None:
-                proc.kill()
-                proc.wait()
-                self.background.remove(item)
-                self.note(what, "", f"SIGKILL sent to gpuflex scale pid {proc.pid} after {time.monotonic() - t:.1f} s")
+        for bg in list(self.background):
+            if bg.kill_at is not None and time.monotonic() >= bg.kill_at and bg.proc.poll() is None:
+                bg.proc.kill()
+                bg.proc.wait()
+                self.background.remove(bg)
+                self.note(bg.what, "", f"SIGKILL sent to gpuflex scale pid {bg.proc.pid} "
+                          f"after {time.monotonic() - bg.started:.1f} s")
                 continue
-            if proc.poll() is None and time.monotonic() - t > CLI_TIMEOUT_S:
-                proc.kill()
-                self.problems.append(f"{self.now():.0f}s {what}: gpuflex did not return in {CLI_TIMEOUT_S} s")
-            if proc.poll() is not None:
-                out = proc.stdout.read() if proc.stdout else ""
-                self.background.remove(item)
-                self.note(what, "", f"exit {proc.returncode} after {time.monotonic() - t:.1f} s: {one_line(out)}")
+            if bg.proc.poll() is None and time.monotonic() - bg.started > CLI_TIMEOUT_S:
+                bg.proc.kill()
+                bg.proc.wait()
+                self.problems.append(f"{self.now():.0f}s {bg.what}: gpuflex did not return in {CLI_TIMEOUT_S} s")
+            if bg.proc.poll() is not None:
+                self.background.remove(bg)
+                out, err = bg.output()
+                took = time.monotonic() - bg.started
+                if bg.what == "tick":
+                    self.note("tick", "", f"after {took:.1f} s: {tick_text(bg.proc.returncode, out, err)}")
+                else:
+                    self.note(bg.what, "", f"exit {bg.proc.returncode} after {took:.1f} s: {one_line(out + err)}")
         for item in list(self.pending):
             at, what, arg = item
             if time.monotonic() < at:
@@ -301,7 +376,7 @@ class Soak:
             self.pending.remove(item)
             if what == "sigcont":
                 self.stopped.discard(arg)
-                self.note("sigcont", f"pid={arg}", "sent" if signal_pid(arg, signal.SIGCONT) else "gone")
+                self.note("sigcont", f"pid={arg}", "sent" if signal_pid(arg, signal.SIGCONT, self.mark) else "gone")
             elif what == "kill_newcomer":
                 self.kill_newest(arg)
 
@@ -312,7 +387,7 @@ class Soak:
             self.note("kill_newcomer", "", "no newcomer to kill (grow refused or already done)")
             return
         w = max(fresh, key=lambda w: w["wid"])
-        ok = signal_pid(w["pid"], signal.SIGKILL)
+        ok = signal_pid(w["pid"], signal.SIGKILL, self.mark)
         self.note("kill_newcomer", f"wid={w['wid']}", f"kill -9 pid {w['pid']} ({w['state']}, {w['host']}): "
                   + ("sent" if ok else "gone"))
 
@@ -326,9 +401,8 @@ class Soak:
         elif a == "owner_leave":
             self.note(a, p.args, self.pool.leave(p.args["host"], p.args["gpu"]))
         elif a == "scale":
-            self.background.append((time.monotonic(), f"scale->{p.args['n']}",
-                                    self.pool.popen("scale", str(self.job), str(p.args["n"]), "--wait",
-                                                    "--timeout", "120"), None))
+            self.background.append(self.pool.popen("scale", str(self.job), str(p.args["n"]), "--wait",
+                                                   "--timeout", "120"))
             self.note(a, p.args, "started (gpuflex scale --wait)")
         elif a == "kill_scale":
             self.kill_scale(p.args)
@@ -336,66 +410,77 @@ class Soak:
             self.poll()
             n = min(MAX_WORKERS, len(self.live(("starting", "running", "leaving"))) + 1)
             known = {w["wid"] for w in self.view.get("workers", [])}
-            self.background.append((time.monotonic(), f"scale->{n}",
-                                    self.pool.popen("scale", str(self.job), str(n)), None))
+            self.background.append(self.pool.popen("scale", str(self.job), str(n)))
             self.pending.append((time.monotonic() + p.args["delay_s"], "kill_newcomer", known))
             self.note(a, p.args, f"gpuflex scale {n} started; newcomer killed in {p.args['delay_s']} s")
         elif a in ("kill_worker", "stop_worker"):
             self.signal_worker(a, p.args)
         elif a == "kill_coordinator":
-            rows = self.pool.db("SELECT store_pgid FROM jobs WHERE id = ?", self.job)
-            pgid = rows[0][0] if rows else None
+            self.note(a, p.args, self.kill_coordinator())
+
+    def kill_coordinator(self) -> str:
+        """kill -9 of the coordinator process itself (its supervisor lives on and records
+        the exit, as when the coordinator alone is OOM-killed)."""
+        from gpuflex.hosts.hostops import proc_stats
+
+        rows = self.pool.db("SELECT store_pgid FROM jobs WHERE id = ?", self.job)
+        pgid = rows[0][0] if rows else None
+        if not pgid:
+            return "no coordinator recorded"
+        for pid, _, _, pgrp in proc_stats():
+            if pgrp != pgid:
+                continue
             try:
-                os.killpg(pgid, signal.SIGKILL) if pgid else None
-                result = f"kill -9 process group {pgid}" if pgid else "no coordinator recorded"
-            except ProcessLookupError:
-                result = f"process group {pgid} already gone"
-            self.note(a, p.args, result)
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"gpuflex.elastic.coordinator" in cmd:
+                sent = signal_pid(pid, signal.SIGKILL, self.mark)
+                return f"kill -9 coordinator pid {pid}: " + ("sent" if sent else "gone")
+        return f"no coordinator process in group {pgid}"
 
     def tick(self, args: dict) -> None:
-        p = self.pool.cli("harvest", "--json")
-        if p.returncode not in (0, 1):
-            self.problems.append(f"{self.now():.0f}s harvest exit {p.returncode}: {one_line(p)}")
-            self.note("tick", args, f"exit {p.returncode}: {one_line(p)}")
+        """`gpuflex harvest --json` in the background (a reclaim may take its deadline);
+        one at a time, as cron's overlapping ticks would skip."""
+        if any(bg.what == "tick" for bg in self.background):
+            self.note("tick", args, "not started: the last tick is still running")
             return
-        try:
-            out = json.loads(p.stdout)
-        except json.JSONDecodeError:
-            self.note("tick", args, f"exit {p.returncode}: {one_line(p)}")
-            return
-        acts = [f"{x['action']}{'' if x.get('ok', True) else '(failed)'}"
-                + (f"[{x['method']}]" if x.get("method") else "") for x in out.get("actions", [])]
-        self.note("tick", args, f"exit {p.returncode}: " + (", ".join(acts) or "nothing to do")
-                  + (" (skipped)" if out.get("skipped") else ""))
+        self.background.append(self.pool.popen("harvest", "--json"))
+        self.background[-1].what = "tick"
 
     def kill_scale(self, args: dict) -> None:
         via = args["via"]
         if via == "failpoint" and not failpoint_placed("scale.spawned"):
             via = "timer (failpoint scale.spawned not placed)"
         if via == "failpoint":
-            proc = self.pool.popen("scale", str(self.job), str(args["n"]), "--wait", "--timeout", "120",
-                                   GPUFLEX_FAILPOINTS="scale.spawned=kill")
-            self.background.append((time.monotonic(), f"kill_scale->{args['n']}", proc, None))
+            bg = self.pool.popen("scale", str(self.job), str(args["n"]), "--wait", "--timeout", "120",
+                                 GPUFLEX_FAILPOINTS="scale.spawned=kill")
         else:
-            proc = self.pool.popen("scale", str(self.job), str(args["n"]), "--wait", "--timeout", "120")
-            self.background.append((time.monotonic(), f"kill_scale->{args['n']}", proc,
-                                    time.monotonic() + args["delay_s"]))
-        self.note("kill_scale", args, f"gpuflex scale {args['n']} --wait started, killed by {via}")
+            bg = self.pool.popen("scale", str(self.job), str(args["n"]), "--wait", "--timeout", "120")
+            bg.kill_at = bg.started + args["delay_s"]
+        bg.what = f"kill_scale->{args['n']}"
+        self.background.append(bg)
+        how = "scale.spawned=kill armed (fires once newcomers are spawned)" if via == "failpoint" else via
+        self.note("kill_scale", args, f"gpuflex scale {args['n']} --wait started, killed by {how}")
 
     def signal_worker(self, action: str, args: dict) -> None:
         self.poll()
         live = [w for w in self.live() if w["pid"] not in self.stopped]
-        if not live:
-            self.note(action, args, f"no running worker (state {self.view.get('state')})")
+        if len(live) < 2:
+            # the soak keeps a survivor: with none, an in-place job is failed by design
+            # (policy.outcomes.outcome), which would end the soak at its first such fault
+            self.note(action, args, f"skipped: {len(live)} running worker(s) not stopped "
+                                    f"(state {self.view.get('state')}); the soak keeps one")
             return
         which = args.get("which", "any")
         w = live[0] if which == "rank0" else live[-1] if which == "last" else live[int(args["u"] * len(live))]
         where = f"wid {w['wid']} rank {w['rank']} pid {w['pid']} on {w['host']}"
         if action == "kill_worker":
-            self.note(action, args, f"kill -9 {where}: " + ("sent" if signal_pid(w["pid"], signal.SIGKILL) else "gone"))
+            sent = signal_pid(w["pid"], signal.SIGKILL, self.mark)
+            self.note(action, args, f"kill -9 {where}: " + ("sent" if sent else "gone"))
             return
         hold = JOBS["pg_timeout_s"] + JOBS["heartbeat_timeout_s"] + args["extra_s"]
-        ok = signal_pid(w["pid"], signal.SIGSTOP)
+        ok = signal_pid(w["pid"], signal.SIGSTOP, self.mark)
         if ok:
             self.stopped.add(w["pid"])
             self.pending.append((time.monotonic() + hold, "sigcont", w["pid"]))
@@ -411,9 +496,10 @@ class Soak:
         last_tick = 0.0
         while True:
             now = self.now()
-            if now >= next_poll:
-                self.poll()
-                next_poll = now + poll_s
+            if now >= next_poll or self.poller is not None:
+                if self.poller is None:
+                    next_poll = now + poll_s
+                self.poll_in_background()
                 why = self.hung()
                 if why:
                     return f"HANG at {now:.0f} s: {why}"
@@ -423,7 +509,8 @@ class Soak:
             if drain_from is None and (now >= end_s or self.final()):
                 drain_from = now
                 for host, gpu in list(self.pool.owners):
-                    self.note("owner_leave", {"host": host, "gpu": gpu}, self.pool.leave(host, gpu) + " (schedule over)")
+                    self.note("owner_leave", {"host": host, "gpu": gpu},
+                              self.pool.leave(host, gpu) + " (schedule over)")
                 todo = []
             if todo and todo[0].at <= now:
                 self.run_action(todo.pop(0))
@@ -497,6 +584,13 @@ def summary(pool: Pool, soak: Soak, seed: int, job: int, started: float, report_
               f"{len(nt['gaps'])} gaps longer than max(1 s, 4 x median))")
         for at, gap in nt["gaps"][:8]:
             print(f"   gap of {gap:6.1f} s after the step done at {at - started:8.1f} s")
+        lag = (view.get("ended_at") or time.time()) - report["step_log"][-1][1] if report["step_log"] else 0.0
+        print(f"the job ended {lag:.1f} s after its last step (bound {END_LAG_S} s: "
+              "pg_timeout_s + heartbeat_timeout_s + 30)")
+        if lag > END_LAG_S:
+            soak.problems.append(f"the job's training was over {lag:.0f} s before the job ended "
+                                 f"(state events and workers above)")
+            ok = False
         print(f"in-place resizes: {len(pauses)}, their pauses (events' timings.pause) sum "
               f"{sum(pauses):.1f} s, max {max(pauses, default=0):.2f} s")
         print("\n-- final model against a fixed-size run --")
@@ -516,9 +610,9 @@ def summary(pool: Pool, soak: Soak, seed: int, job: int, started: float, report_
 
 def cleanup(pool: Pool, soak: Soak | None) -> None:
     for pid in (soak.stopped if soak else ()):
-        signal_pid(pid, signal.SIGCONT)
-    for _, _, proc, _ in (soak.background if soak else ()):
-        proc.kill()
+        signal_pid(pid, signal.SIGCONT, soak.mark)
+    for bg in (soak.background + ([soak.poller] if soak.poller else []) if soak else ()):
+        bg.proc.kill()
     pool.close()
     if not (pool.root / "g.db").exists():
         return
