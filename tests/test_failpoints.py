@@ -14,11 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from gpuflex.config import parse_config
 from gpuflex.control import launch
 from gpuflex.db.models import Job, Worker
-from gpuflex.elastic import failpoints
+from gpuflex.elastic import failpoints, keys
+from gpuflex.elastic.checkpoints import load_checkpoint, previous_path, save_checkpoint
+from gpuflex.elastic.generations import Generations
+from tests.fakes.store_fake import Clock, FakeStore
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted(p for p in (ROOT / "gpuflex").rglob("*.py") if p.name != "failpoints.py")
@@ -211,6 +215,36 @@ def test_disarm_ends_every_rule():
 def test_a_place_that_is_not_a_point_is_a_bug_even_unarmed():
     with pytest.raises(KeyError, match="resize.cpy"):
         failpoints.hit("resize.cpy")
+
+
+# ---- two places, in process --------------------------------------------------------------------
+def test_oserror_at_checkpoint_write_is_a_full_disk_the_old_checkpoints_intact(tmp_path):
+    path = str(tmp_path / "checkpoint.pt")
+    for step in (1, 2):
+        save_checkpoint(path, {"state": {"step": step, "w": torch.full((3,), float(step))}})
+    failpoints.arm("checkpoint.write@step=3=oserror:ENOSPC")
+    with pytest.raises(OSError) as e:
+        save_checkpoint(path, {"state": {"step": 3, "w": torch.zeros(3)}})
+    assert e.value.errno == errno.ENOSPC
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.prev.pt", "checkpoint.pt"]   # no temp file left
+    assert load_checkpoint(path)["state"]["step"] == 2 and load_checkpoint(previous_path(path))["state"]["step"] == 1
+    save_checkpoint(path, {"state": {"step": 4, "w": torch.zeros(3)}})   # fired once: the next write works
+    assert load_checkpoint(path)["state"]["step"] == 4
+
+
+def test_a_fault_at_coordinator_publish_comes_before_the_generation_is_published():
+    store, clock = FakeStore(), Clock()
+    gens = Generations(store, [0, 1], hb_timeout_s=3, clock=clock, wall=clock)
+    for w in (0, 1):
+        store.add(keys.hb(w), 1)
+        store.set(keys.ready(w), "0")
+    store.add(keys.EVENTS, 1)
+    failpoints.arm("coordinator.publish@gen=1=raise")
+    with pytest.raises(RuntimeError, match="failpoint coordinator.publish"):
+        gens.tick()
+    assert keys.members(1) not in store.data and gens.generation == 0
+    gens.tick()   # fired once: the next look publishes
+    assert gens.generation == 1 and keys.members(1) in store.data
 
 
 # ---- the points in the code and the docs ------------------------------------------------------
