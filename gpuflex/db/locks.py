@@ -113,7 +113,9 @@ _HELD: set["AdvisoryLock"] = set()   # this process's advisory locks now held (v
 _MINE = ("SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted "
          "AND pid = pg_backend_pid() AND database = (SELECT oid FROM pg_database "
          "WHERE datname = current_database()) AND classid = :ns AND objid = :key AND objsubid = 2)")
-_WHO = ("SELECT a.application_name, a.client_addr, a.backend_start FROM pg_locks l "
+# state_change: when the holder's connection last went idle, i.e. when it got the lock
+# (or last checked it, see verify_held)
+_WHO = ("SELECT a.application_name, a.client_addr, coalesce(a.state_change, a.backend_start) FROM pg_locks l "
         "JOIN pg_stat_activity a ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.granted "
         "AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) "
         "AND l.classid = :ns AND l.objid = :key AND l.objsubid = 2 LIMIT 1")
@@ -129,7 +131,6 @@ class AdvisoryLock(Lock):
         self.url = url
         self.purpose = purpose
         self.params = {"ns": NAMESPACE, "key": _PURPOSE_KEY[purpose]}
-        self._engine: sa.engine.Engine | None = None
         self._conn: sa.engine.Connection | None = None
 
     def _connect(self) -> sa.engine.Connection:
@@ -154,10 +155,10 @@ class AdvisoryLock(Lock):
             if blocking:
                 conn.execute(sa.text("SELECT pg_advisory_lock(:ns, :key)"), self.params)
             elif not conn.execute(sa.text("SELECT pg_try_advisory_lock(:ns, :key)"), self.params).scalar():
-                conn.close()
+                _close(conn)
                 return False
         except sa.exc.DBAPIError as e:
-            conn.close()
+            _close(conn)
             raise _unreachable(self.url, e) from None
         self._conn = conn
         _HELD.add(self)
@@ -173,8 +174,7 @@ class AdvisoryLock(Lock):
         except sa.exc.SQLAlchemyError:
             pass   # the connection is gone, and the server dropped the lock with it
         finally:
-            conn.close()
-            conn.engine.dispose()
+            _close(conn)
 
     def holds(self) -> bool:
         """Whether the server still counts the lock as this object's: False once its
@@ -196,14 +196,18 @@ class AdvisoryLock(Lock):
         except sa.exc.DBAPIError:
             row = None
         finally:
-            conn.close()
-            conn.engine.dispose()
+            _close(conn)
         if row is None:
             return super().holder()
         name, addr, since = row
         who = name.removeprefix("gpuflex ").removeprefix(f"{self.purpose} ") if name else "a session"
         who += f" ({addr})" if addr and not name else ""
         return f"{who}, since {since.astimezone().strftime('%H:%M:%S')}" if since else who
+
+
+def _close(conn: sa.engine.Connection) -> None:
+    conn.close()
+    conn.engine.dispose()
 
 
 def verify_held() -> None:
