@@ -288,16 +288,6 @@ class Soak:
         print(f"{self.now():8.1f}  {action:<16} {text:<36} {result}", flush=True)
 
     # -- watching --
-    def poll(self) -> dict[str, Any]:
-        """`gpuflex status JOB --json` now (each call also refreshes the job, as a user's
-        would): for a fresh view before a victim is chosen."""
-        try:
-            p = self.pool.cli("status", str(self.job), "--json")
-        except subprocess.TimeoutExpired:
-            self.problems.append(f"{self.now():.0f}s gpuflex status did not return in {CLI_TIMEOUT_S} s")
-            return self.view
-        return self.absorb(p.returncode, p.stdout, p.stderr)
-
     def absorb(self, rc: int, out: str, err: str) -> dict[str, Any]:
         """Take a status reply in; the step advancing is what counts as training."""
         if rc != 0:
@@ -378,18 +368,38 @@ class Soak:
                 self.stopped.discard(arg)
                 self.note("sigcont", f"pid={arg}", "sent" if signal_pid(arg, signal.SIGCONT, self.mark) else "gone")
             elif what == "kill_newcomer":
-                self.kill_newest(arg)
+                self.kill_newest(*arg)
 
-    def kill_newest(self, known: set[int]) -> None:
-        self.poll()
-        fresh = [w for w in self.live(("starting", "running")) if w["wid"] not in known]
+    def kill_newest(self, known: set[int], tries: int = 4) -> None:
+        """kill -9 of the newest worker process the soak's status views had not seen, read
+        from /proc (its GPUFLEX_WORKER_ID): a status call under load comes too late."""
+        fresh = {wid: pid for wid, pid in self.worker_pids().items() if wid not in known}
         if not fresh:
-            self.note("kill_newcomer", "", "no newcomer to kill (grow refused or already done)")
+            if tries > 1:
+                self.pending.append((time.monotonic() + 3, "kill_newcomer", (known, tries - 1)))
+            else:
+                self.note("kill_newcomer", "", "no newcomer process appeared (grow refused or not spawned)")
             return
-        w = max(fresh, key=lambda w: w["wid"])
-        ok = signal_pid(w["pid"], signal.SIGKILL, self.mark)
-        self.note("kill_newcomer", f"wid={w['wid']}", f"kill -9 pid {w['pid']} ({w['state']}, {w['host']}): "
-                  + ("sent" if ok else "gone"))
+        wid = max(fresh)
+        ok = signal_pid(fresh[wid], signal.SIGKILL, self.mark)
+        self.note("kill_newcomer", f"wid={wid}", f"kill -9 pid {fresh[wid]}: " + ("sent" if ok else "gone"))
+
+    def worker_pids(self) -> dict[int, int]:
+        """wid -> pid of this soak's worker processes alive now."""
+        out = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                if self.mark.encode() not in Path(f"/proc/{entry.name}/cmdline").read_bytes():
+                    continue
+                env = Path(f"/proc/{entry.name}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            for var in env:
+                if var.startswith(b"GPUFLEX_WORKER_ID="):
+                    out[int(var.split(b"=", 1)[1])] = int(entry.name)
+        return out
 
     # -- the actions --
     def run_action(self, p: Planned) -> None:
@@ -407,11 +417,11 @@ class Soak:
         elif a == "kill_scale":
             self.kill_scale(p.args)
         elif a == "kill_newcomer":
-            self.poll()
-            n = min(MAX_WORKERS, len(self.live(("starting", "running", "leaving"))) + 1)
-            known = {w["wid"] for w in self.view.get("workers", [])}
+            alive = self.worker_pids()
+            n = min(MAX_WORKERS, len(alive) + 1)
+            known = set(alive) | {w["wid"] for w in self.view.get("workers", [])}
             self.background.append(self.pool.popen("scale", str(self.job), str(n)))
-            self.pending.append((time.monotonic() + p.args["delay_s"], "kill_newcomer", known))
+            self.pending.append((time.monotonic() + p.args["delay_s"], "kill_newcomer", (known, 4)))
             self.note(a, p.args, f"gpuflex scale {n} started; newcomer killed in {p.args['delay_s']} s")
         elif a in ("kill_worker", "stop_worker"):
             self.signal_worker(a, p.args)
@@ -464,7 +474,8 @@ class Soak:
         self.note("kill_scale", args, f"gpuflex scale {args['n']} --wait started, killed by {how}")
 
     def signal_worker(self, action: str, args: dict) -> None:
-        self.poll()
+        """The victim is chosen from the last status view (a few seconds old; a fresh call
+        under load comes too late) and signalled only if its pid is still this soak's."""
         live = [w for w in self.live() if w["pid"] not in self.stopped]
         if len(live) < 2:
             # the soak keeps a survivor: with none, an in-place job is failed by design
