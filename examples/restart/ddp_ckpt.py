@@ -123,6 +123,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-while", metavar="PATH",
+                    help="sleep --step-sleep after a step only while PATH exists (a demo or test holds the pace)")
     ap.add_argument("--ckpt-dir", required=True)
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--steps-file", help="rank 0 appends 'step time world' after each step")
@@ -185,7 +187,7 @@ def main():
                 checkpoint()
             print(f"rank {rank}: SIGTERM, checkpointed at step {step}; exiting", flush=True)
             finish()
-        if args.step_sleep:
+        if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
             time.sleep(args.step_sleep)
     if rank == 0 and args.report:
         write_report(args.report, model, args, step, runs)

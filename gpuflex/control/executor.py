@@ -73,8 +73,10 @@ def launch_run(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
     intents.note(ops.config.database_url, job.id, job.socket_dir, [first.name, *(a.host for a in assignments)])
     spawned = t.spawn(L.coordinator_spec(ops.config, first, job, job.store_port, wids))
     job.store_pgid = spawned.pgid
+    # torchrun's contract for the whole run: every rank's place, and rank 0's MASTER_PORT
+    layout = L.Layout.of([(a.host, a.devices) for a in assignments], master_port_on(t, job.store_port))
     for rank, (wid, a) in enumerate(zip(wids, assignments)):
-        spawn_worker(ops, job, wid, a, rank, len(assignments))
+        spawn_worker(ops, job, wid, a, rank, len(assignments), layout)
     if failpoints.ARMED: failpoints.hit("start.spawned", job=job.id)
     job.generation = 0
     job.world_size = len(assignments)
@@ -89,8 +91,20 @@ def next_wid(ops: Ops, job: Job) -> int:
     return queries.max_wid(ops.session, job.id) + 1
 
 
-def spawn_worker(ops: Ops, job: Job, wid: int, a: Assignment, rank: int, world: int) -> Worker:
-    return launch_worker(ops, job, reserve_worker(ops, job, wid, a, rank), rank, world)
+def master_port_on(t, store_port: int, tries: int = 5) -> int:
+    """A free port on rank 0's host for MASTER_PORT (the script's own store), not the
+    job store's port."""
+    port = L.free_port(t)
+    for _ in range(tries):
+        if port != store_port:
+            break
+        port = L.free_port(t)
+    return port
+
+
+def spawn_worker(ops: Ops, job: Job, wid: int, a: Assignment, rank: int, world: int,
+                 layout: "L.Layout | None" = None) -> Worker:
+    return launch_worker(ops, job, reserve_worker(ops, job, wid, a, rank), rank, world, layout)
 
 
 def reserve_worker(ops: Ops, job: Job, wid: int, a: Assignment, rank: int) -> Worker:
@@ -106,10 +120,11 @@ def reserve_worker(ops: Ops, job: Job, wid: int, a: Assignment, rank: int) -> Wo
     return w
 
 
-def launch_worker(ops: Ops, job: Job, w: Worker, rank: int, world: int) -> Worker:
-    """Start the process of a reserved row and record its group."""
+def launch_worker(ops: Ops, job: Job, w: Worker, rank: int, world: int, layout: "L.Layout | None" = None) -> Worker:
+    """Start the process of a reserved row and record its group. `layout`: the run's, when
+    the whole run is launched (else launch.worker_spec reads it from the rows)."""
     host = ops.config.host(w.host)
-    spawned = ops.pool.transport(host).spawn(L.worker_spec(ops.config, host, job, w, rank, world))
+    spawned = ops.pool.transport(host).spawn(L.worker_spec(ops.config, host, job, w, rank, world, layout))
     w.pid, w.pgid = spawned.pid, spawned.pgid
     return w
 
