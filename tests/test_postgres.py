@@ -328,3 +328,15 @@ def test_a_read_only_sqlite_file_and_a_closed_directory_change_nothing(home):
         assert list(closed.iterdir()) == []
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+def test_a_server_lost_in_the_middle_of_a_command_is_a_database_error(pg_cluster, pg_url):
+    sessions = open_database(pg_url)
+    with sessions() as s:
+        s.add(Host(name="h", address="local"))
+        s.flush()
+        pg_cluster.sql("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                       f"WHERE datname = '{pg_url.rsplit('/', 1)[1]}' AND pid <> pg_backend_pid()")
+        with pytest.raises(DatabaseError, match="lost the connection to the database 127.0.0.1:.* in the middle"):
+            s.commit()
+    assert rows(pg_url, "SELECT count(*) FROM hosts") == [(0,)]

@@ -67,7 +67,20 @@ def make_engine(url: str) -> Engine:
         raise DatabaseError(f"cannot use the database URL {shown(url)!r}: {e}.", hint=_HINT) from None
     if path is not None:
         event.listen(engine, "connect", _sqlite_pragmas)
+    else:
+        event.listen(engine, "handle_error", _server_lost)
     return engine
+
+
+def _server_lost(context) -> None:
+    """A server's connection lost in the middle of a command (it restarted, the network
+    broke): one DatabaseError line instead of a traceback. The server rolls back the
+    transaction it had open; one lost during its COMMIT may or may not have committed."""
+    if context.is_disconnect and context.connection is not None and not context.is_pre_ping:
+        detail = " ".join(str(context.original_exception).split()) or type(context.original_exception).__name__
+        raise DatabaseError(f"lost the connection to the database {where(context.engine.url)} in the "
+                            f"middle of the command: {detail}.",
+                            hint="Check that the server is up, then run 'gpuflex status' to see what took effect.")
 
 
 def _masked(url: str) -> str:
