@@ -8,6 +8,7 @@ import math
 import os
 import secrets
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,3 +193,15 @@ def test_the_cron_example_writes_a_whole_file_by_rename(home, config_path):
     assert [f.name for f in collector.iterdir()] == ["gpuflex.prom"]
     got = samples((collector / "gpuflex.prom").read_text())
     assert value(got, "gpuflex_cpu_slots", host="local", holder="free") == 4
+
+
+def test_without_prometheus_client_the_command_says_what_to_install(home, config_path):
+    """A GPU host's --no-deps install has no prometheus_client: one error line, exit 2."""
+    code = ("import sys; sys.modules['prometheus_client'] = None; from gpuflex.cli import main; "
+            "sys.argv = ['gpuflex', 'metrics']; main()")
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "HOME": str(home),
+                       "GPUFLEX_CONFIG": str(config_path)}, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and p.stdout == ""
+    assert p.stderr.splitlines() == ["error: gpuflex metrics needs the prometheus_client package, which is not "
+                                     "installed; pip install prometheus_client (a dependency of gpuflex on the "
+                                     "control host)."]

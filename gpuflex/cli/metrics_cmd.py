@@ -7,6 +7,7 @@ import sys
 import typer
 
 from gpuflex.cli.common import command, obj
+from gpuflex.errors import UsageError
 
 
 def register(app: typer.Typer) -> None:
@@ -26,8 +27,11 @@ def metrics(
 
     Example: gpuflex metrics > gpuflex.prom.tmp && mv gpuflex.prom.tmp gpuflex.prom
     """
-    from gpuflex.control.metrics import exposition   # prometheus_client: only this command needs it
-
+    try:   # prometheus_client: only this command needs it (a GPU host's --no-deps install lacks it)
+        from gpuflex.control.metrics import exposition
+    except ImportError as e:
+        raise UsageError(f"gpuflex metrics needs the {e.name} package, which is not installed; "
+                         "pip install prometheus_client (a dependency of gpuflex on the control host).") from None
     svc = obj(ctx).service()
     if refresh:
         svc.refresh()
