@@ -23,10 +23,14 @@ _SUM.reduceOp = dist.ReduceOp.SUM
 
 
 def pick_device() -> torch.device:
-    """This worker's device: its GPU where gpuflex gave it one (CUDA_VISIBLE_DEVICES), else CPU."""
+    """This worker's device: its GPU where gpuflex gave it one, else CPU. A gang's worker sees
+    all of the job's GPUs on its host (torchrun's convention): GPUFLEX_CUDA_DEVICE says which
+    visible index is its own (0 for in-place jobs, which see only their own)."""
     if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") not in ("", "-1"):
-        torch.cuda.set_device(0)
-        return torch.device("cuda", 0)
+        raw = os.environ.get("GPUFLEX_CUDA_DEVICE", "0")
+        index = int(raw) if raw.isdigit() and int(raw) < torch.cuda.device_count() else 0
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
