@@ -39,8 +39,8 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
 
     spec: argv (a leading `~` in argv[0] is this host's home), cwd, env (added to this
     environment; with clean_env, to HOST_IDENTITY only), log (stdout+stderr appended),
-    exit_path (JSON exit record written when the worker ends), private_dirs and
-    socket_dir (see gpuflex.hosts.transport.SpawnSpec). gpuflex's own directories are
+    exit_path (JSON exit record written when the worker ends), private_dirs,
+    socket_dir, deadline and grace_s (see gpuflex.hosts.transport.SpawnSpec). gpuflex's own directories are
     0700 and its files 0600 (gpuflex.hosts.private), set explicitly: the worker's umask,
     which its own outputs follow, is left alone. Raises NotPrivate (an OSError) when one
     of them is another user's or a symlink.
