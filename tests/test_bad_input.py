@@ -56,7 +56,7 @@ def seeded(config_path, db_path) -> Path:
     svc.refresh()
     with svc.sessions.begin() as s:
         job = Job(token="abc123", name="done", state="succeeded", argv=["true"], workdir=str(db_path.parent),
-                  env={}, min_workers=1, max_workers=2, gpus_per_worker=1, user="u", world_size=1,
+                  env={}, min_workers=1, max_workers=2, elastic="inplace", gpus_per_worker=1, user="u", world_size=1,
                   exit_code=0, exit_reason="all workers exited 0", started_at=time.time(),
                   ended_at=time.time())
         job.workers.append(Worker(wid=0, rank=0, host="local", gpus=[0], state="exited", exit_code=0,
