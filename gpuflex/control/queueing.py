@@ -93,8 +93,8 @@ def make_room(ops: Ops, job: Job, waiting: str) -> str | None:
             if isinstance(action, Shrink):
                 journal.record(ops.session, victim, "preempted", f"{by}: worker(s) "
                                f"{', '.join(map(str, action.wids))} leave", by=job.id, wids=list(action.wids))
-                scaling.retire(ops, victim, list(action.wids), why=by)
                 names.append(f"job {victim.id} (shrinking by {len(action.wids)})")
+                shrink(ops, victim, list(action.wids), by)
             elif isinstance(action, Stop):
                 journal.record(ops.session, victim, "preempted", f"{by}: stopped and requeued", by=job.id)
                 executor.requeue(ops, victim, by, cause=PREEMPTED_CAUSE)
@@ -106,3 +106,14 @@ def make_room(ops: Ops, job: Job, waiting: str) -> str | None:
     journal.record(ops.session, job, "preempting", message, jobs=[a.job_id for a in plan.actions])
     ops.session.flush()
     return message
+
+
+def shrink(ops: Ops, victim: Job, wids: list[int], why: str) -> None:
+    """Retire these workers at their next step boundary; if the coordinator cannot take
+    the shrink, SIGKILL them instead (as a reclaim escalates): the job rides out their loss
+    as a fault, and rows marked leaving are never left holding devices."""
+    try:
+        scaling.retire(ops, victim, wids, why=why)
+    except GpuflexError as e:
+        executor.stop_workers(ops, victim, [w for w in victim.live_workers if w.wid in wids],
+                              f"{why}: the shrink was not taken ({e})")
