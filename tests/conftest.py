@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-FINAL_STATES = {"succeeded", "failed", "cancelled"}
+FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
 # generous: a job launch starts a coordinator that imports torch, on a busy 2-core box
 JOB_DEADLINE_S = 180
 
@@ -167,7 +167,7 @@ def wait_for(cli: "GpuflexCLI", job_id: int, pred, what: str, deadline_s: float 
         job = cli.json("status", str(job_id))
         if pred(job):
             return job
-        if job["state"] in ("succeeded", "failed", "cancelled") or time.monotonic() > end:
+        if job["state"] in FINAL_STATES or time.monotonic() > end:
             pytest.fail(f"job {job_id}: gave up waiting for {what}: {json.dumps(job)[:2000]}\n"
                         + cli("logs", str(job_id)).stdout[-4000:])
         time.sleep(every_s)
