@@ -85,14 +85,20 @@ def with_more(job: Job, added: list[Assignment]) -> list[Assignment]:
     return assignments_of(in_rank_order(job)) + list(added)
 
 
-def plan_scale(ops: Ops, job: Job, n: int) -> list[Assignment] | None:
-    """The devices of the gang at `n` workers (None: it has `n` already). A shrink drops the
-    newest workers; a grow adds free devices. UsageError / JobError when it cannot."""
+def check_target(job: Job, n: int) -> None:
+    """UsageError unless the job runs and `n` is within its MIN..MAX: the check of every
+    scale, in place (gpuflex.control.scaling) or by a restart."""
     if not job.state.active:
         raise UsageError(f"job {job.id} is {job.state}; only running jobs can be scaled.")
     if not job.min_workers <= n <= job.max_workers:
         raise UsageError(f"job {job.id} takes {job.min_workers}..{job.max_workers} workers; {n} is outside.",
                          hint=f"Submit with --workers MIN:MAX to allow {n}.")
+
+
+def plan_scale(ops: Ops, job: Job, n: int) -> list[Assignment] | None:
+    """The devices of the gang at `n` workers (None: it has `n` already). A shrink drops the
+    newest workers; a grow adds free devices. UsageError / JobError when it cannot."""
+    check_target(job, n)
     current = job.members
     if n == len(current):
         return None

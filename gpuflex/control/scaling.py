@@ -29,7 +29,7 @@ from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic import failpoints
-from gpuflex.errors import GpuflexError, JobError, UsageError
+from gpuflex.errors import GpuflexError, JobError
 from gpuflex.policy.placement import Assignment, place
 
 # a new transaction per call, committed when its block ends without error; the caller
@@ -55,11 +55,7 @@ def scale(ops: Ops, job: Job, n: int) -> Job:
 def plan_scale(ops: Ops, job: Job, n: int) -> list[Assignment]:
     """Check `n` against the job; retire the newest workers for a shrink (done: []), or
     the devices of the newcomers a grow needs (UsageError / JobError when it cannot)."""
-    if not job.state.active:
-        raise UsageError(f"job {job.id} is {job.state}; only running jobs can be scaled.")
-    if not job.min_workers <= n <= job.max_workers:
-        raise UsageError(f"job {job.id} takes {job.min_workers}..{job.max_workers} workers; {n} is outside.",
-                         hint=f"Submit with --workers MIN:MAX to allow {n}.")
+    restarts.check_target(job, n)
     current = job.members
     if n > len(current):
         p = place(ops.pool.free(ops.session), n - len(current), n - len(current), job.gpus_per_worker)
