@@ -41,11 +41,12 @@ test: venv sshd postgresql
 demo: venv
 	$(PY) examples/demo.py
 
-bench: venv sshd
+bench: venv sshd postgresql
 	$(PY) benchmarks/scale_pause.py
 	$(PY) benchmarks/steady_overhead.py
 	$(PY) benchmarks/probe_hosts.py
 	$(PY) benchmarks/harvest_trace.py
+	$(PY) benchmarks/control_plane.py
 
 clean:
 	rm -rf .demo build *.egg-info

@@ -478,8 +478,8 @@ class Soak:
         under load comes too late) and signalled only if its pid is still this soak's."""
         live = [w for w in self.live() if w["pid"] not in self.stopped]
         if len(live) < 2:
-            # the soak keeps a survivor: with none, an in-place job is failed by design
-            # (policy.outcomes.outcome), which would end the soak at its first such fault
+            # the soak keeps a survivor, as when its figures were taken: an in-place job with
+            # none left was failed then; it is now requeued from its checkpoint (cause "fault")
             self.note(action, args, f"skipped: {len(live)} running worker(s) not stopped "
                                     f"(state {self.view.get('state')}); the soak keeps one")
             return

@@ -1,4 +1,4 @@
-"""examples/ddp_mlp.py converted to gpuflex.elastic: diff the two (11 lines changed).
+"""examples/ddp_mlp.py converted to gpuflex.elastic: diff the two (15 lines changed; 3 are the mixed-GPU test bed, gpuflex/testbed.py).
 
     python examples/elastic_mlp.py --epochs 2 --report /tmp/ref.json      # standalone
     gpuflex submit --workers 1:4 -- python examples/elastic_mlp.py --step-sleep 0.05
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
 from gpuflex.elastic import ElasticRun
+from gpuflex.testbed import add_device_args, device_work
 
 D_IN, D_OUT, N = 16, 4, 2048
 
@@ -49,6 +50,7 @@ def main():
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--report")
+    add_device_args(ap)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
     x, y = make_data()
@@ -62,6 +64,7 @@ def main():
         for xb, yb in loader:
             noise = 0.01 * torch.randn(run.batch.global_size, D_IN)[run.batch.slice]  # one draw per global batch
             loss = F.mse_loss(model(xb + noise), yb)
+            device_work(args, len(xb))
             opt.zero_grad()
             run.backward(loss)
             opt.step()

@@ -27,7 +27,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Annotated, Any, Optional, Union
 
-from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, PlainValidator, StrictInt,
+from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictInt,
                       StrictStr, TypeAdapter, ValidationError, field_validator)
 from pydantic.dataclasses import dataclass
 from pydantic_core import PydanticCustomError
@@ -145,6 +145,10 @@ class JobSettings:
     formation_timeout_s: Number = Field(60, ge=1, le=DAY_S)        # a worker not ready/joined this long is formed without
     # a run's time limit when submit gives no --time (same spellings: 90s, 4h, 1-12:00:00)
     default_time: Optional[Annotated[StrictStr, AfterValidator(_time_limit)]] = None
+    # issue 12: a worker slower than its job's median by this factor for this long, in a job
+    # above its MIN, is released (shrunk away in place)
+    straggler_factor: Number = Field(3, ge=1.1, le=1000)
+    straggler_s: Number = Field(300, ge=1, le=DAY_S)
 
 
 # what a job's owner can hear of by webhook (gpuflex.control.notify); `[notify] events`
@@ -194,6 +198,35 @@ class NotifySettings:
         ("succeeded", "failed", "timeout", "preempted")
 
 
+def _user_or_group(value: str) -> str:
+    if not re.fullmatch(r"@?[A-Za-z_][A-Za-z0-9_.-]{0,63}\$?", value):
+        raise _invalid(f"not a user or @group name: {value!r}.")
+    return value
+
+
+UserOrGroup = Annotated[StrictStr, AfterValidator(_user_or_group)]
+
+
+@dataclass(frozen=True, config=_TABLE)
+class AccessSettings:
+    """Who may change other users' jobs (issue 14): user names and `@group` unix groups."""
+
+    admins: tuple[UserOrGroup, ...] = ()
+
+
+@dataclass(frozen=True, config=_TABLE)
+class QuotaSettings:
+    """Fair share (issue 14): GPUs a user's jobs may hold at once (`default_gpus`, None:
+    no limit; `users` overrides it per user name), whether admins are exempt, and the
+    half-life of the decayed GPU-hours that order equal-priority queued jobs and harvest."""
+
+    default_gpus: Optional[StrictInt] = Field(None, ge=0, le=1 << 20)
+    users: dict[Annotated[StrictStr, AfterValidator(_user_or_group)], Annotated[int, Field(ge=0, le=1 << 20)]] = \
+        Field(default_factory=dict)
+    admins_exempt: StrictBool = True
+    half_life_h: Number = Field(24, gt=0, le=24 * 365)
+
+
 @dataclass(frozen=True, config=_TABLE)
 class HostConfig:
     name: HostName
@@ -210,6 +243,9 @@ class HostConfig:
     connect_timeout_s: Number = Field(5, ge=0.1, le=HOUR_S)
     command_timeout_s: Number = Field(30, ge=0.1, le=DAY_S)
     cpus: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)  # CPU cores, for OMP_NUM_THREADS
+    # relative speed of its GPUs (issue 12: the first guess of a worker's share before it is
+    # measured); None: from the GPU model (gpuflex.policy.speeds' table)
+    speed: Optional[Number] = Field(None, gt=0, le=1000)
 
     @property
     def is_local(self) -> bool:
@@ -244,6 +280,8 @@ class Config:
     jobs: JobSettings
     hosts: tuple[HostConfig, ...]
     notify: NotifySettings = NotifySettings()
+    access: AccessSettings = AccessSettings()
+    quota: QuotaSettings = QuotaSettings()
 
     def host(self, name: str) -> HostConfig:
         for h in self.hosts:
@@ -270,6 +308,8 @@ class _File:
     jobs: JobSettings = JobSettings()
     hosts: tuple[HostConfig, ...] = Field(default_factory=_local_host)
     notify: NotifySettings = NotifySettings()
+    access: AccessSettings = AccessSettings()
+    quota: QuotaSettings = QuotaSettings()
 
     @field_validator("hosts", mode="before")
     @classmethod
@@ -292,7 +332,7 @@ class _File:
 
 _FILE = TypeAdapter(_File)
 _TABLES = {"": _File, "database": _Database, "harvest": HarvestSettings, "jobs": JobSettings,
-           "hosts": HostConfig, "notify": NotifySettings}
+           "hosts": HostConfig, "notify": NotifySettings, "access": AccessSettings, "quota": QuotaSettings}
 _UNKNOWN = ("unexpected_keyword_argument", "extra_forbidden")
 _TYPE_NAMES = {"int_type": "int", "string_type": "str"}
 
@@ -337,7 +377,7 @@ def parse_config(data: dict[str, Any], path: str) -> Config:
     except ValidationError as e:
         raise _config_error(path, e) from None
     return Config(path=path, database_url=f.database.url, harvest=f.harvest, jobs=f.jobs, hosts=f.hosts,
-                  notify=f.notify)
+                  notify=f.notify, access=f.access, quota=f.quota)
 
 
 def _config_error(path: str, error: ValidationError) -> ConfigError:

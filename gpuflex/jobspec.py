@@ -19,6 +19,9 @@ from gpuflex.errors import UsageError
 INPLACE = "inplace"
 RESTART = "restart"
 ELASTIC_MODES = (INPLACE, RESTART)
+SPLIT_SPEED = "speed"
+SPLIT_EVEN = "even"
+SPLIT_MODES = (SPLIT_SPEED, SPLIT_EVEN)
 MAX_TIME_S = 366 * 86400      # a year: anything longer is a typo
 MAX_ARRAY = 10000             # jobs in one array (Slurm's default MaxArraySize is 1001)
 MAX_AFTER = 100               # jobs one job may wait for
@@ -134,6 +137,24 @@ def elastic_mode(value: str | None, min_workers: int, max_workers: int) -> str |
         raise UsageError(f"--elastic restart with --workers {min_workers}:{max_workers}: a restart job needs "
                          "a range to resize in (e.g. --workers 1:4); a fixed size runs as a gang without "
                          "--elastic.")
+    return mode
+
+
+def split_mode(value: str | None, elastic: str | None) -> str | None:
+    """The job's `split` (issue 12) from `--split` and its elastic mode: how gpuflex divides
+    an in-place job's fixed global batch over its workers, `speed` (by measured speed; the
+    default) or `even`. None for a gang or restart job, whose own script divides its batch:
+    `--split` given with one is refused rather than silently ignored."""
+    if value is None:
+        return SPLIT_SPEED if elastic == INPLACE else None
+    mode = str(value).strip().lower()
+    if mode not in SPLIT_MODES:
+        raise UsageError(f"--split {value!r}: give speed (each worker's share of the global batch in "
+                         "proportion to its measured speed; the default) or even (equal shares).")
+    if elastic != INPLACE:
+        raise UsageError(f"--split {mode} applies to in-place jobs (gpuflex.elastic scripts, whose global "
+                         f"batch gpuflex divides); this is a {elastic or 'gang'} job, whose script divides "
+                         "its own batch: leave --split out (or submit with --elastic inplace).")
     return mode
 
 

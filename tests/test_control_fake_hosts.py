@@ -150,5 +150,6 @@ def test_a_lost_store_requeues_the_job_and_it_restarts_with_new_workers(sim, tmp
     info = svc.job(job_id)
     assert (info.state, info.restarts) == (J.RUNNING, 1)
     assert [(w.wid, w.state) for w in info.workers] == [(0, W.FAILED), (1, W.STARTING)]
-    assert "queued: the job store was lost; restarting from the last checkpoint" in [e.message for e in info.events]
+    assert "queued: the job store on pool was lost in generation 1, steady; restarting from the last checkpoint" \
+        in [e.message for e in info.events]
     assert world.workers(token)[1].alive and world.coordinator(token).alive   # a new coordinator

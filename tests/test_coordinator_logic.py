@@ -274,6 +274,7 @@ def test_a_recovery_below_min_is_held_until_newcomers_make_it_up(start, min_work
     assert job.latest() == 1 and held["since"] == job.clock.now
     assert held["reason"] == (f"would fall to {len(survivors)} worker(s), below the job's minimum "
                               f"of {min_workers} (lost worker(s) {lost})")
+    assert (held["workers"], held["phase"]) == (lost, "generation 1, steady")   # the control side adds hosts
     job.ready(*ready)
     job.beat(*survivors)
     job.gens.tick()
@@ -525,9 +526,9 @@ def test_status_history_is_bounded():
 def test_every_new_status_key_is_present_when_there_is_nothing_to_say():
     status = Job([0, 1], min_workers=2).gens.status()
     assert {k: status[k] for k in ("abort", "held", "unreachable", "crashed", "waiting",
-                                   "min_workers", "generations_total")} == {
+                                   "min_workers", "generations_total", "left_out")} == {
         "abort": None, "held": None, "unreachable": None, "crashed": [], "waiting": [],
-        "min_workers": 2, "generations_total": 0}
+        "min_workers": 2, "generations_total": 0, "left_out": []}
 
 
 def test_members_waiting_for_busy_members_are_shown_until_they_stop_waiting():
@@ -708,11 +709,73 @@ def test_a_formation_below_min_is_held_with_the_worker_and_the_phase():
     joined(job, 2, 0, 2)
     wait(job, HB_TIMEOUT_S + 1, beating=(0, 2))
     assert job.latest() == 2
-    assert job.gens.status()["held"]["reason"] == (
+    held = job.gens.status()["held"]
+    assert held["reason"] == (
         "worker(s) [1, 3] died (no heartbeat) while joining generation 2: 2 worker(s) left, below the job's "
         "minimum of 3")
+    assert (held["workers"], held["phase"]) == ([1, 3], "generation 2, joining")
 
 
 def test_the_formation_timeout_must_be_positive():
     with pytest.raises(ValueError, match="formation timeout"):
         Job([0], formation_timeout_s=0)
+
+
+# ---- a resize's newcomers warming up (resizing.py) ------------------------------------------
+def test_a_newcomer_that_dies_warming_up_is_left_out_and_the_resize_goes_on_with_the_rest():
+    job = Job([0, 1], formation_timeout_s=FORMATION_S).settled([0, 1])
+    job.gens.resize([0, 1, 2, 3])
+    job.beat(2)                        # warming up, then killed
+    job.gens.tick()
+    job.ready(3)
+    wait(job, HB_TIMEOUT_S + 1, beating=(0, 1, 3))
+    rec = job.record(2)
+    assert (rec["members"], rec["kind"]) == ([0, 1, 3], "resize")
+    assert job.store.check([keys.rejected(2)]) and job.gens.desired == [0, 1, 3]
+    [left] = job.gens.status()["left_out"]
+    assert left == {"n": 1, "wid": 2, "phase": "warm-up", "generation": 1, "at": left["at"],
+                    "reason": "stopped beating while it warmed up, before it was ready"}
+
+
+def test_a_newcomer_that_never_starts_is_left_out_after_the_formation_timeout_one_that_beats_is_not():
+    job = Job([0, 1], formation_timeout_s=FORMATION_S).settled([0, 1])
+    job.gens.resize([0, 1, 2, 3])     # 2 never starts; 3 warms up for longer than the timeout
+    job.gens.tick()
+    wait(job, FORMATION_S - 1, beating=(0, 1, 3))
+    assert job.gens.desired == [0, 1, 2, 3] and job.gens.status()["left_out"] == []
+    wait(job, 2, beating=(0, 1, 3))
+    status = job.gens.status()
+    assert job.gens.desired == [0, 1, 3] and [e["wid"] for e in status["left_out"]] == [2]
+    assert status["left_out"][0]["reason"] == "neither beat nor became ready within 30 s of being wanted"
+    job.ready(3)
+    job.gens.tick()
+    assert job.record(2)["members"] == [0, 1, 3]
+
+
+
+# ---- rank 0's progress as status shows it (progress_view.py) ---------------------------------
+def test_a_failed_checkpoints_reason_outlives_the_next_successful_write():
+    """Rank 0 reports a failed write, then its next write succeeds and clears the reason
+    in its record: the coordinator's status keeps the last failure's reason with its count."""
+    full = "checkpoint at step 40 failed: No space left on device (/ckpt/checkpoint.pt)"
+    job = Job([0, 1]).settled([0, 1])
+
+    def report(count: int, error: str | None, at: float) -> None:
+        job.store.set(keys.PROGRESS, json.dumps({"wid": 0, "step": 40, "checkpoint_failures": count,
+                                                 "checkpoint_error": error, "time": at}))
+        job.clock.advance(IDLE_TICK_S)
+        job.beat(0, 1)
+        job.gens.tick()
+
+    report(0, None, 1.0)
+    assert job.gens.status()["progress"]["checkpoint_failures"] == {"count": 0, "last_error": None, "last_time": None}
+    report(1, full, 2.0)
+    report(1, None, 3.0)              # the next write succeeded
+    kept = {"count": 1, "last_error": full, "last_time": 2.0}
+    assert job.gens.status()["progress"]["checkpoint_failures"] == kept
+    report(2, None, 4.0)              # a failure whose reason was cleared before a read: the last one known
+    assert job.gens.status()["progress"]["checkpoint_failures"] == {**kept, "count": 2}
+    job.store.set(keys.PROGRESS, json.dumps({"wid": 0, "step": "x"}))   # no count: shown as written
+    job.clock.advance(IDLE_TICK_S)
+    job.gens.tick()
+    assert job.gens.status()["progress"] == {"wid": 0, "step": "x"}

@@ -296,15 +296,12 @@ def test_the_coordinator_killed_at_a_resize_requeues_and_a_cancel_with_faults_en
 
 
 # ---- what the matrix found broken ----------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason="a resize waits forever for a newcomer that died before it was "
-                                       "ready (generations.py _resize): see the fault matrix")
 def test_a_newcomer_killed_before_it_is_ready_does_not_leave_the_resize_pending_forever():
     """startup.before_join x kill -9 of a newcomer: the resize's newcomer started beating
-    (importing, warming up) and died before it said it was ready. The coordinator must
-    drop it (as it drops one that dies before joining a published generation) and say so,
-    not wait for it for the rest of the job: today `_resize` returns "newcomers still
-    warming up" at every tick, nothing is published, nothing is reported, and the job
-    stays "scaling"."""
+    (importing, warming up) and died before it said it was ready. The coordinator drops it
+    (as it drops one that dies before joining a published generation) and says so in its
+    status, naming the worker and the phase, instead of waiting for it for the rest of the
+    job (`_resize` used to return "newcomers still warming up" at every tick)."""
     from tests.test_coordinator_logic import HB_TIMEOUT_S, Job
 
     job = Job([0, 1], formation_timeout_s=30).settled([0, 1])
@@ -317,6 +314,9 @@ def test_a_newcomer_killed_before_it_is_ready_does_not_leave_the_resize_pending_
         job.gens.tick()
     status = job.gens.status()
     assert status["desired"] == [0, 1] and job.store.check([keys.rejected(2)]), status
+    assert status["settled"] and job.latest() == 1
+    [left] = status["left_out"]
+    assert (left["wid"], left["phase"]) == (2, "warm-up") and left["reason"].startswith("stopped beating")
 
 
 def test_a_worker_left_out_after_its_formation_failed_ends_instead_of_waiting(monkeypatch):

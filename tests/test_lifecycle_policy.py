@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, ORPHAN_EXIT, STORE_LOST_EXIT
 from gpuflex.policy.lifecycle import (Adopt, EndWorker, Finish, JobFacts, Observation, ProcSeen,
                                       Record, Requeue, SetState, WorkerFacts, decide, outcome)
 from gpuflex.states import JobState as J
@@ -112,7 +112,8 @@ def test_a_settled_job_below_its_minimum_is_requeued():
     ([w(0, state=W.LOST), w(1, state=W.EXITED, rc=0)],
      Finish(J.FAILED, -9, "worker 0 lost (exit code None)")),
     ([w(0, state=W.FAILED, rc=STORE_LOST_EXIT), w(1, state=W.FAILED, rc=STORE_LOST_EXIT)],
-     Requeue("the job store was lost; restarting from the last checkpoint", "store-lost")),
+     Requeue("the job store on its host was lost in generation 1, steady; restarting from the last checkpoint",
+             "store-lost")),
     # a leaver of an earlier generation that was evicted does not fail the job
     ([w(0, state=W.FAILED, rc=EVICTED_EXIT, gen=1), w(1, state=W.EXITED, rc=0, gen=2)],
      Finish(J.SUCCEEDED, 0, "all workers exited 0")),
@@ -165,7 +166,12 @@ FULL = "checkpoint at step 40 failed: No space left on device (/ckpt/checkpoint.
     ({"wid": 2, "checkpoint_failures": 1, "checkpoint_error": FULL}, {0: 3},
      Record("checkpoint-failed", f"worker 2: {FULL}; training goes on (1 failed so far)", {"wid": 2, "count": 1})),
     ({"wid": 0, "checkpoint_failures": True, "checkpoint_error": FULL}, {}, None),   # not a count
-], ids=["none", "zero", "new", "same", "more", "new-rank-0", "malformed"])
+    # the coordinator kept the reason the worker's next successful write cleared
+    ({"wid": 0, "checkpoint_failures": {"count": 2, "last_error": FULL, "last_time": 9.0}, "checkpoint_error": None},
+     {0: 1}, Record("checkpoint-failed", f"worker 0: {FULL}; training goes on (2 failed so far)",
+                    {"wid": 0, "count": 2})),
+    ({"wid": 0, "checkpoint_failures": {"count": 0, "last_error": None, "last_time": None}}, {}, None),
+], ids=["none", "zero", "new", "same", "more", "new-rank-0", "malformed", "kept-reason", "kept-none"])
 def test_failed_checkpoint_writes_are_one_event_per_new_count_of_each_worker(progress, already, want):
     facts = dataclasses.replace(job(w(0), w(2)), checkpoint_failures_recorded=already)
     status = {**coord(1, [0, 2]), **({"progress": progress} if progress is not None else {})}
@@ -260,7 +266,7 @@ def test_a_job_held_below_its_minimum_is_requeued_and_its_survivors_stopped():
                                                                         "below the minimum of 2", "since": 9.0}}
     actions = decide(facts, Observation({0: ALIVE, 1: gone(None), 2: gone(None)}, coordinator=status))
     assert actions[-1] == Requeue("a recovery would leave 1 worker(s), below the minimum of 2; restarting "
-                                  "from its checkpoint when it fits", "below-min")
+                                  "from its checkpoint when it fits", "below-min")   # an older coordinator
 
 
 def test_a_crash_wins_over_the_hold_it_caused():
@@ -325,3 +331,64 @@ def test_members_waiting_for_busy_ones_are_an_event_per_change(listed, already, 
     got = [a for a in decide(facts, Observation({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=status))
            if isinstance(a, Record)]
     assert got == ([want] if want else [])
+
+
+# ---- a newcomer left out of a resize ----------------------------------------------------------
+def test_a_newcomer_left_out_of_a_resize_is_an_event_naming_its_host_and_the_scaling_ends_saying_why():
+    left = [{"n": 1, "wid": 2, "reason": "stopped beating while it warmed up, before it was ready",
+             "phase": "warm-up", "generation": 1, "at": 9.0}]
+    facts = job(w(0), w(1), w(2, "b", state=W.STARTING, gen=0), state=J.SCALING, world=2)
+    actions = decide(facts, Observation({0: ALIVE, 1: ALIVE, 2: gone(None)},
+                                        coordinator={**coord(1, [0, 1]), "left_out": left}))
+    why = "worker 2 on b left out of the resize (warm-up): stopped beating while it warmed up, before it was ready"
+    assert Record("left-out", why, {"n": 1, "wid": 2, "host": "b", "phase": "warm-up"}) in actions
+    assert actions[-1] == SetState(J.RUNNING, f"world size 2 at generation 1; {why}")
+    again = dataclasses.replace(facts, state=J.RUNNING, left_out_recorded=1)
+    assert not [a for a in decide(again, Observation({0: ALIVE, 1: ALIVE}, coordinator={
+        **coord(1, [0, 1]), "left_out": left})) if isinstance(a, Record)]
+
+
+# ---- clean ends name the worker, its host and the phase ---------------------------------------
+@pytest.mark.parametrize("held,named", [
+    ({"workers": [1, 2], "phase": "generation 3, steady"}, "; worker 1 on b, worker 2 on c, in generation 3, steady"),
+    ({"workers": [0], "phase": "generation 2, joining"}, "; worker 0 on a, in generation 2, joining"),
+    ({"workers": [9], "phase": ""}, "; worker 9 on an unknown host"),
+    ({"workers": "1", "phase": None}, ""),
+], ids=["lost-in-steady", "formation", "unknown-worker", "malformed"])
+def test_a_held_job_is_requeued_naming_each_worker_with_its_host_and_the_phase(held, named):
+    facts = job(w(0, "a"), w(1, "b"), w(2, "c"), min_workers=2)
+    reason = "would fall to 1 worker(s), below the job's minimum of 2 (lost worker(s) [1, 2])"
+    status = {**coord(3, [0, 1, 2], settled=False), "held": {"reason": reason, "since": 9.0, **held}}
+    actions = decide(facts, Observation({0: ALIVE, 1: gone(None), 2: gone(None)}, coordinator=status))
+    assert actions[-1] == Requeue(f"{reason}{named}; restarting from its checkpoint when it fits", "below-min")
+
+
+@pytest.mark.parametrize("state,gen,phase", [
+    (J.RUNNING, 3, "generation 3, steady"), (J.SCALING, 2, "generation 2, resizing"),
+    (J.RUNNING, 0, "generation 1, forming")])
+def test_a_lost_store_names_its_host_and_the_phase_the_job_was_in(state, gen, phase):
+    ended = [w(0, state=W.FAILED, rc=STORE_LOST_EXIT, gen=gen), w(1, state=W.FAILED, rc=STORE_LOST_EXIT, gen=gen)]
+    facts = dataclasses.replace(job(*ended, state=state, gen=gen), store_host="ctl")
+    assert outcome(facts, ended, generation=gen) == Requeue(
+        f"the job store on ctl was lost in {phase}; restarting from the last checkpoint", "store-lost")
+    orphaned = decide(dataclasses.replace(facts, workers=(w(0, gen=gen),)),
+                      Observation({0: ALIVE}, coordinator=None, coordinator_alive=False, coordinator_exit=ORPHAN_EXIT))
+    assert orphaned[-1].reason.endswith(f"(on ctl, in {phase})") and orphaned[-1].cause == "orphan"
+
+
+# ---- a fault that leaves an in-place job no member --------------------------------------------
+@pytest.mark.parametrize("seen,how", [
+    (gone(-9), "was killed by signal 9 (exit code 137)"),
+    (gone(None), "was lost (no exit record: killed with its supervisor, or its host went down; exit code 137)"),
+], ids=["kill-9", "no-exit-record"])
+def test_kill_9_of_an_in_place_jobs_only_worker_requeues_it_from_its_checkpoint_uncounted(seen, how):
+    facts = dataclasses.replace(job(w(0, "a", gen=2), gen=2), retries=0, store_host="ctl")
+    actions = decide(facts, Observation({0: seen}, coordinator={**coord(2, [0], settled=False), "held": {
+        "reason": "would fall to 0 worker(s)", "workers": [0], "phase": "generation 2, steady"}}))
+    assert actions[-1] == Requeue(f"worker 0 on a {how} in generation 2, steady, and no member is left; "
+                                  "restarting from its checkpoint", "fault")
+
+
+def test_an_in_place_job_whose_other_member_finished_is_not_requeued_for_a_late_kill():
+    ended = [w(0, state=W.EXITED, rc=0), w(1, state=W.FAILED, rc=-9)]
+    assert outcome(job(*ended), ended, generation=1) == Finish(J.FAILED, -9, "worker 1 failed (exit code -9)")

@@ -263,7 +263,8 @@ class Job:
     def env(self, wid: int | None = None) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
         env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", GPUFLEX_PG_TIMEOUT_S="30",
-                   GPUFLEX_HEARTBEAT_TIMEOUT_S="10")
+                   GPUFLEX_HEARTBEAT_TIMEOUT_S="10",
+                   GPUFLEX_SPLIT="even")   # the shares these tests name (speed splits: test_hetero_split)
         if wid is not None:
             env.update(GPUFLEX_STORE=f"127.0.0.1:{self.port}", GPUFLEX_WORKER_ID=str(wid))
         return env

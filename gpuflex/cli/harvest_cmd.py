@@ -104,6 +104,18 @@ def _since(text: str) -> float:
     return start
 
 
+def _user_table(data: dict, when: str) -> None:
+    if not data["by_user"]:
+        console.print(f"no GPU time used since {when}", markup=False)
+        return
+    t = Table(title=f"GPU-hours by user since {when}", title_justify="left")
+    for k in ("USER", "GPU-HOURS", "HARVESTED"):
+        t.add_column(k, justify="left" if k == "USER" else "right")
+    for r in data["by_user"]:
+        t.add_row(r["user"], f"{r['gpu_hours']:.2f}", f"{r['harvested_gpu_hours']:.2f}")
+    console.print(t)
+
+
 # ---- commands ------------------------------------------------------------------------
 @command
 def harvest(
@@ -176,16 +188,22 @@ def report(
     since: str = typer.Option("7d", "--since", help="A duration back from now (24h, 7d) or an ISO "
                               "date/time (2026-03-01, 2026-03-01T08:00)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
-    as_csv: bool = typer.Option(False, "--csv", help="Print CSV: one line per host and job."),
+    as_csv: bool = typer.Option(False, "--csv", help="Print CSV: one line per host and job (per user "
+                                "with --by user)."),
+    by: str = typer.Option("host", "--by", help="host: harvested GPU-hours by host, owner and job; "
+                           "user: GPU-hours used and harvested per user (job owner)."),
 ) -> None:
     """GPU-hours harvested per host, owner and job; reclaims and their latencies (median, max).
+    With --by user: GPU-hours used and harvested per user.
 
-    Example: gpuflex report --since 24h --csv
+    Example: gpuflex report --since 24h --csv; gpuflex report --by user --since 30d
     """
     from gpuflex.control import report as R
 
     if as_json and as_csv:
         raise UsageError("--json and --csv: choose one.")
+    if by not in ("host", "user"):
+        raise UsageError(f"--by {by!r}: expected host or user.")
     start = _since(since)
     svc = obj(ctx).service()
     svc.refresh()
@@ -194,9 +212,12 @@ def report(
         print_json(data)
         return
     if as_csv:
-        sys.stdout.write(R.to_csv(data))
+        sys.stdout.write(R.to_csv(data, by))
         return
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(data["since"]))
+    if by == "user":
+        _user_table(data, when)
+        return
     console.print(f"harvested since {when}: {data['gpu_hours']:.2f} GPU-hours on owners' idle GPUs",
                   markup=False)
     for title, rows, keys in () if not data["rows"] else (("by host", data["by_host"], ("host", "owner")),

@@ -8,6 +8,7 @@ from rich.text import Text
 
 from gpuflex.cli.common import command, console, err_console, obj, print_json
 from gpuflex.errors import UsageError
+from gpuflex.policy.speeds import speed_hint
 
 app = typer.Typer(
     help="Hosts, their GPUs (or CPU slots), utilization, idle verdict and who holds each.\n\n"
@@ -38,34 +39,42 @@ def hosts(ctx: typer.Context, as_json: bool = typer.Option(False, "--json", help
 def _list(ctx: typer.Context, as_json: bool) -> None:
     svc = obj(ctx).service()
     svc.refresh(probe=True)
-    view = svc.hosts()
+    view = with_speeds(svc.hosts(), {h.name: h.speed for h in obj(ctx).config().hosts})
     if as_json:
         print_json(view)
         return
     t = Table(title="gpuflex hosts", title_justify="left")
-    for col in ("HOST", "ADDRESS", "DEVICE", "MODEL", "UTIL%", "MEM MiB", "VERDICT", "HOLDER"):
+    for col in ("HOST", "ADDRESS", "DEVICE", "MODEL", "SPEED", "UTIL%", "MEM MiB", "VERDICT", "HOLDER"):
         t.add_column(col, no_wrap=col in ("HOST", "DEVICE", "UTIL%", "VERDICT"))
     errors = []
     for h in view:
         if h["reachable"] is False:
-            t.add_row(h["name"], h["address"], "-", "-", "-", "-", Text("unreachable", style="red"), "-")
+            t.add_row(h["name"], h["address"], "-", "-", "-", "-", "-", Text("unreachable", style="red"), "-")
             errors.append(h["error"] or "unreachable")
             continue
         if h["error"]:
             errors.append(h["error"])
         if not h["devices"]:
-            t.add_row(h["name"], h["address"], "-", "-", "-", "-",
+            t.add_row(h["name"], h["address"], "-", "-", "-", "-", "-",
                       Text("probe failed", style="red") if h["error"] else "no devices", "-")
         for d in h["devices"]:
             mem = "-" if d["memory_used_mib"] is None else \
                 f"{d['memory_used_mib']:.0f}/{'?' if d['memory_total_mib'] is None else format(d['memory_total_mib'], '.0f')}"
             util = "-" if d["utilization_pct"] is None else f"{d['utilization_pct']:.0f}"
             model = (d["model"] or "-").removeprefix("NVIDIA ")
-            t.add_row(h["name"], h["address"], f"{d['kind']} {d['index']}", model, util, mem,
+            t.add_row(h["name"], h["address"], f"{d['kind']} {d['index']}", model, f"{d['speed']:g}", util, mem,
                       d["verdict"] or "-", Text(d["holder"] or "free"))
     console.print(t)
     for e in errors:
         err_console.print(Text(e, style="red"))
+
+
+def with_speeds(view: list[dict], host_speeds: dict[str, float | None]) -> list[dict]:
+    """Each device with "speed": the first guess of its relative speed that a worker on it
+    starts from (issue 12: the host's `speed`, else its model's entry in
+    gpuflex.policy.speeds' table, else 1.0) until the runtime measures it."""
+    return [{**h, "devices": [{**d, "speed": speed_hint(d.get("model"), host_speeds.get(h["name"]))}
+                              for d in h["devices"]]} for h in view]
 
 
 @app.command()

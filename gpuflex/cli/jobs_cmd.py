@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from rich.console import Group
@@ -14,9 +15,11 @@ from rich.text import Text
 
 import gpuflex.cli.render as render
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
+from gpuflex.control import access
 from gpuflex.control.service import SubmitRequest, parse_count, parse_env, parse_ref, parse_workers
 from gpuflex.errors import JobError, UsageError
 from gpuflex.jobspec import parse_after, parse_array, parse_time
+from gpuflex.policy.lifecycle import LEFT_OUT_KIND
 from gpuflex.states import JobState
 
 
@@ -58,6 +61,9 @@ def submit(
                                  "(SIGTERM, grace) and requeued."),
     notify: Optional[str] = typer.Option(None, "--notify", help="Webhook URL (http or https): a JSON POST when "
                                          "the job ends, fails, is preempted or times out. Default: [notify] url."),
+    split: Optional[str] = typer.Option(None, "--split", help="How an in-place job's global batch is divided over "
+                                        "its workers: speed (in proportion to each worker's measured speed, for "
+                                        "mixed GPUs; default) or even."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -79,7 +85,7 @@ def submit(
                         time_limit_s=parse_time(time) if time is not None else None,
                         after=parse_after(after) if after is not None else (),
                         array=parse_array(array) if array is not None else None, requeue=requeue,
-                        notify=notify)
+                        notify=notify, split=split)
     svc = obj(ctx).service()
     job = svc.job(svc.submit(req), events=False)
     if as_json:
@@ -109,6 +115,8 @@ def status(
     watch: bool = typer.Option(False, "--watch", help="Refresh every --interval seconds until Ctrl-C "
                                "(with --json: one JSON document per line per refresh)."),
     interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch (0.2 to 86400)."),
+    user: Optional[str] = typer.Option(None, "--user", help="Only the jobs this user submitted (their owner)."),
+    mine: bool = typer.Option(False, "--mine", help="Only the jobs I submitted."),
 ) -> None:
     """Show jobs, or one job with its workers and last scale events.
 
@@ -117,12 +125,15 @@ def status(
     seconds("--interval", interval, 0.2)
     if job is not None:
         parse_ref(job)
+    if (job is not None) + (user is not None) + mine > 1:
+        raise UsageError("give one of JOB, --user NAME and --mine.")
     svc = obj(ctx).service()
+    owner = access.caller() if mine else svc.check_owner_name(user) if user is not None else None
 
     def snapshot():
         svc.refresh()
         if job is None:
-            jobs = svc.jobs()
+            jobs = svc.jobs(owner)
             if as_json:
                 return [render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id))
                         for j in jobs]
@@ -155,7 +166,7 @@ def status(
         elif j.last_crash and not j.state.final:
             head += f"\nlast crash: worker {j.last_crash.get('wid')} on {j.last_crash.get('host')}: " \
                     f"{j.last_crash.get('error')}"
-        return Group(head, render.workers_table(j), render.events_table(j, list(j.recent)))
+        return Group(head, render.workers_table(j, prog), render.events_table(j, list(j.recent)))
 
     if job is not None:
         _known(svc, job)
@@ -181,7 +192,7 @@ def scale(
     job: str = typer.Argument(..., help="A job id or name."),
     n: int = typer.Argument(..., help="The number of workers wanted (within the job's MIN:MAX)."),
     wait: bool = typer.Option(False, "--wait", help="Wait until the workers have switched."),
-    timeout: float = typer.Option(300, "--timeout", help="Seconds to wait with --wait (at most 86400)."),
+    timeout: float = typer.Option(300, "--timeout", help="Seconds to wait with --wait (1 to 86400)."),
 ) -> None:
     """Resize a running elastic job in place to N workers.
 
@@ -189,22 +200,35 @@ def scale(
     """
     parse_ref(job)
     parse_count("N", n, 1)
-    seconds("--timeout", timeout, 0.0)
+    seconds("--timeout", timeout, 1.0)   # less could not even ask: it would always end "not finished"
     svc = obj(ctx).service()
-    _known(svc, job)
-    svc.refresh()
-    j = svc.scale(job, n)
+    svc.check_may_change(job, "scale")   # unknown or not ours: refused before the refresh writes
+    deadline = time.monotonic() + timeout
+    asked: list[float] = []
+    scaled: list = []
+
+    def request() -> None:
+        svc.refresh()
+        asked.append(time.time())
+        scaled.append(svc.scale(job, n))
+
+    if not wait:
+        request()
+    elif not _within(deadline, request):   # the lock or a host held up the request itself
+        raise JobError(f"job {job}: the resize to {n} did not finish within {timeout:.0f} s (it was still "
+                       "waiting to be asked for; see gpuflex status).")
+    j = scaled[0]
     console.print(f"job {j.id}: resizing to {n} worker(s)")
     if not wait:
         return
-    deadline = time.monotonic() + timeout
     switched = None
     with StopSignals() as stop:
         while time.monotonic() < deadline:
-            if stop.sleep(0.5):
+            if stop.sleep(min(0.5, max(0.0, deadline - time.monotonic()))) or stop.requested:
                 err_console.print(f"job {j.id}: stopped waiting; the resize goes on (see gpuflex status {j.id}).")
                 raise typer.Exit(130)
-            svc.refresh()
+            if not _within(deadline, svc.refresh):
+                break
             cur = svc.job(j.id, events=False)
             if cur.state.final:
                 raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
@@ -217,7 +241,46 @@ def scale(
                     console.print(f"job {cur.id}: world size {n} at generation {cur.generation}"
                                   + (f" ({render.phases(ev[-1].data)})" if ev else ""))
                     return
+            elif cur.state is JobState.RUNNING and (why := _ended_short(svc, cur, asked[0])) is not None:
+                raise JobError(f"job {cur.id}: the resize to {n} ended at {cur.world_size} worker(s): {why}")
     raise JobError(f"job {j.id}: the resize to {n} did not finish within {timeout:.0f} s.")
+
+
+def _within(deadline: float, work: Callable[[], object]) -> bool:
+    """`work()` (a refresh: it waits for the database's lock and asks hosts and the
+    coordinator) waited for until `deadline` (monotonic) at most: True once it returned
+    (its exception raised here), False when the time ran out first. The thread is then
+    left to end on its own (a daemon: the command's exit ends it, and its transaction is
+    undone, as for a command killed mid-refresh)."""
+    done, failed = threading.Event(), []
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - raised again in the waiting thread
+            failed.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="gpuflex-scale-wait", daemon=True).start()
+    if not done.wait(max(0.0, deadline - time.monotonic())):
+        return False
+    if failed:
+        raise failed[0]
+    return True
+
+
+def _ended_short(svc, cur, asked: float) -> str | None:
+    """Why a resize asked for at `asked` (wall clock) settled at another size: the job went
+    back to running since (a "state" event), with the newcomers the coordinator left out
+    (their "left-out" events: worker, host, phase) or that event's message; None while
+    it has not."""
+    back = [e for e in cur.recent if e.kind == "state" and e.data.get("state") == JobState.RUNNING.value
+            and e.time >= asked]
+    if not back:
+        return None
+    left = [e.message for e in svc.job(cur.id).events if e.kind == LEFT_OUT_KIND and e.time >= asked]
+    return "; ".join(left) or back[-1].message
 
 
 @command

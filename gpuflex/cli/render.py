@@ -8,21 +8,24 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from gpuflex.control.views import EventInfo, JobInfo, WorkerInfo
+from gpuflex.control.views import SPLIT_FIELDS, EventInfo, JobInfo, WorkerInfo, worker_split
 from gpuflex.jobspec import format_time
 from gpuflex.states import JobState
 
 
-def worker_json(w: WorkerInfo) -> dict[str, Any]:
+def worker_json(w: WorkerInfo, progress: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A worker, with its share of the global batch, samples/s and speed relative to the
+    fastest member from the coordinator's `progress` (null when unknown: issue 12)."""
     return {"rank": w.rank, "wid": w.wid, "host": w.host, "gpus": list(w.gpus), "pid": w.pid,
             "state": w.state, "generation": w.generation, "exit_code": w.exit_code, "log": w.log_path,
-            "control": w.control_path}
+            "control": w.control_path, **worker_split(progress, w.wid)}
 
 
 def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
              forming: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "id": job.id, "name": job.name, "state": job.state, "user": job.user,
+        "owner": job.user,   # issue 14: who may cancel or scale it (with the admins); "user" kept
         "argv": list(job.argv), "workdir": job.workdir, "env": dict(job.env),
         "min_workers": job.min_workers, "max_workers": job.max_workers,
         "target_workers": job.target_workers, "world_size": job.world_size,
@@ -31,7 +34,7 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
         "queue_reason": job.queue_reason, "exit_code": job.exit_code, "exit_reason": job.exit_reason,
         "created_at": job.created_at, "started_at": job.started_at, "ended_at": job.ended_at,
         "step": (progress or {}).get("step"), "progress": progress,
-        "workers": [worker_json(w) for w in job.workers],
+        "workers": [worker_json(w, progress) for w in job.workers], "split": job.split,
         "retries": job.retries, "last_crash": job.last_crash, "waiting": [dict(w) for w in job.waiting],
         "forming": forming,   # the coordinator's {generation, since, waiting_for, phase}, or null
         "elastic": job.elastic, "time_limit_s": job.time_limit_s, "time_left_s": job.time_left_s,
@@ -140,7 +143,7 @@ def jobs_table(jobs: list[JobInfo], progress: dict[int, dict[str, Any]]) -> Tabl
     """One row per job; an array is one row (its id, counts per state) with its jobs
     under it, indented, each named NAME[INDEX]."""
     t = Table(title="gpuflex jobs", title_justify="left")
-    for col in ("ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "LEFT", "USER", "AGE", "NOTE"):
+    for col in ("ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "LEFT", "OWNER", "AGE", "NOTE"):
         t.add_column(col, no_wrap=col != "NOTE")
     arrays: dict[int, list[JobInfo]] = {}
     for j in jobs:
@@ -173,15 +176,28 @@ def _job_row(t: Table, j: JobInfo, progress: dict[int, dict[str, Any]], indent: 
               "-" if step is None else str(step), left, j.user, ago(j.created_at), note or "")
 
 
-def workers_table(job: JobInfo) -> Table:
+def workers_table(job: JobInfo, progress: dict[str, Any] | None = None) -> Table:
+    """The job's workers; with SHARE, SAMPLES/S and SPEED (relative to the fastest member)
+    once the coordinator's `progress` reports a split of the global batch (issue 12)."""
     t = Table(title=f"workers of job {job.id}", title_justify="left")
-    for col in ("RANK", "WID", "HOST", "DEVICES", "PID", "STATE", "GEN", "EXIT"):
+    split = {w.wid: worker_split(progress, w.wid) for w in job.workers}
+    shown = any(v is not None for row in split.values() for v in row.values())
+    for col in ("RANK", "WID", "HOST", "DEVICES", "PID", "STATE", "GEN", "EXIT") + \
+            (("SHARE", "SAMPLES/S", "SPEED") if shown else ()):
         t.add_column(col)
     for w in job.workers:
         t.add_row("-" if w.rank is None else str(w.rank), str(w.wid), w.host,
                   ",".join(map(str, w.gpus)), str(w.pid or "-"), str(w.state), str(w.generation),
-                  "-" if w.exit_code is None else str(w.exit_code))
+                  "-" if w.exit_code is None else str(w.exit_code),
+                  *(split_cells(split[w.wid]) if shown else ()))
     return t
+
+
+def split_cells(split: dict[str, Any]) -> tuple[str, str, str]:
+    """("43", "812.4", "0.33x"): a worker's share, samples/s and relative speed; "-" unknown."""
+    share, rate, rel = (split.get(k) for k in SPLIT_FIELDS)
+    return ("-" if share is None else str(share), "-" if rate is None else f"{rate:.1f}",
+            "-" if rel is None else f"{rel:.2f}x")
 
 
 def phases(data: dict[str, Any]) -> str:

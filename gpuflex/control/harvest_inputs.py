@@ -1,5 +1,9 @@
 """The harvest plan's inputs, read from the DB: jobs with their live workers, and every
-device with its last verdict and since when a foreign process holds it."""
+device with its last verdict and since when a foreign process holds it; each user's
+quota and decayed usage (gpuflex.control.quotas); and, for each job harvest could grow,
+whether its training has finished (its coordinator's word and its workers' exits: a
+finished job's newcomers exit 0 at once, and growing it again and again kept it
+`scaling` after its end)."""
 
 from __future__ import annotations
 
@@ -8,27 +12,55 @@ import time
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
+from gpuflex.control import quotas
 from gpuflex.control.executor import Ops
+from gpuflex.control.observe import coordinator_status
 from gpuflex.db import queries
+from gpuflex.db.models import Job
 from gpuflex.hosts.probe import HISTORY_PER_GPU
-from gpuflex.policy.harvest import GpuView, JobView, Plan, WorkerView, plan
+from gpuflex.policy.harvest import GpuView, JobView, Plan, Share, WorkerView, plan, training_finished
+from gpuflex.states import WorkerState
 
 
 def current_plan(ops: Ops, errors: dict[str, str]) -> Plan:
-    jobs, gpus = snapshot(ops.session, ops.config)
+    finished = {j.id for j in queries.jobs(ops.session, queries.ACTIVE) if could_grow(j) and has_finished(ops, j)}
+    jobs, gpus = snapshot(ops.session, ops.config, finished)
     return plan(jobs, gpus, ops.config.harvest, time.time(), host_errors=errors,
-                max_probe_age_s=ops.pool.probe_max_age_s)
+                max_probe_age_s=ops.pool.probe_max_age_s, share=share(ops, {j.user for j in jobs}))
 
 
-def snapshot(session: Session, config: Config) -> tuple[list[JobView], list[GpuView]]:
-    """The plan's inputs from the DB: jobs that are not final with their live workers, and
-    every device of the configured hosts with its last verdict."""
+def share(ops: Ops, users: set[str]) -> Share:
+    """Decayed usage by user, and the quotas of `users` (none when [quota] sets no limit)."""
+    limited = ops.config.quota.default_gpus is not None or bool(ops.config.quota.users)
+    return Share(usage=quotas.usage(ops), quotas={u: quotas.quota_of(ops, u) for u in users} if limited else {})
+
+
+def could_grow(job: Job) -> bool:
+    """A --harvest job below its MAX: the only ones whose coordinator the plan asks."""
+    return job.harvest and job.gpus_per_worker >= 1 and len(job.members) < job.max_workers
+
+
+def has_finished(ops: Ops, job: Job) -> bool:
+    """Whether the running job's training has ended (gpuflex.policy.harvest.training_finished):
+    asks its coordinator; a worker of this run that exited 0 is a done record."""
+    since = job.started_at or 0.0
+    exited_ok = [w.wid for w in job.workers if w.state is WorkerState.EXITED and w.exit_code == 0
+                 and (w.ended_at or 0.0) >= since]
+    return training_finished(coordinator_status(ops.config, ops.pool, job), exited_ok)
+
+
+def snapshot(session: Session, config: Config,
+             finished: set[int] | frozenset[int] = frozenset()) -> tuple[list[JobView], list[GpuView]]:
+    """The plan's inputs from the DB: jobs that are not final with their live workers
+    (`finished`: the ids of those whose training ended), and every device of the
+    configured hosts with its last verdict."""
     jobs = []
     for j in queries.jobs(session, queries.NOT_FINAL):
         workers = tuple(WorkerView(w.wid, w.host, tuple(w.gpus), w.state) for w in j.live_workers)
         jobs.append(JobView(id=j.id, state=j.state, min_workers=j.min_workers, max_workers=j.max_workers,
                             gpus_per_worker=j.gpus_per_worker, priority=j.priority, harvest=j.harvest,
-                            workers=workers, target_workers=j.target_workers, name=j.name))
+                            workers=workers, target_workers=j.target_workers, name=j.name, user=j.user,
+                            finished=j.id in finished))
     since = foreign_since(session)
     names = {h.name for h in config.hosts}
     gpus = [GpuView(host=h.name, index=g.index, verdict=g.verdict, owner=h.owner, kind=g.kind,

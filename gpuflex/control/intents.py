@@ -33,6 +33,7 @@ from sqlalchemy.orm import Session
 from gpuflex.config import Config
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
+from gpuflex.db.locks import shared_directory
 from gpuflex.db.url import sqlite_path
 from gpuflex.errors import TransportError
 
@@ -47,8 +48,8 @@ def intents_path(url: str) -> Path:
     user's state directory named after the URL (never the shared temp directory: its
     entries name processes to kill)."""
     path = sqlite_path(url)
-    if path is not None:
-        return Path(str(path) + SUFFIX)
+    if path is not None:   # one file per user beside a lab's shared database: each is 0600
+        return Path(str(path) + (f"{SUFFIX}.{os.getuid()}" if shared_directory(path.parent) else SUFFIX))
     digest = hashlib.sha256(url.encode()).hexdigest()[:16]
     return Path(os.path.expanduser("~/.local/state/gpuflex")) / f"launches-{digest}"
 

@@ -23,16 +23,21 @@ from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic import env as env_contract
 from gpuflex.elastic import failpoints
-from gpuflex.jobspec import INPLACE, torchrun_args
+from gpuflex.jobspec import INPLACE, SPLIT_EVEN, torchrun_args
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.hosts import hostops
 from gpuflex.hosts.transport import SpawnSpec, Transport
+from gpuflex.policy.speeds import speed_hint
 
 SOCKET_ROOT = "/tmp"  # unix socket paths must stay short (108 bytes)
 SOCKET_PREFIX = "gpuflex-"
 OMP_THREADS = "OMP_NUM_THREADS"
 ARRAY_ID = "GPUFLEX_ARRAY_ID"        # an array job's array (the id of its first job)
 ARRAY_INDEX = "GPUFLEX_ARRAY_INDEX"  # and its index in it
+# issue 12: to each in-place worker, for the runtime's split of the global batch
+SPLIT = "GPUFLEX_SPLIT"                         # speed | even: how the global batch is divided
+SPEED_HINT = "GPUFLEX_SPEED_HINT"               # its first guess of its relative speed
+STRAGGLER_FACTOR = "GPUFLEX_STRAGGLER_FACTOR"   # slower than the median by this: a straggler
 
 
 def job_dir(host: HostConfig, job: Job) -> str:
@@ -196,11 +201,32 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
         env.update(contract.torchrun_env())
     if job.array_id is not None:
         env.update({ARRAY_ID: str(job.array_id), ARRAY_INDEX: str(job.array_index)})
+    if not is_gang(job):
+        env.update(split_env(config, host, job, worker))
     return SpawnSpec(argv=list(job.argv), cwd=job.workdir, env=env,
                      log=worker.log_path, exit_path=worker.exit_path,
                      private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job),
                      clean_env=job.submit_env is not None,
                      deadline=run_deadline(job), grace_s=config.jobs.cancel_grace_s)
+
+
+def split_env(config: Config, host: HostConfig, job: Job, worker: Worker) -> dict[str, str]:
+    """What an in-place worker needs to divide the global batch (issue 12): the job's split
+    (a job from before `--split` existed ran even, and goes on so), its speed hint and the
+    straggler factor."""
+    return {SPLIT: job.split or SPLIT_EVEN, SPEED_HINT: repr(worker_speed_hint(host, job, worker)),
+            STRAGGLER_FACTOR: repr(float(config.jobs.straggler_factor))}
+
+
+def worker_speed_hint(host: HostConfig, job: Job, worker: Worker) -> float:
+    """The worker's first guess of its speed: its host's `speed`, else the slowest of its
+    GPUs' models as the last probe recorded them (gpuflex.policy.speeds), else 1.0."""
+    if host.speed is not None or host.cpu_slots is not None:
+        return speed_hint(None, host.speed)
+    session = object_session(job)
+    row = queries.host(session, host.name) if session is not None else None
+    models = {g.index: g.model for g in row.gpus if g.kind == "gpu"} if row is not None else {}
+    return min((speed_hint(models.get(i), None) for i in worker.gpus), default=speed_hint(None, None))
 
 
 def run_deadline(job: Job) -> float | None:

@@ -10,7 +10,8 @@ coordinator last, all under the ops lock, so no reconcile runs between): a START
 worker that the coordinator neither counts nor wants was never asked for, and is stopped;
 a LEAVING worker still alive LEAVE_BOUND_S after the shrink was asked, that the
 coordinator no longer wants, never left, and is stopped too (it held its devices from
-every later grow).
+every later grow); so is a newcomer the coordinator left out of a resize (it never became
+ready: one stuck before it ever beat would otherwise hold its devices for the job's life).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 from sqlalchemy.orm import object_session
 
-from gpuflex.control import executor, journal, queueing
+from gpuflex.control import executor, journal, queueing, split
 from gpuflex.control import launch as L
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import facts, observe
@@ -32,7 +33,6 @@ from gpuflex.errors import TransportError
 from gpuflex.hosts import hostops
 from gpuflex.jobspec import format_time
 from gpuflex.policy.lifecycle import Observation, decide
-from gpuflex.policy.placement import Placement, place
 from gpuflex.states import JobState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -55,7 +55,14 @@ def reconcile(ops: Ops, job: Job) -> dict[str, Any] | None:
                               "a resize that was never asked for, or a leaver that never left")
         gone = {w.wid for w in stray}
         seen = dataclasses.replace(seen, procs={k: v for k, v in seen.procs.items() if k not in gone})
+    dropped = left_out_alive(job, seen)
+    if dropped:
+        executor.stop_workers(ops, job, dropped, "left out of a resize by the coordinator: it did not become ready")
+        gone = {w.wid for w in dropped}
+        seen = dataclasses.replace(seen, procs={k: v for k, v in seen.procs.items() if k not in gone})
     executor.apply(ops, job, decide(facts(job), seen))
+    if job.state == JobState.RUNNING:
+        split.follow(ops, job, seen.coordinator)   # re-plan events, a straggler's release
     return seen.coordinator
 
 
@@ -115,6 +122,18 @@ def strays(job: Job, seen: Observation, asked_before: float) -> list[Worker]:
     return out
 
 
+def left_out_alive(job: Job, seen: Observation) -> list[Worker]:
+    """STARTING workers still running that the coordinator's status lists under `left_out`
+    (newcomers it dropped from a resize: dead, or never started in time) and that are not
+    members: a dead one is reaped by the policy; one alive (stuck, frozen) is stopped."""
+    coord = seen.coordinator or {}
+    entries = coord.get("left_out") if isinstance(coord.get("left_out"), list) else []
+    left = {e.get("wid") for e in entries if isinstance(e, dict)}
+    members = coord.get("members") if isinstance(coord.get("members"), list) else []
+    return [w for w in job.live_workers if w.wid in left and w.wid not in members and w.state is WorkerState.STARTING
+            and (p := seen.procs.get(w.wid)) is not None and p.alive]
+
+
 def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:
     """Remove this machine's stale control-socket directories of ours (see
     gpuflex.hosts.hostops.sweep_socket_dirs), never one of `active`'s runs; only where
@@ -127,25 +146,38 @@ def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:
 
 
 def place_queued(ops: Ops) -> None:
-    """Start queued jobs that fit, by priority then age, once their dependencies succeeded
-    and their array has room (gpuflex.control.queueing); a job that does not fit may
-    preempt lower-priority ones; record why the others wait."""
+    """Start queued jobs that fit, by priority, then their owner's decayed usage (fair
+    share), then age, once their dependencies succeeded, their array has room and their
+    owner's quota allows (gpuflex.control.queueing); a job that does not fit may preempt
+    lower-priority ones; record why the others wait."""
     queueing.settle_dependencies(ops)
-    for job in queries.queued_jobs(ops.session):
-        failed = queries.last_event_of(ops.session, job.id, ["launch-failed"])   # one row, not the history
-        if failed is not None and time.time() - (failed.last_time or failed.time) < LAUNCH_RETRY_S:
-            continue   # a host failed us a moment ago: do not hammer it on every command
+    queued = queries.queued_jobs(ops.session)
+    # a host failed these a moment ago: do not hammer it on every command
+    failed = queries.with_event_since(ops.session, [j.id for j in queued], "launch-failed",
+                                      time.time() - LAUNCH_RETRY_S)
+    room = queueing.room(ops) if queued else None
+    for job in queueing.placing_order(ops, queued, room):
+        if job.id in failed:
+            continue
         gate = queueing.gate(ops, job)
         if not gate.open:
             wait(ops, job, gate.wait or gate.cancel or "")
             continue
-        p = placement(ops, job)
+        over = queueing.over_quota(ops, job)
+        if over is not None:
+            wait(ops, job, over)
+            continue
+        room = room or queueing.room(ops)
+        p = queueing.placement(ops, job, room.free)
         if not p.ok:
-            reason = queueing.make_room(ops, job, p.reason or "")
-            p = placement(ops, job) if reason is not None else p
+            reason = queueing.make_room(ops, job, p.reason or "", room)
+            if reason is not None:   # it preempted: what is free changed
+                room = queueing.room(ops)
+                p = queueing.placement(ops, job, room.free)
         if not p.ok:
             wait(ops, job, reason or p.reason or "")
             continue
+        room = None
         try:
             executor.start_job(ops, job, list(p.assignments))
         except TransportError as e:
@@ -158,12 +190,6 @@ def place_queued(ops: Ops) -> None:
                 job.queue_reason = f"launch failed (retrying in {LAUNCH_RETRY_S:.0f} s): {e}"
                 journal.record(ops.session, job, "launch-failed", str(e))
         ops.session.flush()
-
-
-def placement(ops: Ops, job: Job) -> Placement:
-    """Where the job's workers would go now: MIN to its target (else MAX) on free devices."""
-    want_max = job.target_workers or job.max_workers
-    return place(ops.pool.free(ops.session), job.min_workers, max(want_max, job.min_workers), job.gpus_per_worker)
 
 
 def wait(ops: Ops, job: Job, reason: str) -> None:

@@ -77,20 +77,20 @@ def phase_series(session: Session, now: float) -> dict[tuple[str, str], list[flo
     `timings` (formed, scale, fault, rollback: detect, agree, rebuild, copy, verify,
     first_step, total ...) and each restart's `down_s` (phase "down")."""
     out: dict[tuple[str, str], list[float]] = {}
-    for kind in HISTORY_KINDS:
-        for ev, _job in queries.events_of_kind(session, kind, 0.0, now):
-            timings = (ev.data or {}).get("timings")
-            if not isinstance(timings, Mapping):
-                continue
-            for phase, value in timings.items():
-                s = _seconds(value)
-                if s is not None and isinstance(phase, str) and phase.isidentifier() \
-                        and len(phase) <= _PHASE_NAME_MAX:
-                    out.setdefault((kind, phase), []).append(s)
-    for ev, _job in queries.events_of_kind(session, "restart", 0.0, now):
-        s = _seconds((ev.data or {}).get("down_s"))
-        if s is not None:
-            out.setdefault(("restart", "down"), []).append(s)
+    for kind, data in queries.event_data(session, (*HISTORY_KINDS, "restart"), now):
+        if kind == "restart":
+            s = _seconds((data or {}).get("down_s"))
+            if s is not None:
+                out.setdefault(("restart", "down"), []).append(s)
+            continue
+        timings = (data or {}).get("timings")
+        if not isinstance(timings, Mapping):
+            continue
+        for phase, value in timings.items():
+            s = _seconds(value)
+            if s is not None and isinstance(phase, str) and phase.isidentifier() \
+                    and len(phase) <= _PHASE_NAME_MAX:
+                out.setdefault((kind, phase), []).append(s)
     return out
 
 
@@ -99,8 +99,8 @@ def reclaim_series(session: Session, now: float) -> tuple[dict[tuple[str], list[
     and outcome (within the deadline, late, failed: no latency)."""
     latencies: dict[tuple[str], list[float]] = {}
     outcomes: Counter = Counter()
-    for ev, _job in queries.events_of_kind(session, "reclaim", 0.0, now):
-        d = ev.data or {}
+    for _kind, data in queries.event_data(session, ["reclaim"], now):
+        d = data or {}
         method = str(d.get("method") or "unknown")
         s = _seconds(d.get("latency_s"))
         if s is None:
@@ -115,11 +115,11 @@ def families(session: Session, config: Config, progress: Mapping[int, Mapping[st
              now: float | None = None) -> list[Any]:
     """Every metric family of one run (see the module docstring)."""
     now = time.time() if now is None else now
-    jobs = queries.jobs(session)
-    by_state = Counter((j.state.value, j.user) for j in jobs)
+    by_state = {(state.value, user): n for (state, user), n in queries.job_counts(session).items()}
     f_jobs = GaugeMetricFamily("gpuflex_jobs", "Jobs in the database by state and user.", labels=["state", "user"])
     for (state, user), n in sorted(by_state.items()):
         f_jobs.add_metric([state, user], n)
+    jobs = queries.jobs(session, queries.ACTIVE)   # per-job series: running jobs only
 
     job_labels = ["job_id", "name", "user"]
     f_world = GaugeMetricFamily("gpuflex_job_world_size", "Workers in a running job's current generation.",

@@ -20,8 +20,9 @@ from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import JobError, TransportError
-from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, RETRY_CAUSES, WAITING_KIND,
-                                      JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
+from gpuflex.policy import split as split_policy
+from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, LEFT_OUT_KIND, RETRY_CAUSES,
+                                      WAITING_KIND, JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ def facts(job: Job) -> JobFacts:
     newest_history = queries.last_event_of(session, job.id, HISTORY_KINDS, since)
     forged = queries.last_event_of(session, job.id, [FORGED_KIND], since)
     waiting = queries.last_event_of(session, job.id, [WAITING_KIND], since)
+    left_out = queries.last_event_of(session, job.id, [LEFT_OUT_KIND], since)
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
         workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code, w.ended_at)
@@ -141,8 +143,18 @@ def facts(job: Job) -> JobFacts:
         retries=job.retries or 0, restarts=job.restarts or 0,
         crash_restarts=sum(queries.events_with_cause(session, job.id, "state", c) for c in RETRY_CAUSES),
         elastic=job.elastic,
+        left_out_recorded=_ints([(left_out.data if left_out else {}).get("n")], default=0)[0],
+        store_host=job.store_host,
         waiting=frozenset((e["wid"], tuple(e["for"]), e.get("phase") or "")
                           for e in ((waiting.data if waiting else {}).get("waiting") or ())))
+
+
+def last_replan(job: Job) -> tuple[int | None, float | None]:
+    """The seq and time (the runtime's) of the newest re-plan recorded for the job (one
+    row, whatever its history holds): where gpuflex.policy.split.new_replans starts."""
+    last = queries.last_event_of(object_session(job), job.id, [split_policy.REPLAN_KIND])
+    data = last.data if last is not None and isinstance(last.data, dict) else {}
+    return split_policy.count(data.get("seq")), split_policy.number(data.get("time"))
 
 
 def _ints(values: list, default: int | None = None) -> list[int]:

@@ -89,9 +89,10 @@ class Pool:
                 # probe too old to trust offers nothing
                 if host.last_probe_at is not None and now - host.last_probe_at > self.probe_max_age_s:
                     continue
-                usable = [g.index for g in host.gpus if g.kind == "gpu" and g.verdict in ("idle", "free")
-                          and g.index not in taken]
-                out.append(HostFree(cfg.name, tuple(sorted(usable)), slots=False))
+                usable = sorted((g.index, g.model) for g in host.gpus if g.kind == "gpu"
+                                and g.verdict in ("idle", "free") and g.index not in taken)
+                out.append(HostFree(cfg.name, tuple(i for i, _ in usable), slots=False,
+                                    models=tuple(m for _, m in usable)))
         return out
 
     @property

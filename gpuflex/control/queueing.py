@@ -1,24 +1,31 @@
 """The queue's gates and preemption, carried out: what gpuflex.policy.preemption decides
 for a queued job, read from the database and acted on.
 
-gpuflex.control.lifecycle.place_queued asks, per queued job in placing order (priority,
-then age): `settle_dependencies` first (a failed, cancelled or timed-out dependency
-cancels the job, and a chain below it in the same command), then `gate` (dependencies
-not done yet, the array's cap), and when the job does not fit, `make_room` (preempt
-lower-priority jobs). Every decision leaves a trace on both sides: the waiting job's
+gpuflex.control.lifecycle.place_queued asks, per queued job in `placing_order` (priority,
+then the owner's decayed usage, then age: gpuflex.policy.fairshare): `settle_dependencies`
+first (a failed, cancelled or timed-out dependency cancels the job, and a chain below it in
+the same command), then `gate` (dependencies not done yet, the array's cap), then
+`over_quota` (its MIN would take its owner past their [quota] limit: it waits, and
+preempts nothing), `placement` (MIN up to what the quota leaves), and when the job does
+not fit, `make_room` (preempt lower-priority jobs). The pool's state (`Room`) is read once
+per pass and again only after a start or a preemption. Every decision leaves a trace on both sides: the waiting job's
 queue_reason and a "preempting" event name the preempted jobs, and each preempted job's
 "preempted" event (and its requeue's reason) names the waiting one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from typing import Iterable
 
-from gpuflex.control import executor, journal, scaling
+from gpuflex.control import executor, journal, quotas, scaling
 from gpuflex.control.executor import Ops
 from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
+from gpuflex.policy import fairshare
+from gpuflex.policy.placement import HostFree, Placement, place
 from gpuflex.policy.preemption import (Dependency, Gate, HeldWorker, Shrink, Stop, Victim, array_gate,
                                        dependency_gate, plan_preemption)
 from gpuflex.states import JobState, WorkerState
@@ -28,6 +35,64 @@ log = logging.getLogger(__name__)
 PREEMPTED_CAUSE = "preempted"   # a requeue's cause (never counted against --retries)
 
 
+# ---- fair share and quotas (gpuflex.control.quotas) -------------------------------------
+def placing_order(ops: Ops, jobs: Iterable[Job], now: Room | None = None) -> list[Job]:
+    """Queued jobs by priority, then their owner's decayed usage (least first), then age.
+    The usage is read only when users of one priority compete and, given the pool as `now`
+    sees it, some job could start (else the order changes nothing)."""
+    jobs = list(jobs)
+    idle = now is not None and not now.could_start(max((j.priority for j in jobs), default=0))
+    if idle or len({(j.priority, j.user) for j in jobs}) == len({j.priority for j in jobs}):
+        return sorted(jobs, key=lambda j: (-j.priority, j.id))
+    by_id = {j.id: j for j in jobs}
+    queued = [fairshare.Queued(j.id, j.priority, j.user) for j in jobs]
+    order = fairshare.placing_order(queued, quotas.usage(ops))
+    return [by_id[i] for i in order]
+
+
+def over_quota(ops: Ops, job: Job) -> str | None:
+    """Why the job's MIN would take its owner past their quota (None: it fits)."""
+    return quotas.quota_of(ops, job.user).refusal(job.min_workers, job.gpus_per_worker)
+
+
+def placement(ops: Ops, job: Job, free: list[HostFree]) -> Placement:
+    """Where the job's workers would go on `free` devices: MIN up to its target (else MAX),
+    no more than its owner's quota leaves."""
+    most = max(job.target_workers or job.max_workers, job.min_workers)
+    allowed = quotas.quota_of(ops, job.user).workers_allowed(job.gpus_per_worker)
+    if allowed is not None:
+        most = max(job.min_workers, min(most, allowed))
+    return place(free, job.min_workers, most, job.gpus_per_worker)
+
+
+@dataclasses.dataclass(frozen=True)
+class Room:
+    """What a placing pass reads once, and again only after it changed something (a
+    start, a preemption): the free devices, the devices leavers are giving back, the
+    running jobs as possible victims. A pass over 200 waiting jobs read them 200 times."""
+
+    free: list[HostFree]
+    leaving: list[HeldWorker]
+    running: list[Victim]
+
+    def could_start(self, priority: int) -> bool:
+        """Whether a job of `priority` might start: a device is free, a leaver is giving
+        one back, or a running job of lower priority might be preempted."""
+        return (any(h.devices for h in self.free) or bool(self.leaving)
+                or any(v.priority < priority for v in self.running))
+
+
+def room(ops: Ops) -> Room:
+    active = queries.jobs(ops.session, queries.ACTIVE)
+    return Room(ops.pool.free(ops.session),
+                [HeldWorker(w.wid, w.host, tuple(w.gpus)) for j in active for w in j.live_workers
+                 if w.state is WorkerState.LEAVING],
+                [Victim(j.id, j.priority, j.elastic, bool(j.requeue), j.min_workers,
+                        tuple(HeldWorker(w.wid, w.host, tuple(w.gpus)) for w in j.members),
+                        can_shrink=j.state is JobState.RUNNING) for j in active])
+
+
+# ---- the queue's gates -----------------------------------------------------------------
 def dependencies(ops: Ops, job: Job) -> list[Dependency]:
     states = queries.job_states(ops.session, job.after or [])
     return [Dependency(ref, tuple(states[ref]), array=any(jid != ref for jid, _ in states[ref]))
@@ -62,25 +127,12 @@ def gate(ops: Ops, job: Job) -> Gate:
     return Gate()
 
 
-def victims(ops: Ops, job: Job) -> list[Victim]:
-    """The running jobs of lower priority than `job`, as the policy sees them."""
-    return [Victim(j.id, j.priority, j.elastic, bool(j.requeue), j.min_workers,
-                   tuple(HeldWorker(w.wid, w.host, tuple(w.gpus)) for w in j.members),
-                   can_shrink=j.state is JobState.RUNNING)
-            for j in queries.jobs(ops.session, queries.ACTIVE) if j.priority < job.priority]
-
-
-def leaving(ops: Ops) -> list[HeldWorker]:
-    """Devices that leavers of running jobs are giving back (retired, not gone yet)."""
-    return [HeldWorker(w.wid, w.host, tuple(w.gpus)) for j in queries.jobs(ops.session, queries.ACTIVE)
-            for w in j.live_workers if w.state is WorkerState.LEAVING]
-
-
-def make_room(ops: Ops, job: Job, waiting: str) -> str | None:
-    """Preempt lower-priority jobs so that `job` fits (see gpuflex.policy.preemption).
-    Returns the job's new queue reason (None: nothing would make room; `waiting` stays)."""
-    plan = plan_preemption(ops.pool.free(ops.session), leaving(ops), job.min_workers, job.gpus_per_worker,
-                           job.priority, victims(ops, job))
+def make_room(ops: Ops, job: Job, waiting: str, now: Room) -> str | None:
+    """Preempt lower-priority jobs so that `job` fits (see gpuflex.policy.preemption), from
+    the pool as `now` saw it. Returns the job's new queue reason (None: nothing would make
+    room; `waiting` stays)."""
+    lower = [v for v in now.running if v.priority < job.priority]
+    plan = plan_preemption(now.free, now.leaving, job.min_workers, job.gpus_per_worker, job.priority, lower)
     if not plan.ok:
         return None
     if not plan.actions:

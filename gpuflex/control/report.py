@@ -1,9 +1,12 @@
-"""`gpuflex report`: GPU-hours harvested per host, owner and job; reclaims and their latencies.
+"""`gpuflex report`: GPU-hours harvested per host, owner and job; reclaims and their latencies;
+GPU-hours used and harvested per user (`--by user`).
 
 Harvested GPU time is the time gpuflex workers held GPUs of hosts that have an `owner`
 (those GPUs are only ever given out while idle): per worker, its devices x the part of
 [started_at, ended_at or now] inside the window. The owner is the host's owner as the DB
-knows it now. Reclaims are the "reclaim" events written by the harvest tick.
+knows it now. Reclaims are the "reclaim" events written by the harvest tick. A user's
+used GPU-hours count the same way on every GPU host (CPU slots are no GPU-hours); the
+user is the job's owner (`jobs.user`).
 """
 
 from __future__ import annotations
@@ -93,9 +96,27 @@ def build(session: Session, since: float, until: float | None = None) -> dict[st
         table.append(r)
     return {"since": since, "until": until,
             "gpu_hours": round(sum(r["gpu_hours"] for r in table), 4),
+            "by_user": by_user(session, since, until, set(owners), slot_hosts),
             "by_host": _totals(table, "host", "owner"), "by_owner": _totals(table, "owner"),
             "by_job": _totals(table, "job", "job_name"), "rows": table,
             "reclaims": _reclaim_summary(reclaims)}
+
+
+def by_user(session: Session, since: float, until: float, owned: set[str],
+            slot_hosts: set[str]) -> list[dict[str, Any]]:
+    """[{user, gpu_hours, harvested_gpu_hours}], most used first: GPU time of each user's
+    workers inside the window, all of it and the part on owned hosts."""
+    used: dict[str, list[float]] = {}
+    for user, start, end, devices, host in queries.holds_since(session, since):
+        if host in slot_hosts or devices == 0:
+            continue
+        secs = _overlap(start, end, since, until) * devices
+        if secs > 0:
+            u = used.setdefault(user, [0.0, 0.0])
+            u[0] += secs / 3600
+            u[1] += secs / 3600 if host in owned else 0.0
+    return [{"user": user, "gpu_hours": round(a, 4), "harvested_gpu_hours": round(h, 4)}
+            for user, (a, h) in sorted(used.items(), key=lambda kv: (-kv[1][0], kv[0]))]
 
 
 def _totals(table: list[dict[str, Any]], *keys: str) -> list[dict[str, Any]]:
@@ -123,11 +144,16 @@ def _reclaim_summary(reclaims: list[dict[str, Any]]) -> dict[str, Any]:
 CSV_FIELDS = ["host", "owner", "job", "job_name", "gpu_hours", "reclaims", "reclaim_median_s", "reclaim_max_s"]
 
 
-def to_csv(report: dict[str, Any]) -> str:
-    """One line per (host, job): harvested GPU-hours and that job's reclaims there."""
+USER_CSV_FIELDS = ["user", "gpu_hours", "harvested_gpu_hours"]
+
+
+def to_csv(report: dict[str, Any], by: str = "host") -> str:
+    """One line per (host, job): harvested GPU-hours and that job's reclaims there; with
+    `by="user"`, one line per user: GPU-hours used and harvested."""
+    fields, rows = (USER_CSV_FIELDS, report["by_user"]) if by == "user" else (CSV_FIELDS, report["rows"])
     buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, lineterminator="\n")
+    w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")
     w.writeheader()
-    for r in report["rows"]:
-        w.writerow({k: "" if r[k] is None else r[k] for k in CSV_FIELDS})
+    for r in rows:
+        w.writerow({k: "" if r[k] is None else r[k] for k in fields})
     return buf.getvalue()

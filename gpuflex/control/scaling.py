@@ -4,7 +4,8 @@
 are spawned and warm up, the coordinator gets the desired membership, and the workers
 switch at their next step boundary. (Requeueing a job is `executor.requeue`.) A
 restart-elastic job is resized by a restart instead (gpuflex.control.restarts), and a
-fixed gang not at all.
+fixed gang not at all. A `scale` up stays within the owner's [quota] and never grows a job
+whose training has finished (`check_grow`: exit 2, nothing changed).
 
 The database must match the processes: a newcomer's row and id are written before its
 process starts, and a resize the coordinator refuses stops its newcomers and ends their
@@ -23,13 +24,14 @@ from typing import Callable, ContextManager
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
-from gpuflex.control import executor, journal, restarts
+from gpuflex.control import executor, journal, quotas, restarts
+from gpuflex.control.harvest_inputs import has_finished
 from gpuflex.control.executor import Ops
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic import failpoints
-from gpuflex.errors import GpuflexError, JobError
+from gpuflex.errors import GpuflexError, JobError, UsageError
 from gpuflex.policy.placement import Assignment, place
 
 # a new transaction per call, committed when its block ends without error; the caller
@@ -41,6 +43,7 @@ def scale(ops: Ops, job: Job, n: int) -> Job:
     """Ask a running job for `n` workers: start newcomers on free devices, or retire the
     newest workers (a restart job: a restart at `n`; a gang: UsageError)."""
     restarts.refuse_gang(job)
+    check_grow(ops, job, n)
     if restarts.is_restart(job):
         plan = restarts.plan_scale(ops, job, n)
         if plan is not None:
@@ -50,6 +53,19 @@ def scale(ops: Ops, job: Job, n: int) -> Job:
     if grows:
         grow(ops, job, grows)
     return job
+
+
+def check_grow(ops: Ops, job: Job, n: int) -> None:
+    """UsageError when `n` is no valid target, when the workers a grow to `n` adds would
+    take the owner past their quota, or when the job's training has finished (its
+    newcomers would exit at once)."""
+    restarts.check_target(job, n)
+    extra = n - len(job.members)
+    if extra <= 0:
+        return
+    quotas.refuse_over_quota(ops, job, extra)
+    if has_finished(ops, job):
+        raise UsageError(f"job {job.id} has finished training; it is not grown.")
 
 
 def plan_scale(ops: Ops, job: Job, n: int) -> list[Assignment]:
@@ -149,6 +165,7 @@ def scale_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int, n:
     with tx() as session:
         job = queries.job(session, job_id)
         restarts.refuse_gang(job)
+        check_grow(Ops(config, pool, session), job, n)
         restart = restarts.is_restart(job)
         grows = [] if restart else plan_scale(Ops(config, pool, session), job, n)
     if restart:

@@ -20,9 +20,9 @@ from typing import Any, Iterator, Mapping
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config, check_webhook_url
-from gpuflex.control import executor, intents, journal, lifecycle, notify, report, scaling, views
+from gpuflex.control import access, executor, intents, journal, lifecycle, notify, report, scaling, views
 from gpuflex.control.executor import Ops
-from gpuflex.control.launch import local_user, submit_environment
+from gpuflex.control.launch import submit_environment
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.engine import open_database
@@ -31,7 +31,7 @@ from gpuflex.db.models import Job
 from gpuflex.errors import UnknownJobError, UsageError
 from gpuflex.control.probes import record_probes
 from gpuflex.hosts.probe import collect_probes
-from gpuflex.jobspec import ArraySpec, check_torchrun, elastic_mode, parse_time
+from gpuflex.jobspec import ArraySpec, check_torchrun, elastic_mode, parse_time, split_mode
 from gpuflex.policy.placement import devices_per_worker
 from gpuflex.states import JobState
 
@@ -90,6 +90,7 @@ class SubmitRequest:
     array: ArraySpec | None = None
     requeue: bool = False
     notify: str | None = None   # --notify: the webhook URL (None: [notify] url, if any)
+    split: str | None = None    # --split speed|even (issue 12; None: speed for an in-place job)
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
@@ -121,7 +122,7 @@ class SubmitRequest:
         if isinstance(self.retries, bool) or not isinstance(self.retries, int) \
                 or not 0 <= self.retries <= MAX_RETRIES:
             raise UsageError(f"--retries {self.retries!r}: give a number of restarts from 0 to {MAX_RETRIES}.")
-        elastic_mode(self.elastic, self.min_workers, self.max_workers)
+        split_mode(self.split, elastic_mode(self.elastic, self.min_workers, self.max_workers))
         check_torchrun(self.argv, self.gpus_per_worker)
         if self.notify is not None:
             check_webhook_url(self.notify)
@@ -242,10 +243,28 @@ class JobService:
         with self.sessions() as session:
             return views.job_info(self.get(session, ref), events=events)
 
-    def jobs(self) -> list[views.JobInfo]:
-        """Every job with its workers, by id."""
+    def jobs(self, owner: str | None = None) -> list[views.JobInfo]:
+        """Every job with its workers, by id; only `owner`'s when given."""
         with self.sessions() as session:
-            return [views.job_info(j) for j in queries.jobs(session)]
+            return [views.job_info(j) for j in queries.jobs(session) if owner is None or j.user == owner]
+
+    def check_owner_name(self, name: str) -> str:
+        """`name` for `status --user` (gpuflex.control.access.check_user): a unix user, or
+        the owner of a job here; UsageError otherwise."""
+        with self.sessions() as session:
+            return access.check_user(name, lambda: (j.user for j in queries.jobs(session)))
+
+    def check_may_change(self, ref: str | int, verb: str) -> None:
+        """NotOwnerError (gpuflex.control.access) unless the caller owns the job `ref`
+        names (every job of an array not ended yet, for an array's id) or is an admin. An
+        ended job is left to the command, which says it cannot change. Read before any
+        command writes: an owner never changes, so no lock is needed."""
+        with self.sessions() as session:
+            key = parse_ref(ref)
+            array = queries.array_jobs(session, key) if isinstance(key, int) else []
+            for job in array or [self.get(session, ref)]:
+                if not job.state.final:
+                    access.check_owner(self.config, job, verb)
 
     def hosts(self) -> list[dict[str, Any]]:
         """Hosts, their devices, the last probe's figures and who holds each device."""
@@ -274,7 +293,9 @@ class JobService:
             self.pool.sync_hosts(session)
             self.record_probes(session, results)
             active = queries.jobs(session, queries.ACTIVE)
-            for job in active:
+            # another user's processes on hosts reached as each user: their exit records
+            # and sockets are theirs alone, so they are reconciled by their owner's commands
+            for job in [j for j in active if access.reaches(self.config, j)]:
                 status = lifecycle.reconcile(ops, job)
                 if status is not None and status.get("progress"):
                     self.progress[job.id] = status["progress"]
@@ -307,10 +328,11 @@ class JobService:
                     min_workers=req.min_workers, max_workers=req.max_workers,
                     gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
                     retries=req.retries, elastic=req.elastic_mode, time_limit_s=limit,
+                    split=split_mode(req.split, req.elastic_mode),
                     after=list(req.after) or None, requeue=req.requeue,
                     notify_url=req.notify or self.config.notify.url,
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
-                    user=local_user(),
+                    user=access.caller(),
                 )
                 session.add(job)
                 session.flush()
@@ -355,7 +377,8 @@ class JobService:
     def cancel(self, ref: str) -> list[views.JobInfo]:
         """Cancel a job; an array's id (a plain id that is an array's, as Slurm's scancel
         reads it) cancels every job of the array not ended yet (`5_3`: one of them).
-        Returns the jobs cancelled."""
+        Returns the jobs cancelled. Only the owner or an admin may (gpuflex.control.access)."""
+        self.check_may_change(ref, "cancel")
         with self.locked() as session:
             key = parse_ref(ref)
             array = queries.array_jobs(session, key) if isinstance(key, int) else []
@@ -376,7 +399,9 @@ class JobService:
         """Resize a running job. A grow commits its steps one by one under the ops lock
         (the newcomers' rows, each process group, the membership request: see
         scaling.grow_in_steps), so a `gpuflex scale` killed midway leaves nothing the
-        database does not know; the next command's reconcile ends what it left."""
+        database does not know; the next command's reconcile ends what it left. Only the
+        owner or an admin may (gpuflex.control.access)."""
+        self.check_may_change(ref, "scale")
         results = self.collect_probes()
         with database_lock(self.config.database_url, "ops").held():
             with self.sessions.begin() as session:

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any
+from typing import Any, Mapping
 
 from sqlalchemy.orm import Session, object_session
 
 from gpuflex.config import Config
 from gpuflex.db import queries
 from gpuflex.db.models import Event, Gpu, Job, Worker
+from gpuflex.policy import split as split_policy
 from gpuflex.policy.lifecycle import CRASH_KIND, WAITING_KIND
 from gpuflex.states import JobState, WorkerState
 
@@ -90,6 +91,7 @@ class JobInfo:
     array_index: int | None = None
     array_limit: int | None = None
     requeue: bool = False
+    split: str | None = None     # issue 12: 'speed' | 'even' (in-place jobs), None: a gang's own
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -129,7 +131,24 @@ def job_info(job: Job, *, events: bool = False) -> JobInfo:
         recent=tuple(event_info(e) for e in recent),
         elastic=job.elastic, time_limit_s=job.time_limit_s, time_left_s=time_left(job),
         after=tuple(job.after or ()), array_id=job.array_id, array_index=job.array_index,
-        array_limit=job.array_limit, requeue=bool(job.requeue))
+        array_limit=job.array_limit, requeue=bool(job.requeue), split=job.split)
+
+
+SPLIT_FIELDS = ("share", "samples_per_s", "relative")
+
+
+def worker_split(progress: Mapping[str, Any] | None, wid: int) -> dict[str, Any]:
+    """A worker's share of the global batch, its samples/s and its speed relative to the
+    fastest member, from the coordinator's progress record (rank 0's `workers`, keyed by
+    the worker id as a string: see docs/architecture.md, the split); None for each field
+    not known. Rank 0 writes that record unsigned, so only finite numbers of the right
+    kind are taken."""
+    workers = (progress or {}).get("workers") if isinstance(progress, Mapping) else None
+    entry = workers.get(str(wid)) if isinstance(workers, Mapping) else None
+    entry = entry if isinstance(entry, Mapping) else {}
+    return {"share": split_policy.count(entry.get("share")),
+            "samples_per_s": split_policy.number(entry.get("samples_per_s")),
+            "relative": split_policy.number(entry.get("relative"))}
 
 
 def time_left(job: Job, now: float | None = None) -> float | None:

@@ -10,7 +10,9 @@ is lost with its connection), so nothing is committed by a command that lost its
 
 from __future__ import annotations
 
+import grp
 import os
+import stat
 from pathlib import Path
 
 import sqlalchemy as sa
@@ -18,7 +20,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
-from gpuflex.db.locks import LOCK_SUFFIXES, database_lock, verify_held
+from gpuflex.db.locks import LOCK_SUFFIXES, database_lock, shared_directory, verify_held
 from gpuflex.db.url import connect_args, shown, sqlite_path, where
 from gpuflex.errors import DatabaseError
 from gpuflex.hosts.private import private_dir, tighten_file
@@ -40,8 +42,8 @@ _DRIVER_HINT = "Install the PostgreSQL driver: pip install 'gpuflex[postgres]' (
 
 
 def make_engine(url: str) -> Engine:
-    """An engine for `url`; for SQLite the file is made private (see `private_database`)
-    and WAL + busy timeout set; for a server, a connect timeout and TCP keepalives.
+    """An engine for `url`; for SQLite the file is made private, or the group's in a shared
+    directory (see `prepare_database`), and WAL + busy timeout set; for a server, a connect timeout and TCP keepalives.
 
     Raises DatabaseError when the URL is malformed, its driver is not installed, or the
     file cannot be created or opened. (A server is first reached by `upgrade`.)
@@ -52,9 +54,8 @@ def make_engine(url: str) -> Engine:
     except (sa.exc.ArgumentError, ValueError) as e:
         raise DatabaseError(f"not a usable database URL {_masked(url)!r}: {e}.", hint=_HINT) from None
     if path is not None:
-        private_database(path)
-        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-            raise DatabaseError(f"the database {path} is not writable.", hint=_HINT)
+        prepare_database(path)
+        check_writable(path)
         url = parsed.set(database=str(path)).render_as_string(hide_password=False)
     try:
         engine = sa.create_engine(url, connect_args=connect_args(parsed))
@@ -92,12 +93,50 @@ def _masked(url: str) -> str:
     return url
 
 
+SHARED_FILE_MODE = 0o660
+
+
+def prepare_database(path: Path) -> None:
+    """The SQLite file at `path` made ready before its first open: the group's in a shared
+    directory (`shared_directory`), else its owner's alone (`private_database`)."""
+    if shared_directory(path.parent):
+        shared_database(path)
+    else:
+        private_database(path)
+
+
+def shared_database(path: Path) -> None:
+    """The database and its lock files in a shared directory, read/write for the group
+    (0660, whatever the umask): created so when missing, and ours that lack it (made by
+    an older gpuflex, or while the directory was private) widened to it, never
+    narrowed. SQLite gives its -wal, -shm and -journal files the database's mode, and
+    the setgid directory gives every file its group. A file that is not there yet and
+    cannot be created (a directory we may not write) is left to `check_writable`."""
+    for suffix in ("", *LOCK_SUFFIXES):
+        try:
+            fd = os.open(f"{path}{suffix}", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, SHARED_FILE_MODE)
+        except OSError:
+            continue
+        try:
+            os.fchmod(fd, SHARED_FILE_MODE)   # the umask took bits off
+        finally:
+            os.close(fd)
+    for suffix in ("", "-wal", "-shm", "-journal", *LOCK_SUFFIXES):
+        try:
+            st = os.lstat(f"{path}{suffix}")
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() \
+                    and stat.S_IMODE(st.st_mode) & SHARED_FILE_MODE != SHARED_FILE_MODE:
+                os.chmod(f"{path}{suffix}", stat.S_IMODE(st.st_mode) | SHARED_FILE_MODE)
+        except OSError:
+            continue
+
+
 def private_database(path: Path) -> None:
     """The SQLite file at `path`, its owner's alone: missing directories are created 0700,
     a missing file 0600 (SQLite gives its -wal and -shm files the file's mode), and our
     files left by an older gpuflex lose their group and other bits. A directory that
-    exists is left as the user made it. Several users sharing one database is not
-    supported yet.
+    exists is left as the user made it. (A database several users share lives in a
+    shared directory: `shared_database`.)
 
     Raises DatabaseError when the directory or the file cannot be created.
     """
@@ -106,6 +145,11 @@ def private_database(path: Path) -> None:
     except (FileExistsError, NotADirectoryError):  # something on the way is a file
         raise DatabaseError(f"cannot create the database directory {path.parent}: "
                             f"a file of that name is in the way.", hint=_HINT) from None
+    except PermissionError as e:
+        if os.path.isdir(path.parent):   # (Path.is_dir raises EACCES on 3.11)
+            return   # an existing directory we may not enter: said by check_writable
+        raise DatabaseError(f"cannot create the database directory {path.parent}: {e.strerror or e}.",
+                            hint=_HINT) from None
     except OSError as e:
         raise DatabaseError(f"cannot create the database directory {path.parent}: {e.strerror or e}.",
                             hint=_HINT) from None
@@ -120,6 +164,35 @@ def private_database(path: Path) -> None:
             tighten_file(f"{path}{suffix}")
         except OSError:
             pass
+
+
+def check_writable(path: Path) -> None:
+    """DatabaseError unless this user may write the database and its directory (SQLite
+    creates -wal, -shm and lock files there), saying what to do: for a shared directory,
+    join its group; for a file of another user's, ask them to open it to the group."""
+    directory = path.parent
+    if os.access(directory, os.W_OK | os.X_OK) and (not path.exists() or os.access(path, os.R_OK | os.W_OK)):
+        return
+    shared = shared_directory(directory)
+    if shared and not os.access(directory, os.W_OK | os.X_OK):
+        st = os.stat(directory)
+        group = _group_name(st.st_gid)
+        raise DatabaseError(f"permission denied on the database directory {directory} (mode "
+                            f"{stat.S_IMODE(st.st_mode):04o}, group {group}): ask the lab's admin to add you "
+                            f"to the group {group} (then log in again), or set [database] url in gpuflex.toml "
+                            f"to a database of your own.")
+    if shared:
+        raise DatabaseError(f"the database {path} is not writable by you: ask its owner to run "
+                            f"'gpuflex db upgrade' (it opens the file to the group), or to run "
+                            f"chmod g+rw {path}.")
+    raise DatabaseError(f"the database {path} is not writable.", hint=_HINT)
+
+
+def _group_name(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return str(gid)
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -31,8 +31,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import hashlib
+import inspect
 import os
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -76,6 +78,19 @@ class Lock(abc.ABC):
             self.release()
 
 
+def shared_directory(directory: Path) -> bool:
+    """Whether `directory` is a lab's shared one: group-writable with the setgid bit (made
+    with `install -d -m 2770 -g lab DIR`, so what is created in it belongs to the group)."""
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:
+        return False
+    return stat.S_ISDIR(mode) and bool(mode & stat.S_ISGID) and bool(mode & stat.S_IWGRP)
+
+
+_PRESERVE = "preserve_lock_file" in inspect.signature(filelock.FileLock.__init__).parameters
+
+
 class FileLock(Lock):
     """flock on a file (through `filelock`); the holder writes "pid N, since HH:MM:SS"
     into it so that a process that finds it held can say by whom."""
@@ -84,7 +99,11 @@ class FileLock(Lock):
         self.path = path
         # a new filelock object per Lock (not a singleton): two Locks on one file exclude
         # each other even inside one process, as two processes do
-        self._lock = filelock.FileLock(str(path), mode=0o600, is_singleton=False)
+        # and keep the file on release: filelock 4 unlinks it otherwise, so a waiter's
+        # chmod or a lab's group mode (0660 in a shared directory) would race a new file
+        shared = shared_directory(path.parent)
+        keep = {"preserve_lock_file": True} if _PRESERVE else {}
+        self._lock = filelock.FileLock(str(path), mode=0o660 if shared else 0o600, is_singleton=False, **keep)
 
     def acquire(self, blocking: bool = True) -> bool:
         self.path.parent.mkdir(parents=True, exist_ok=True)

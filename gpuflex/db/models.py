@@ -128,6 +128,9 @@ class Job(Base):
     # where a webhook is posted when the job ends, fails, is preempted or times out
     # (`submit --notify`, else `[notify] url` at submit; migration 0007); None: nowhere
     notify_url: Mapped[str | None] = mapped_column(Text)
+    # how an in-place job's global batch is divided: 'speed' (by measured worker speed) or
+    # 'even' (`submit --split`; migration 0008); None: submitted before, runs even
+    split: Mapped[str | None] = mapped_column(String(8))
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

@@ -12,7 +12,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from gpuflex.db.models import Event, Gpu, GpuSample, Host, Job, Worker
-from gpuflex.states import JobState
+from gpuflex.states import JobState, WorkerState
 
 ACTIVE = (JobState.RUNNING, JobState.SCALING)
 NOT_FINAL = (JobState.QUEUED, JobState.RUNNING, JobState.SCALING)
@@ -33,6 +33,12 @@ def jobs(session: Session, states: Iterable[JobState] | None = None) -> list[Job
     if states is not None:
         q = q.where(Job.state.in_(list(states)))
     return list(session.scalars(q))
+
+
+def job_counts(session: Session) -> dict[tuple[JobState, str], int]:
+    """(state, owner) -> how many jobs: counted by the database, no row loaded."""
+    return {(state, user): n for state, user, n in session.execute(
+        select(Job.state, Job.user, func.count(Job.id)).group_by(Job.state, Job.user))}
 
 
 def queued_jobs(session: Session) -> list[Job]:
@@ -101,16 +107,42 @@ def max_wid(session: Session, job_id: int) -> int:
 def live_workers_by_device(session: Session) -> dict[tuple[str, int], tuple[Job, Worker]]:
     """(host, device) -> the job and live worker holding it."""
     out: dict[tuple[str, int], tuple[Job, Worker]] = {}
-    for w, j in session.execute(select(Worker, Job).join(Job)):
-        if not w.state.final:
-            for d in w.gpus:
-                out[(w.host, d)] = (j, w)
+    live = [s for s in WorkerState if not s.final]
+    for w, j in session.execute(select(Worker, Job).join(Job).where(Worker.state.in_(live))):
+        for d in w.gpus:
+            out[(w.host, d)] = (j, w)
     return out
 
 
 def workers_on(session: Session, hosts: Iterable[str]) -> list[tuple[Worker, Job]]:
     """Every worker ever run on `hosts`, with its job."""
     return list(session.execute(select(Worker, Job).join(Job).where(Worker.host.in_(list(hosts)))))
+
+
+def held_by_user(session: Session) -> dict[str, int]:
+    """Devices held now per job owner: the starting and running workers of running jobs
+    (gpuflex.policy.fairshare's quota; a leaver is giving its devices back)."""
+    out: dict[str, int] = {}
+    rows = session.execute(select(Job.user, Worker.gpus).join(Job).where(
+        Job.state.in_(list(ACTIVE)), Worker.state.in_([WorkerState.STARTING, WorkerState.RUNNING])))
+    for user, gpus in rows:
+        out[user] = out.get(user, 0) + len(gpus or ())
+    return out
+
+
+def holds_since(session: Session, since: float) -> list[tuple[str, float, float | None, int, str]]:
+    """(owner, started_at, ended_at, devices, host) of every worker still held at or
+    after `since`: the intervals behind fair share's usage and the report's GPU-hours."""
+    rows = session.execute(select(Job.user, Worker.started_at, Worker.ended_at, Worker.gpus, Worker.host)
+                           .join(Job).where((Worker.ended_at.is_(None)) | (Worker.ended_at >= since)))
+    return [(user, start, end, len(gpus or ()), host) for user, start, end, gpus, host in rows]
+
+
+def usage_since(session: Session, since: float) -> list[tuple[str, float, float | None, int]]:
+    """(owner, started_at, ended_at, gpus_per_worker) of every worker still held at or after
+    `since`: fair share's intervals (plain columns, so thousands of rows read fast)."""
+    return list(session.execute(select(Job.user, Worker.started_at, Worker.ended_at, Job.gpus_per_worker)
+                                .join(Job).where((Worker.ended_at.is_(None)) | (Worker.ended_at >= since))))
 
 
 # ---- hosts and devices --------------------------------------------------------------------
@@ -180,6 +212,14 @@ def events_of_kind(session: Session, kind: str, since: float, until: float) -> l
         Event.kind == kind, Event.time >= since, Event.time <= until).order_by(Event.time)))
 
 
+def event_data(session: Session, kinds: Iterable[str], until: float) -> list[tuple[str, dict]]:
+    """(kind, data) of every event of `kinds` up to `until`, oldest first: one query, no
+    job or event object built."""
+    return [(kind, data) for kind, data in session.execute(
+        select(Event.kind, Event.data).where(Event.kind.in_(list(kinds)), Event.time <= until)
+        .order_by(Event.time, Event.id))]
+
+
 def last_event(session: Session, job_id: int) -> Event | None:
     """The job's newest event (one row, whatever its history holds)."""
     return session.scalar(select(Event).where(Event.job_id == job_id).order_by(Event.id.desc()).limit(1))
@@ -189,6 +229,15 @@ def last_event_of(session: Session, job_id: int, kinds: Iterable[str], since: fl
     """The job's newest event of one of `kinds` recorded at or after `since` (one row)."""
     return session.scalar(select(Event).where(Event.job_id == job_id, Event.kind.in_(list(kinds)),
                                               Event.time >= since).order_by(Event.id.desc()).limit(1))
+
+
+def with_event_since(session: Session, job_ids: Iterable[int], kind: str, since: float) -> set[int]:
+    """Which of `job_ids` had a `kind` event (or a repeat of one) at or after `since`."""
+    ids = list(job_ids)
+    if not ids:
+        return set()
+    return set(session.scalars(select(Event.job_id).where(
+        Event.job_id.in_(ids), Event.kind == kind, func.coalesce(Event.last_time, Event.time) >= since)))
 
 
 def recent_events(session: Session, job_id: int, kinds: Iterable[str], limit: int) -> list[Event]:

@@ -108,6 +108,8 @@ class TrainingState:
             self.buffers.broadcast()
 
     def apply_tree(self, tree: dict[str, Any], skip: tuple[str, ...] = ()) -> None:
+        if "split" not in tree["objects"]:   # a checkpoint from before the split plan: planned afresh
+            skip = (*skip, "split")
         self.registry.load(tree["objects"], skip=skip)
         set_rng_state(tree["rng"])
         self.step = int(tree["step"])

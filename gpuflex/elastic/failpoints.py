@@ -17,7 +17,8 @@ Spec: rules separated by `;`, each `NAME[@FILTER[,FILTER...]]=ACTION[:ARG]`. Fil
 of which must hold (values are ints): `wid=N`, `rank=N`, `gen=N` (equal), `step=N` (the
 step is at least N), `hit=N` (the Nth time this process reaches NAME with the other
 filters holding; without it, the first). A context value the place does not pass makes a
-filter on it fail. A rule fires at most once per process, except `sleep`, which fires every
+filter on it fail, except `wid`: a worker's own id (`GPUFLEX_WORKER_ID`) stands in, so a
+place that does not know it (`checkpoint.write`) still fires in one chosen worker. A rule fires at most once per process, except `sleep`, which fires every
 time its filters hold. Actions: `kill` (SIGKILL itself), `stop` (SIGSTOP itself; a test
 sends SIGCONT), `exit:N` (`os._exit(N)`), `raise` (RuntimeError), `sleep:S` (seconds),
 `oserror:ENAME` (OSError with that errno, e.g. `oserror:ENOSPC`). Before acting the process
@@ -38,6 +39,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+
+from gpuflex.elastic.env import WORKER_ID
 
 ENV = "GPUFLEX_FAILPOINTS"
 
@@ -96,7 +99,7 @@ class Rule:
         for key, want in self.filters.items():
             if key == "hit":
                 continue
-            have = ctx.get(key)
+            have = ctx.get(key, _OWN_WID if key == "wid" else None)
             if not isinstance(have, int) or isinstance(have, bool):
                 return False
             if (have < want) if key == "step" else (have != want):
@@ -104,6 +107,12 @@ class Rule:
         return True
 
 
+def _own_wid() -> int | None:
+    text = os.environ.get(WORKER_ID, "")
+    return int(text) if text.isascii() and text.isdigit() else None
+
+
+_OWN_WID = _own_wid()
 _rules: list[Rule] = []
 _lock = threading.RLock()   # reentrant: a signal handler may reach a point mid-hit
 

@@ -49,12 +49,14 @@ NOT_JOINED_HINT = ("never joined the gpuflex.elastic runtime (no heartbeat): a p
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """What a formation comes to: form with `members` (the workers in `dropped` left
-    out), or, when `hold` is set, no generation (too few left) and that reason."""
+    out), or, when `hold` is set, no generation (too few left) and that reason; `phase`
+    names the formation ("generation 2, joining")."""
 
     members: list[int]
     dropped: list[int]
     message: str
     hold: str | None = None
+    phase: str = ""
 
 
 class FormationWatch:
@@ -147,7 +149,8 @@ class FormationWatch:
                 ([f"worker(s) {stuck} did not {verb} within {self.timeout_s:g} s"] if stuck else [])
         why = f"{' and '.join(parts)} while {self.phase} generation {self.generation}" if dropped else everyone
         note = f"; worker(s) {plain} {NOT_JOINED_HINT}" if plain else ""
+        phase = f"generation {self.generation}, {self.phase}"
         if len(members) < min_workers:
             return Outcome(members, dropped, why + note, hold=f"{why}: {len(members)} worker(s) left, below "
-                                                              f"the job's minimum of {min_workers}{note}")
-        return Outcome(members, dropped, (f"formed without them: {why}" if dropped else why) + note)
+                                                              f"the job's minimum of {min_workers}{note}", phase=phase)
+        return Outcome(members, dropped, (f"formed without them: {why}" if dropped else why) + note, phase=phase)

@@ -15,7 +15,9 @@ Each full read decides, in this order:
 - rollback: the newest generation's state did not verify; the previous members
   (leavers included, they wait for the verdict) form the next one and the newcomers are
   rejected;
-- resize: the desired membership differs and every newcomer is ready. When what can be
+- resize: the desired membership differs and every newcomer is ready. A newcomer that died
+  warming up, or never started within `formation_timeout_s`, is left out (rejected, dropped
+  from the desired membership; status "left_out" says why: resizing.py). When what can be
   reached is the current membership again (a desired worker was rejected or left before),
   nothing is published and status "unreachable" says why;
 - release: workers wanted once but no longer, before they ever joined, exit 0.
@@ -47,9 +49,10 @@ from typing import Any, Callable, Protocol
 
 from gpuflex.elastic import failpoints, keys
 from gpuflex.elastic.auth import ForgeryLog, SignedRecords, Signer
-from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, members_ok, printable
+from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, printable
 from gpuflex.elastic.forming import FormationWatch, Outcome
-from gpuflex.elastic.store_values import MAX_WID, is_id_list, progress_record
+from gpuflex.elastic.progress_view import ProgressView
+from gpuflex.elastic.resizing import Requests, WarmUps, check_resize
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class Generations:
         self.signer = Signer(secret, run)
         self.forged = ForgeryLog("coordinator")
         self.records = SignedRecords(self.has, store.get, self.signer, self.forged)
-        self._request_seq = 0                    # the newest desired_request acted on
+        self.requests = Requests(self.forged)
         self._own: dict[str, str] = {keys.RUN: self._run_text}   # records it wrote and keeps
         self.min_workers = min_workers
         self.streak = FailureStreak(max_failures)
@@ -110,7 +113,9 @@ class Generations:
         self.reports = WorkerReports(self.get_json, self.has)   # crash and waiting records
         self.heartbeats = Heartbeats(self.has, store.get, hb_timeout_s, clock)
         self.formation = FormationWatch(formation_timeout_s, self.heartbeats, self.valid, clock=clock, wall=wall)
-        self.progress: dict[str, Any] | None = None
+        self.warm_ups = WarmUps(formation_timeout_s, self.heartbeats, clock=clock, wall=wall)
+        self.progress: dict[str, Any] | None = None   # rank 0's, its checkpoint failures kept (progress_view.py)
+        self.progress_view = ProgressView(wall)
         self._verdict_reason = ""
         self._events, self._last_full = -1, 0.0
         self._busy = True          # something is pending: read everything every tick
@@ -142,6 +147,13 @@ class Generations:
         self.desired = sorted(set(members))
         self.store.set(keys.DESIRED, json.dumps(self.desired))
 
+    def reject(self, wids: list[int]) -> None:
+        """Workers left out for good (one that wakes up later exits EVICTED_EXIT)."""
+        for w in wids:
+            if w not in self.rejected:
+                self.rejected.add(w)
+                self.write(keys.rejected(w), "1")
+
     # ---- decisions -----------------------------------------------------------------
     def publish(self, members: list[int], kind: str, message: str) -> None:
         g = self.generation + 1
@@ -160,12 +172,13 @@ class Generations:
         del self.history[:-HISTORY_KEPT]
         log.info("generation %d (%s): members %s - %s", g, kind, members, message)
 
-    def hold(self, reason: str) -> None:
-        """No generation can be formed now: the survivors wait, status says why."""
+    def hold(self, reason: str, workers: list[int], phase: str) -> None:
+        """No generation can be formed now: the survivors wait, status says why, naming the
+        workers it is for (the control side adds their hosts) and the phase."""
         if self.held is None or self.held["reason"] != reason:
             log.warning("generation %d held: %s", self.generation, reason)
             since = self.held["since"] if self.held else self.wall()
-            self.held = {"reason": reason, "since": since}
+            self.held = {"reason": reason, "since": since, "workers": sorted(workers), "phase": phase}
         self._busy = False   # an event (a newcomer ready, a report) or the idle tick looks again
 
     def failed_again(self, g: int, reason: str) -> bool:
@@ -194,7 +207,7 @@ class Generations:
     def _tick(self, moved: bool) -> None:
         self._keep_own_records()
         if self.has(keys.PROGRESS):
-            self.progress = progress_record(self.store.get(keys.PROGRESS))
+            self.progress = self.progress_view.read(self.store.get(keys.PROGRESS))
         self._read_request()
         if self.valid(keys.FINISHED):
             self.finished = True
@@ -205,13 +218,18 @@ class Generations:
             self.reports.read(self.members, set(self.desired) - self.ever_members - self.rejected)
         crash = self.reports.first_crash()
         if crash is not None:
-            self.hold(f"worker {crash['wid']} crashed: {crash['error']}")
+            self.hold(f"worker {crash['wid']} crashed: {crash['error']}", [crash["wid"]],
+                      f"generation {self.generation}, {crash.get('phase') or 'training'}")
             return
         for w in self.known - set(self.desired) - self.ever_members - self.released:
             self.released.add(w)   # wanted once, never joined, no longer wanted
             self.write(keys.released(w), "1")
         desired_new = [w for w in self.desired
                        if w not in self.ever_members and w not in self.rejected]
+        if self.generation and (late := self.warm_ups.overdue(desired_new, self._ready, self.generation)):
+            self.reject(late)
+            self.set_desired([w for w in self.desired if w not in late])
+            desired_new = [w for w in desired_new if w not in late]
         alive = self.heartbeats.alive
         ready_new = [w for w in desired_new if self.valid(keys.ready(w)) and alive(w)]
         if self.generation == 0:   # the first: everyone ready, or without the dead and the late
@@ -238,11 +256,9 @@ class Generations:
     def _formed(self, out: Outcome, kind: str) -> None:
         """A formation's outcome: hold, or publish without the workers it dropped."""
         if out.hold is not None:
-            self.hold(out.hold)
+            self.hold(out.hold, out.dropped, out.phase)
         elif not (out.dropped and kind == "recover" and self.failed_again(self.generation, out.message)):
-            for w in out.dropped:
-                self.rejected.add(w)
-                self.write(keys.rejected(w), "1")
+            self.reject(out.dropped)
             self.set_desired([w for w in self.desired if w not in out.dropped])
             self.publish(out.members, kind, out.message)
 
@@ -259,8 +275,10 @@ class Generations:
         reason = common_reason(self.records.read(keys.fail(g, w)) for w in failed) \
             or f"worker(s) {stale} stopped beating"
         if len(nxt) < self.min_workers:
-            self.hold(f"would fall to {len(nxt)} worker(s), below the job's minimum of "
-                      f"{self.min_workers}" + (f" (lost worker(s) {lost})" if lost else ""))
+            forming = reason.startswith("formation") or not self.history[-1]["verified"]
+            self.hold(f"would fall to {len(nxt)} worker(s), below the job's minimum of {self.min_workers}"
+                      + (f" (lost worker(s) {lost})" if lost else ""), lost,
+                      f"generation {g}, {'forming' if forming else 'steady'}")
             return
         if self.failed_again(g, reason):
             return
@@ -311,26 +329,14 @@ class Generations:
             self.store.delete_key(keys.ABORT)
 
     def _read_request(self) -> None:
-        """A worker's signed desired_request, {"members": [...], "seq": n}: acted on once,
-        and only when newer than the last one (an old request replayed is ignored)."""
-        req = self.get_json(keys.DESIRED_REQUEST)
-        if req is None:
-            return
-        members, seq = (req.get("members"), req.get("seq")) if isinstance(req, dict) else (None, None)
-        if not isinstance(seq, int) or not members_ok(members, self.known):
-            self.forged.note(keys.DESIRED_REQUEST, json.dumps(req), "malformed request")
-            return
-        if seq <= self._request_seq:
-            if seq < self._request_seq:
-                self.forged.note(keys.DESIRED_REQUEST, json.dumps(req), "replayed")
-            return
-        self._request_seq = seq
-        if len(set(members)) < self.min_workers:
-            log.warning("ignored a request for %s: below the job's minimum of %d workers",
-                        members, self.min_workers)
-            return
-        self.set_desired(members)
-        self.known |= set(self.desired)
+        """A worker's signed desired_request (resizing.Requests: acted on once, when newer)."""
+        members = self.requests.read(self.get_json(keys.DESIRED_REQUEST), self.known, self.min_workers)
+        if members is not None:
+            self.set_desired(members)
+            self.known |= set(self.desired)
+
+    def _ready(self, wid: int) -> bool:
+        return self.valid(keys.ready(wid))
 
     def _timings(self, g: int) -> Any:
         """Generation g's timings (rank 0 writes them after its first step): progress."""
@@ -354,15 +360,13 @@ class Generations:
 
     def _rollback(self, cur: dict[str, Any]) -> None:
         cur["verified"] = True  # decided, so it is reported
-        for w in cur["members"]:
-            if w not in cur["prev"] and w not in self.rejected:
-                self.rejected.add(w)
-                self.write(keys.rejected(w), "1")
+        self.reject([w for w in cur["members"] if w not in cur["prev"]])
         back = [w for w in cur["prev"]
                 if w not in self.rejected and self.heartbeats.alive(w) and not self.valid(keys.done(w))]
         if len(back) < self.min_workers:
             self.hold(f"rolling back generation {cur['generation']} would leave {len(back)} "
-                      f"worker(s), below the job's minimum of {self.min_workers}")
+                      f"worker(s), below the job's minimum of {self.min_workers}",
+                      [w for w in cur["prev"] if w not in back], f"generation {cur['generation']}, rolling back")
             return
         if self.failed_again(cur["generation"], f"state check failed: {self._verdict_reason}"):
             return
@@ -375,9 +379,10 @@ class Generations:
         timings arrived (or a newer one exists). `forged`: {"count": records that failed
         verification and were ignored (each distinct record once), "last": the key of the
         newest one (None: none)}. `history`: the last HISTORY_KEPT generations of
-        `generations_total`. `abort`, `held`, `unreachable` (null or {reason, ...}),
-        `crashed`, `waiting` and `known` (every id ever wanted) lists, `forming` (null or
-        {generation, since, waiting_for, phase}) are always present."""
+        `generations_total`. `abort`, `held` ({reason, since, workers, phase}), `unreachable` (null or {reason, ...}),
+        `crashed`, `waiting`, `known` (every id ever wanted) and `left_out` (newcomers left out
+        of a resize: {n, wid, reason, phase, generation, at}, n counting them) lists,
+        `forming` (null or {generation, since, waiting_for, phase}) are always present."""
         cur = self.history[-1] if self.history else None
         settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired
                        and self.abort is None and self.held is None)
@@ -388,19 +393,14 @@ class Generations:
                 "forming": None if self.finished or self.abort or self.held else self.formation.record(),
                 "crashed": [self.reports.crashed[w] for w in sorted(self.reports.crashed)],
                 "waiting": self.reports.waiting, "generations_total": self.generation, "known": sorted(self.known),
+                "left_out": list(self.warm_ups.left_out),
                 "history": [dict(h, verified=h["verified"] and (h["timings"] is not None or h is not cur))
                             for h in self.history]}
 
     def resize(self, wanted: Any) -> list[int]:
         """The desired membership from now on (ValueError: not a non-empty list of ids, fewer
         than the job's minimum, or the job was aborted)."""
-        if not is_id_list(wanted):
-            raise ValueError(f"members must be a non-empty list of worker ids (0..{MAX_WID})")
-        if len(set(wanted)) < self.min_workers:
-            raise ValueError(f"{len(set(wanted))} worker(s) is below the job's minimum of {self.min_workers}")
-        if self.abort is not None:
-            raise ValueError(f"the job was aborted: {self.abort['reason']}")
-        self.set_desired(wanted)
+        self.set_desired(check_resize(wanted, self.min_workers, self.abort))
         self.known |= set(self.desired)
         self.unreachable = None
         self._busy = True

@@ -8,8 +8,9 @@ the whole run, across epochs and resizes: one DataLoader iterator, never exhaust
 a stream of requests (step, rank, world size) that this process makes up lazily, one each
 time the DataLoader wants a new one (its prefetch depth, num_workers x prefetch_factor, at
 most outstanding). The stream guesses the next steps with the split of the step last
-taken. When the run wants a batch that was not asked for (after a resize the split
-differs; after an undone step the step is earlier), the guess restarts there, and the
+taken (its world size and the split plan's shares, both part of a request's key). When the
+run wants a batch that was not asked for (after a resize or a re-plan the split differs;
+after an undone step the step is earlier), the guess restarts there, and the
 requests still outstanding are read and thrown away: at most the prefetch depth, and never
 one that is yielded. So the loader yields exactly the batch the run wants, always.
 
@@ -31,8 +32,8 @@ from torch.utils.data import DataLoader, TensorDataset, default_collate
 
 from gpuflex.elastic.sampler import Batch, ElasticSampler
 
-Key = tuple[int, int, int]   # (step, rank, world size)
-NOTHING: Key = (-1, 0, 0)
+Key = tuple   # (step, rank, world size, the plan's shares or None)
+NOTHING: Key = (-1, 0, 0, None)
 
 
 def read_batch(dataset: Any, indices: torch.Tensor | list[int], collate_fn: Any) -> Any:
@@ -78,9 +79,9 @@ class RequestStream:
             if key is None or key[0] >= self.sampler.total_steps:
                 request: tuple[Key, list[int]] = (NOTHING, [])
             else:
-                step, rank, world = key
-                request = (key, self.sampler.batch(step, rank, world).indices.tolist())
-                self.cursor = (step + 1, rank, world)
+                step, rank, world, shares = key
+                request = (key, self.sampler.batch(step, rank, world, shares).indices.tolist())
+                self.cursor = (step + 1, rank, world, shares)
             self.outstanding.append(request[0])
             yield request
 
@@ -100,8 +101,8 @@ class Prefetcher:
         self.served = -1   # the step of the last batch given
 
     def get(self, batch: Batch) -> Any:
-        """Exactly the batch of `batch` (its step, rank and world size)."""
-        key = (batch.step, batch.rank, batch.world_size)
+        """Exactly the batch of `batch` (its step, rank, world size and shares)."""
+        key = (batch.step, batch.rank, batch.world_size, batch.shares)
         stream = self.stream
         if key not in stream.outstanding:
             stream.restart(key)

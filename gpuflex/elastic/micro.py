@@ -119,13 +119,14 @@ def warm_up_steps(model: torch.nn.Module, warm_up: int | None) -> int:
 
 def global_mean(group: Collectives, value: float | torch.Tensor, weight: float, local_only: bool = False) -> float:
     """The global-batch mean of a per-rank mean `value` whose share is `weight` of the global
-    batch: the weighted sum over the members. A failed collective (a dead peer) is not this
+    batch: the weighted sum over the members (a rank with no samples, whose mean is nan,
+    adds 0). A failed collective (a dead peer) is not this
     helper's to handle, nor does it undo the step (the gradients may already be applied):
     the local value comes back, and the step's own collectives meet the failure."""
     local = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
     if local_only or group.world_size == 1 or group.failure is not None or group.pg is None:
         return local
-    vec = torch.tensor([local * weight], dtype=torch.float64)
+    vec = torch.tensor([local * weight if weight else 0.0], dtype=torch.float64)   # no samples: nan x 0
     dev = vec.to(group.device) if group.backend == "nccl" else vec
     try:
         dist.all_reduce(dev, group=group.pg)

@@ -41,28 +41,31 @@ from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.formation import Formation, Formed
 from gpuflex.elastic.gradients import GradPlan, drop_grads
 from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
-from gpuflex.elastic.liveness import StepBarrier, close_after, close_at_exit, install_crash_hook, report_crash
+from gpuflex.elastic.liveness import StepBarrier, close_after, close_at_exit
 from gpuflex.elastic.loader import ElasticLoader, Prefetcher
-from gpuflex.elastic.logs import ensure_handler
 from gpuflex.elastic.micro import Accumulation, share, warm_up_steps
 from gpuflex.elastic.rendezvous import Aborted, Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
 from gpuflex.elastic.signals import StepSignals
-from gpuflex.elastic.state import Registry, copy_value
+from gpuflex.elastic.split_plan import SplitPlan, exchange
+from gpuflex.elastic.startup import StartUp
+from gpuflex.elastic.state import Registry
 from gpuflex.elastic.user_calls import UserCalls
-from gpuflex.elastic.worker_control import Progress, start_control
+from gpuflex.elastic.worker_control import Progress
 
 log = logging.getLogger(__name__)
 
 
-class ElasticRun(UserCalls):
+class ElasticRun(StartUp, UserCalls):
     """Drives an elastic data-parallel training loop; see the module docstring.
 
     Its parts: `signals` (stop, checkpoint and poke requests), `state` (the step, the logs,
     the registered objects, commits and checkpoints), `group` (the process group and its
     failures), `agreement` (the step-boundary vote), the gradient plan, and, under gpuflex,
-    `rdzv` (the job store) and `formation` (joining generations). The calls a script makes
-    inside a step (all_reduce, accumulate, global_mean, register) come from UserCalls."""
+    `rdzv` (the job store) and `formation` (joining generations), and `split` (the split
+    plan: each member's share of a step, by measured speed or even; split_plan.py). The calls
+    a script makes inside a step (all_reduce, accumulate, global_mean, register) come from
+    UserCalls; the start and join from StartUp."""
 
     barrier: StepBarrier | None = None   # under gpuflex: the step barrier (liveness.py)
     warming_up = False   # a worker's passes through the loop before it says it is ready (no state yet)
@@ -74,10 +77,13 @@ class ElasticRun(UserCalls):
                  steps: int | None = None, seed: int = 0, scheduler: Any = None, scaler: Any = None,
                  extra: dict[str, Any] | None = None, buffers: str = "broadcast",
                  warm_up: int | None = None, track_samples: bool = False,
-                 checkpoint_dir: str | None = None, checkpoint_interval_s: float | None = None) -> None:
+                 checkpoint_dir: str | None = None, checkpoint_interval_s: float | None = None,
+                 split: str | None = None) -> None:
         self.model, self.optimizer = model, optimizer
         self.sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, steps=steps, seed=seed)
+        self.split = SplitPlan(global_batch_size, split)   # "speed" | "even"; None: GPUFLEX_SPLIT, else "speed"
         self.registry = Registry.of(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra)
+        self.registry.add("split", self.split)   # committed with each step, copied to newcomers, checkpointed
         self.warm_up_steps = warm_up_steps(model, warm_up)   # a newcomer's passes before it is ready
         self.track_samples, self.stopped = track_samples, False
         env = self.env = WorkerEnv.from_environ()
@@ -100,6 +106,7 @@ class ElasticRun(UserCalls):
         self.batch: Batch | None = None       # the step being trained now
         self._last_loss: torch.Tensor | None = None
         self._step_started: float | None = None
+        self._t_step = self._waited = 0.0   # this step's start (perf_counter) and time at its barriers
         self._started = self._in_epochs = False
         self._store_lost: StoreLost | None = None
         self._grad_plan: GradPlan | None = None
@@ -168,10 +175,13 @@ class ElasticRun(UserCalls):
             # formation (survivors return from the switch into the same spot), so the
             # collectives line up; the boundary comes after each step.
             while self._more() and (epoch is None or self.epoch == epoch):
-                batch = self.sampler.batch(self.state.step, self.rank, self.world_size)
+                self._plan_split()
+                batch = self.sampler.batch(self.state.step, self.rank, self.world_size,
+                                           self.split.shares_for(self.world_size))
                 self.batch = batch
                 self.agreement.begin_step(batch)
                 self._step_started = time.time()
+                self._t_step, self._waited = time.perf_counter(), 0.0
                 if failpoints.ARMED and self._formed_at is not None and self._formed_kind == "resize":
                     failpoints.hit("resize.first_step", **self._where())
                 yield batch
@@ -224,6 +234,8 @@ class ElasticRun(UserCalls):
         else:
             weight = micro.weight if micro is not None else share(batch)
             (loss * weight if weight != 1.0 else loss).backward()
+        if batch is not None:   # this rank's compute of the step: to the end of its backward, less barriers
+            self.split.meter.add(time.perf_counter() - self._t_step - self._waited, len(batch.indices))
         self._last_loss = loss.detach()
         if failpoints.ARMED and self.world_size > 1: failpoints.hit("steady.collective", **self._where())
         if self.world_size > 1 and not overlap and self._cross("backward"):   # then reduce
@@ -241,53 +253,6 @@ class ElasticRun(UserCalls):
         return GradPlan(self.model, self.group, self.agreement, self.sampler.num_samples)
 
     # ---- start, boundary, switch ---------------------------------------------------------------
-    def _start(self) -> None:
-        if self.distributed or not logging.getLogger().handlers:   # a worker's log, or a plain script
-            ensure_handler(sys.stderr)
-        if not self.distributed:
-            self.state.load_disk_checkpoint()
-            return
-        self._control = start_control(self.env.control, self.signals, self.status, self._request_members)
-        self.rdzv = Rendezvous(self.store_address, self.wid, secret=self.env.job_secret,
-                               timeout_s=max(60.0, self.pg_timeout_s))
-        self.formation = Formation(wid=self.wid, rdzv=self.rdzv, group=self.group, state=self.state,
-                                   signals=self.signals, timeout_s=self.pg_timeout_s)
-        self.barrier = StepBarrier(self.rdzv, self.wid, self.env.heartbeat_timeout_s)
-        install_crash_hook(lambda rec: (report_crash(self.rdzv, self.wid, rec), self._close()),
-                           lambda: f"step {self.step} of generation {self.generation} (rank {self.rank})")
-        if any(p.requires_grad for p in self.model.parameters()):   # the gradient buffer (and hooks),
-            self._grad_plan = self._make_grad_plan()   # touched: not paid for in a first step
-            self._grad_plan.flat.zero_()
-        self.warming_up = self.warm_up_steps > 0
-        if not self.warming_up:
-            self._join()
-
-    def _join(self) -> None:
-        """Put back the state the warm-up passes changed (buffers, a scheduler, RNG: a first
-        generation takes rank 0's as it is), say it is ready, enter the next generation."""
-        if self.warming_up and self._pre_warm is not None:
-            self.state.apply_tree(self._pre_warm)
-        self.warming_up = False
-        if failpoints.ARMED: failpoints.hit("startup.before_join", wid=self.wid)
-        self.rdzv.set(keys.ready(self.wid), str(time.time()))
-        self._joined(self.formation.enter(after=0, was_member=False, failed_at=None))
-
-    def _warm_up_passes(self) -> Iterator[Batch]:
-        """`warm_up_steps` batches through the user's loop before it is ready (a compiled model
-        compiles here, while the others train), cut for the place it expects; nothing counts."""
-        rank, world = self.rdzv.expected_place()
-        self._pre_warm = copy_value(self.state.capture())
-        for _ in range(self.warm_up_steps):
-            self.batch = self.sampler.batch(0, rank, world)
-            self.formation.log(f"warm-up pass as rank {rank} of {world}")
-            yield self.batch
-
-    def _request_members(self, members: list[int]) -> None:
-        """A control socket's resize with members: for the coordinator to validate."""
-        if self.rdzv is None:
-            raise ValueError("not connected to the job store yet")
-        self.rdzv.request_members(members)
-
     def _switch_to(self) -> int:
         """Rank 0's part of the agreement: a newer generation to switch to, or 0."""
         g = 0 if self.rank != 0 or self.rdzv is None else self.rdzv.newer_generation(
@@ -365,7 +330,25 @@ class ElasticRun(UserCalls):
         """The step barrier before this step's collectives: False (noted as a failed collective)
         when a member it waits for is dead, crashed or gone (see liveness.py)."""
         self._crossed = (self.generation, self.state.step, phase)
-        return self.barrier is None or self.barrier.cross_noted(self.group, self.generation, self.world_size, phase)
+        t = time.perf_counter()
+        ok = self.barrier is None or self.barrier.cross_noted(self.group, self.generation, self.world_size, phase)
+        self._waited += time.perf_counter() - t
+        return ok
+
+    def _plan_split(self) -> None:
+        """At the top of a step, when due (a new generation's first step, every few steps):
+        the members' measurements exchanged, and the split re-planned from them if worth it."""
+        sp, step = self.split, self.state.step
+        if not sp.due(step, self.generation):
+            return
+        sp.exchanged_in = self.generation
+        row = sp.row(self.wid, time.time())
+        if self.world_size == 1:
+            rows = [row]
+        else:
+            rows = exchange(self.group, self.rank, self.world_size, row) if self._cross("split") else None
+        if rows is not None:
+            sp.decide(rows, step, self.generation)
 
     def _checkpoint(self) -> None:
         """Rank 0 writes a checkpoint; one that failed is reported at once through the
@@ -387,7 +370,8 @@ class ElasticRun(UserCalls):
                 "step": self.step, "epoch": self.epoch, "samples_per_s": round(self.progress.rate, 2),
                 "loss": None if loss is None else float(loss), "checkpoint_failures": self.state.checkpoint_failures,
                 "checkpoint_error": self.state.last_checkpoint_error,
-                "waiting_for": list(self.barrier.waiting_for) if self.barrier else [], "time": time.time()}
+                "waiting_for": list(self.barrier.waiting_for) if self.barrier else [], "time": time.time(),
+                **self.split.record()}
 
     def _close(self) -> None:
         if getattr(self, "_closed", False):

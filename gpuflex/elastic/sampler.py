@@ -2,7 +2,8 @@
 
 Global batch k of epoch e is `perm_e[k*B:(k+1)*B]` where `perm_e` is a permutation drawn
 from `seed + e` alone, so which samples form a step never depends on the world size;
-only the split over ranks does. The last batch of an epoch may be smaller: nothing is
+only the split over ranks does: even, or by the shares of the split plan (split_plan.py:
+contiguous, in rank order; an epoch's shorter last batch is split in proportion to them). The last batch of an epoch may be smaller: nothing is
 dropped and nothing is padded, so every sample of an epoch is processed exactly once.
 """
 
@@ -11,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from gpuflex.elastic.shares import rescale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Batch:
     offset: int          # where this rank's share starts inside the global batch
     rank: int
     world_size: int
+    shares: tuple[int, ...] | None = None   # the plan's shares of a full global batch (None: even)
 
     @property
     def weight(self) -> float:
@@ -47,6 +51,15 @@ def split(total: int, world: int, rank: int) -> tuple[int, int]:
     length = base + (1 if rank < extra else 0)
     offset = rank * base + min(rank, extra)
     return offset, length
+
+
+def split_by(shares: tuple[int, ...], total: int, rank: int, world: int, full: int) -> tuple[int, int]:
+    """(offset, length) of rank's share of a global batch of `total` samples under a plan's
+    `shares` of a full one (`full` samples)."""
+    if len(shares) != world or sum(shares) != full or min(shares) < 0:
+        raise ValueError(f"shares {shares} do not split {full} samples over {world} ranks")
+    cut = rescale(shares, total)
+    return sum(cut[:rank]), cut[rank]
 
 
 class ElasticSampler:
@@ -93,8 +106,13 @@ class ElasticSampler:
         perm = self.permutation(epoch)
         return epoch, k, perm[k * self.global_batch_size:(k + 1) * self.global_batch_size]
 
-    def batch(self, step: int, rank: int, world: int) -> Batch:
+    def batch(self, step: int, rank: int, world: int, shares: tuple[int, ...] | None = None) -> Batch:
+        """Rank's share of step `step`: even, or by `shares` (one per rank, summing to the
+        global batch size)."""
         epoch, k, ids = self.global_batch(step)
-        offset, length = split(len(ids), world, rank)
+        if shares is None:
+            offset, length = split(len(ids), world, rank)
+        else:
+            offset, length = split_by(shares, len(ids), rank, world, self.global_batch_size)
         return Batch(epoch=epoch, step=step, step_in_epoch=k, indices=ids[offset:offset + length],
-                     global_size=len(ids), offset=offset, rank=rank, world_size=world)
+                     global_size=len(ids), offset=offset, rank=rank, world_size=world, shares=shares)

@@ -110,7 +110,10 @@ def tighten_file(path: str) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, stat.S_IMODE(st.st_mode) & FILE_MODE)
+        try:
+            os.chmod(path, stat.S_IMODE(st.st_mode) & FILE_MODE)
+        except FileNotFoundError:   # removed meanwhile (SQLite's -wal at its last close)
+            return
 
 
 def remove_own_dir(path: str) -> bool:

@@ -30,7 +30,10 @@ def unix_exchange(path: str, payload: bytes, timeout: float) -> bytes:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(path)
-        s.sendall(payload)
+        try:
+            s.sendall(payload)
+        except (BrokenPipeError, ConnectionResetError):
+            pass   # a server that answers at once and closes (busy): its reply is read below
         buf = b""
         while not buf.endswith(b"\n"):
             chunk = s.recv(65536)

@@ -10,12 +10,15 @@ One tick of `gpuflex harvest` asks `plan()` what to do and an executor
    fall below MIN that way, or whose training state would leave with them (only newcomers
    that never joined a generation would stay), is checkpointed and requeued instead.
    Yielding happens on every host, owned or not.
-3. Place: queued jobs that fit on free or idle devices, by priority then age (what
-   `lifecycle.place_queued` will do; listed so a dry run shows it).
+3. Place: queued jobs that fit on free or idle devices, by priority, then their owner's
+   decayed usage, then age, each within its owner's quota (what `lifecycle.place_queued`
+   will do; listed so a dry run shows it).
 4. Grow: `--harvest` jobs grow onto idle GPUs of owned hosts, one worker at a time, up to
-   their MAX: higher priority first, then the job with the fewest harvested GPUs (fair
-   share), then the older job. A worker's devices are on one host, preferably a host the
-   job already uses.
+   their MAX and within their owner's quota: higher priority first, then the job of the
+   user with the least decayed usage (fair share between users, gpuflex.policy.fairshare),
+   then the job with the fewest harvested GPUs, then the older job. A job whose training
+   has finished (`training_finished`) is never grown: its newcomers would exit at once. A
+   worker's devices are on one host, preferably a host the job already uses.
 
 Hysteresis: a GPU is grown onto only with verdict "idle" and at least `idle_samples`
 quiet probes in a row (see gpuflex.hosts.probe), from a probe no older than
@@ -28,6 +31,7 @@ import dataclasses
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from gpuflex.config import HarvestSettings
+from gpuflex.policy.fairshare import Quota
 from gpuflex.policy.placement import Assignment, HostFree, place
 from gpuflex.states import JobState, WorkerState
 
@@ -55,6 +59,8 @@ class JobView:
     workers: tuple[WorkerView, ...] = ()
     target_workers: int | None = None
     name: str = ""
+    user: str = ""
+    finished: bool = False        # its training ended (training_finished): never grown
 
     def __post_init__(self) -> None:
         if self.min_workers < 1 or self.max_workers < self.min_workers or self.gpus_per_worker < 0:
@@ -65,6 +71,32 @@ class JobView:
     def members(self) -> tuple[WorkerView, ...]:
         """Workers meant to stay: alive and not retiring."""
         return tuple(w for w in self.workers if w.state != WorkerState.LEAVING)
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """Fair share between users: decayed GPU-hours and quotas (limit and devices held now)
+    by user; a user missing from `quotas` has no limit."""
+
+    usage: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    quotas: Mapping[str, Quota] = dataclasses.field(default_factory=dict)
+
+    def room(self, user: str) -> int | None:
+        q = self.quotas.get(user)
+        return None if q is None else q.room()
+
+
+def training_finished(status: Mapping[str, Any] | None, exited_ok: Iterable[int]) -> bool:
+    """Whether a running job's training has ended: its coordinator says "finished", or a
+    worker it still wants (in "desired") exited 0 (a done record: a retired worker leaves
+    "desired" before it exits; a newcomer that finds training over exits 0 too). Without
+    the coordinator's word (None), nothing is known to have finished."""
+    if not status:
+        return False
+    if status.get("finished") is True:
+        return True
+    desired = status.get("desired")
+    return isinstance(desired, list) and any(w in desired for w in exited_ok)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,9 +198,12 @@ def probe_max_age_s(settings: HarvestSettings) -> float:
 
 
 def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSettings, now: float, *,
-         host_errors: Mapping[str, str] | None = None, max_probe_age_s: float | None = None) -> Plan:
+         host_errors: Mapping[str, str] | None = None, max_probe_age_s: float | None = None,
+         share: Share | None = None) -> Plan:
     """What one tick should do; see the module docstring for the rules and their order."""
     host_errors = dict(host_errors or {})
+    share = share or Share()
+    room = {u: share.room(u) for u in {j.user for j in jobs}}   # devices each user may still take
     max_age = max_probe_age_s if max_probe_age_s is not None else probe_max_age_s(settings)
     actions: list[Action] = [HostDown(h, e) for h, e in sorted(host_errors.items())]
 
@@ -230,15 +265,23 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
     slot_hosts = {g.host for g in gpus if g.kind == "slot"}
 
     # -- queued jobs, as place_queued will start them --
-    for j in sorted((j for j in jobs if j.state == JobState.QUEUED), key=lambda j: (-j.priority, j.id)):
+    queued = (j for j in jobs if j.state == JobState.QUEUED)
+    for j in sorted(queued, key=lambda j: (-j.priority, share.usage.get(j.user, 0.0), j.id)):
         offer = [HostFree(h, tuple(d), slots=h in slot_hosts) for h, d in sorted(free.items())]
-        p = place(offer, j.min_workers, max(j.target_workers or j.max_workers, j.min_workers),
-                  j.gpus_per_worker)
+        most = max(j.target_workers or j.max_workers, j.min_workers)
+        cost = max(j.gpus_per_worker, 1)
+        if room[j.user] is not None:
+            if room[j.user] < j.min_workers * cost:
+                continue
+            most = max(j.min_workers, min(most, room[j.user] // cost))
+        p = place(offer, j.min_workers, most, j.gpus_per_worker)
         if not p.ok:
             continue
         actions.append(Place(j.id, p.assignments))
         for a in p.assignments:
             _take(free, idle, a.host, a.devices)
+        if room[j.user] is not None:
+            room[j.user] -= sum(len(a.devices) for a in p.assignments)
 
     # -- grow --harvest jobs onto idle GPUs --
     owned_hosts = {g.host for g in gpus if g.owner is not None}
@@ -247,7 +290,7 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
     hosts_of: dict[int, set[str]] = {}
     growers = []
     for j in jobs:
-        if not j.harvest or j.state not in ACTIVE or j.id in requeued or j.gpus_per_worker < 1:
+        if not j.harvest or j.state not in ACTIVE or j.id in requeued or j.gpus_per_worker < 1 or j.finished:
             continue
         stay = [w for w in j.members if w.wid not in leaving_now.get(j.id, set())]
         size[j.id] = len(stay)
@@ -257,12 +300,12 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
     while True:
         best = None
         for j in growers:
-            if size[j.id] >= j.max_workers:
+            if size[j.id] >= j.max_workers or (room[j.user] is not None and room[j.user] < j.gpus_per_worker):
                 continue
             host = _pick_host(idle, j.gpus_per_worker, hosts_of[j.id])
             if host is None:
                 continue
-            key = (-j.priority, harvested[j.id], j.id)
+            key = (-j.priority, share.usage.get(j.user, 0.0), harvested[j.id], j.id)
             if best is None or key < best[0]:
                 best = (key, j, host)
         if best is None:
@@ -273,6 +316,8 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
         actions.append(Grow(j.id, host, devices))
         size[j.id] += 1
         harvested[j.id] += len(devices)
+        if room[j.user] is not None:
+            room[j.user] -= len(devices)
         hosts_of[j.id].add(host)
     return Plan(tuple(actions))
 

@@ -13,7 +13,9 @@ gpuflex.control.executor writes it. In order:
    timings; those up to the newest this run's events hold are skipped), RUNNING once a
    scaling job has settled; Record "forged" (store records that failed authentication),
    "checkpoint-failed" (rank 0's failed checkpoint writes: training goes on) once per new
-   count, "waiting" when the members waiting at a step barrier for busy ones changed.
+   count, "waiting" when the members waiting at a step barrier for busy ones changed,
+   "left-out" for each newcomer the coordinator left out of a resize (it died warming up,
+   or never started: worker, host, phase; a settle in the same reconcile names them too).
 3. A live worker on an unreachable host that the job has gone on without (not in a newer
    generation's members, and not a newcomer still starting) is LOST.
 4. A gang (all but an in-place job) whose worker ended badly is stopped: failed with
@@ -27,7 +29,8 @@ gpuflex.control.executor writes it. In order:
    FAILED with its reason.
 6. While workers live: "store-lost" when the coordinator neither answers nor runs (Requeue,
    cause "orphan", if it exited ORPHAN_EXIT, but for a gang); Requeue (cause "below-min") when it holds the
-   job (a recovery would go below MIN: survivors wait at a step boundary) or settled below MIN.
+   job (a recovery would go below MIN: survivors wait at a step boundary; the reason names the
+   workers the hold lists, each with its host, and the phase) or settled below MIN.
 7. Once no worker lives: `outcome` (gpuflex.policy.outcomes).
 """
 
@@ -48,6 +51,7 @@ HISTORY_KINDS = ("scale", "fault", "formed", "rollback")   # events that record 
 FORGED_KIND = "forged"   # the event of store records that failed authentication
 CHECKPOINT_FAILED_KIND = "checkpoint-failed"   # the event of a checkpoint write that failed
 WAITING_KIND = "waiting"   # the event of members waiting at a step barrier for busy ones
+LEFT_OUT_KIND = "left-out"   # the event of a newcomer the coordinator left out of a resize
 ORPHANED = "its coordinator ended itself, its job gone (no heartbeat or command for its orphan timeout)"
 
 
@@ -95,8 +99,11 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
                        waiting(job, coord.get("waiting"))):
             if record is not None:
                 actions.append(record)
+        dropped = left_out(job, coord.get("left_out"))
+        actions.extend(dropped)
         if job.state is JobState.SCALING and coord.get("settled"):
-            actions.append(SetState(JobState.RUNNING, f"world size {world_size} at generation {gen}"))
+            actions.append(SetState(JobState.RUNNING, "; ".join(
+                [f"world size {world_size} at generation {gen}", *(r.message for r in dropped)])))
         if coord.get("generation"):
             # a worker on a host we cannot reach that the job has gone on without is lost
             for w in live():
@@ -119,10 +126,12 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
         held = _reason((coord or {}).get("held"))
         if coord is None and not seen.coordinator_alive:
             # a gang's plain processes go on without it; its gpuflex.elastic ones exit STORE_LOST_EXIT
-            actions.append(Requeue(ORPHANED, "orphan") if seen.coordinator_exit == ORPHAN_EXIT and not job.gang
+            actions.append(Requeue(f"{ORPHANED} (on {job.store_host or 'its host'}, in {job.phase})", "orphan")
+                           if seen.coordinator_exit == ORPHAN_EXIT and not job.gang
                            else Record("store-lost", "the job's coordinator (store) is gone"))
         elif held is not None:
-            actions.append(Requeue(f"{held}; restarting from its checkpoint when it fits", "below-min"))
+            actions.append(Requeue(f"{held}{where(job, coord['held'])}; restarting from its checkpoint when it "
+                                   "fits", "below-min"))
         elif coord is not None and coord.get("settled") and world_size < job.min_workers:
             actions.append(Requeue(f"fell to {world_size} worker(s), below its minimum of "
                                    f"{job.min_workers}; restarting from its checkpoint when it fits", "below-min"))
@@ -161,17 +170,38 @@ def forgeries(job: JobFacts, report: Any) -> Record | None:
 
 
 def checkpoint_failures(job: JobFacts, progress: Any) -> Record | None:
-    """An event when rank 0's progress ({"wid", "checkpoint_failures": n,
-    "checkpoint_error": why, ...}) counts more failed checkpoint writes than recorded."""
+    """An event when rank 0's progress ({"wid", "checkpoint_failures": {"count",
+    "last_error", "last_time"}, ...}: the coordinator keeps the last failure's reason after
+    the next write clears the worker's; an older one gives a bare count and
+    "checkpoint_error") counts more failed checkpoint writes than recorded."""
     if not isinstance(progress, Mapping):
         return None
-    wid, count = progress.get("wid"), progress.get("checkpoint_failures")
+    wid, failures = progress.get("wid"), progress.get("checkpoint_failures")
+    count, error = (failures.get("count"), failures.get("last_error")) if isinstance(failures, Mapping) \
+        else (failures, progress.get("checkpoint_error"))
     if not all(is_int(v) for v in (wid, count)) or count <= job.checkpoint_failures_recorded.get(wid, 0):
         return None
-    why = "".join(c for c in str(progress.get("checkpoint_error") or "a checkpoint write failed")
-                  if c.isprintable())[:300]
+    why = one_line(error or "a checkpoint write failed", 300)
     return Record(CHECKPOINT_FAILED_KIND, f"worker {wid}: {why}; training goes on ({count} failed so far)",
                   {"wid": wid, "count": count})
+
+
+def left_out(job: JobFacts, entries: Any) -> list[Record]:
+    """An event for each newcomer the coordinator left out of a resize ([{"n", "wid",
+    "reason", "phase", ...}], n counting them) newer than this run's events report, naming
+    the worker, its host and the phase."""
+    hosts = {w.wid: w.host for w in job.workers}
+    out = []
+    for e in entries if isinstance(entries, list) else ():
+        if not isinstance(e, Mapping) or not all(is_int(e.get(k)) for k in ("n", "wid")) \
+                or e["n"] <= job.left_out_recorded:
+            continue
+        wid, phase = e["wid"], one_line(e.get("phase"), 40) or "warm-up"
+        host = hosts.get(wid, "an unknown host")
+        why = one_line(e.get("reason"), 300) or "was not ready"
+        out.append(Record(LEFT_OUT_KIND, f"worker {wid} on {host} left out of the resize ({phase}): {why}",
+                          {"n": e["n"], "wid": wid, "host": host, "phase": phase}))
+    return out
 
 
 def waiting(job: JobFacts, entries: Any) -> Record | None:
@@ -195,6 +225,17 @@ def waiting(job: JobFacts, entries: Any) -> Record | None:
 
 def workersone_line(wids: list[int]) -> str:
     return f"worker {wids[0]}" if len(wids) == 1 else "workers " + ", ".join(map(str, wids))
+
+
+def where(job: JobFacts, held: Mapping[str, Any]) -> str:
+    """"; worker 0 on a, worker 2 on b, in generation 3, steady": the workers a hold names
+    ({"workers": [ids], "phase": ...}), each with its host, and the phase; "" when it
+    names neither."""
+    hosts = {w.wid: w.host for w in job.workers}
+    wids = [w for w in held.get("workers") or () if is_int(w)] if isinstance(held.get("workers"), list) else []
+    named = [f"worker {w} on {hosts.get(w, 'an unknown host')}" for w in wids[:16]]
+    phase = one_line(held.get("phase"), 60)
+    return "; " + ", ".join(named + ([f"in {phase}"] if phase else [])) if named or phase else ""
 
 
 def _reason(value: Any) -> str | None:

@@ -18,10 +18,14 @@ here judge the workers' ends:
   (Requeue, cause "gang"). A restart-elastic job relaunches for a fault (a signal, a
   lost worker) without counting it: it resumes from its own checkpoint; its crashes
   (exit codes) are a gang's.
-- Once no worker lives: Requeue (cause "store-lost") when the last generation's members
-  exited with STORE_LOST_EXIT; FAILED when one exited ABORTED_EXIT; else SUCCEEDED when
-  they all exited 0, FAILED with the first bad exit code otherwise. A restarted job's
-  Finish carries its restarts: its final event says "succeeded after N restart(s)".
+- Once no worker lives: Requeue (cause "store-lost", naming the store's host and the
+  phase the job was in) when the last generation's members exited with STORE_LOST_EXIT;
+  FAILED when one exited ABORTED_EXIT. In an in-place job whose last members ended by a
+  fault (a signal, no exit record: kill -9 of its only worker, a lost host) and none exited
+  0: Requeue (cause "fault", not counted against --retries: it resumes from its
+  checkpoint, as a restart job's gang does). Else SUCCEEDED when they all exited 0, FAILED
+  with the first bad exit code otherwise. A restarted job's Finish carries its restarts:
+  its final event says "succeeded after N restart(s)".
 """
 
 from __future__ import annotations
@@ -80,6 +84,16 @@ class JobFacts:
     # who this run's last "waiting" event says waits: (wid, waited-for wids, phase)
     waiting: frozenset[tuple[int, tuple[int, ...], str]] = frozenset()
     elastic: str | None = INPLACE   # jobs.elastic: "inplace", "restart", or None (a fixed gang)
+    left_out_recorded: int = 0  # the newest newcomer left out of a resize this run's events report (its n)
+    store_host: str | None = None   # where its coordinator (the job store) runs
+
+    @property
+    def phase(self) -> str:
+        """The phase the record says the job is in: "generation 1, forming" before its first
+        generation formed, else "generation N, steady" or "generation N, resizing"."""
+        if not self.generation:
+            return "generation 1, forming"
+        return f"generation {self.generation}, {'resizing' if self.state is JobState.SCALING else 'steady'}"
 
     @property
     def gang(self) -> bool:
@@ -236,13 +250,19 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int) -> Reque
     current = _current(job, workers)
     last = [w for w in current if w.generation == generation]
     if any(w.exit_code == STORE_LOST_EXIT for w in last):
-        return Requeue("the job store was lost; restarting from the last checkpoint", "store-lost")
+        return Requeue(f"the job store on {job.store_host or 'its host'} was lost in {job.phase}; "
+                       "restarting from the last checkpoint", "store-lost")
     crash = first_crash(job, current, None, {})
     if crash is not None:
         return after_crash(job, crash)
     if any(w.exit_code == ABORTED_EXIT for w in last):
         return Finish(JobState.FAILED, ABORTED_EXIT, "aborted by its coordinator: the same failure repeated",
                       job.restarts)
+    faults = [w for w in last if is_fault(w)]
+    if not job.gang and faults and not any(w.state is WorkerState.EXITED for w in last):
+        w = faults[0]
+        return Requeue(f"worker {w.wid} on {w.host} {gang_exit(w)[1]} in {job.phase}, and no member is "
+                       "left; restarting from its checkpoint", FAULT_CAUSE)
     failed = [w for w in last or current if w.state is not WorkerState.EXITED]
     if failed:
         rc = failed[0].exit_code if failed[0].exit_code is not None else -9
@@ -274,6 +294,12 @@ def gang_failure(job: JobFacts, workers: Iterable[WorkerFacts], records: Any,
     if job.crash_restarts < job.retries:
         return [first, Requeue(f"{summary}; relaunch {job.crash_restarts + 1} of {job.retries}", GANG_CAUSE)]
     return [first, Finish(JobState.FAILED, code, summary, job.restarts)]
+
+
+def is_fault(w: WorkerFacts) -> bool:
+    """A worker ended by a fault, not by its code: killed by a signal, or gone without an
+    exit record (SIGKILLed with its supervisor, its host lost)."""
+    return w.state is WorkerState.LOST or (w.state is WorkerState.FAILED and (w.exit_code is None or w.exit_code < 0))
 
 
 def gang_exit(w: WorkerFacts) -> tuple[int, str]:

@@ -14,6 +14,8 @@ Give it to the control side through the pool's factory:
 
 Simulated processes run in real seconds (`warmup_s`, `leave_s`); owner activity follows
 the trace in trace minutes of `scale` wall seconds from `t0` (benchmarks/harvest_trace.py).
+A host's GPUs are all of one model, `World.models[host]` (else MODEL), as nvidia-smi names
+it; a job's coordinator reports `World.progress[token]` as its progress (else none).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from gpuflex.errors import TransportError
 from gpuflex.hosts.transport import CommandResult, Transport
 
 OWNER_PID = 900_000   # pids from here on are the owners' processes
+MODEL = "NVIDIA H100 80GB HBM3"
 
 
 class Proc:
@@ -70,6 +73,8 @@ class World:
         self.jobs: dict[str, SimJob] = {}
         self.next_pid = 100_000
         self.blocked: set[tuple[str, int]] = set()
+        self.models: dict[str, str] = {}           # host -> its GPUs' model (else MODEL)
+        self.progress: dict[str, dict] = {}        # job token -> its coordinator's progress record
 
     def owner_busy(self, ref: tuple[str, int], now: float) -> bool:
         if ref in self.blocked:
@@ -152,7 +157,8 @@ class FakeHost(Transport):
                 for i in range(n):
                     owner, mine = self.w.owner_busy((name, i), now), any(i in p.gpus for p in ours)
                     util, mem = (90 if owner else 0) + (5 if mine else 0), (20000 if owner else 0) + (4000 if mine else 0)
-                    rows.append(f"{i}, GPU-{name}-{i}, NVIDIA H100 80GB HBM3, {min(util, 100)}, {mem}, 81559")
+                    model = self.w.models.get(name, MODEL)
+                    rows.append(f"{i}, GPU-{name}-{i}, {model}, {min(util, 100)}, {mem}, 81559")
                 return CommandResult(0, "\n".join(rows) + "\n", "")
             if argv[0] == "nvidia-smi":
                 rows = [f"GPU-{name}-{i}, {OWNER_PID + i}, 20000" for i in range(n)
@@ -207,4 +213,5 @@ class FakeHost(Transport):
                 job.desired = list(message["members"])
                 return {"ok": True}
             return {"ok": True, "generation": job.generation, "members": list(job.members), "history": [],
-                    "settled": sorted(job.members) == sorted(job.desired), "progress": None}
+                    "settled": sorted(job.members) == sorted(job.desired),
+                    "progress": self.w.progress.get(token)}

@@ -1,0 +1,243 @@
+"""The control plane under a lab's load (issue 14): `status`, `submit` and `metrics`
+latency with 10,000 jobs in the database, and 32 CLIs at once, on SQLite and PostgreSQL
+side by side.
+
+Each backend gets a throw-away database, seeded through the models (not through the
+CLI): 10,000 jobs of 10 users over the last 30 days, in a mix of states (succeeded,
+failed, cancelled, timeout; 200 queued), each with its workers (1-4, ended) and events (a
+state change per move, a few worker events); one real job (`sleep`, 2 workers, submitted
+before the queued ones) holds the pool's two CPU slots, so every command reconciles a
+running job and tries the queued ones, and every submit stays queued behind it (no launch
+in the figures). Each
+command is the whole console-script process, as a user runs it: interpreter, imports,
+config, database, the refresh every command does first, render.
+
+- sequential: N runs of each command, one at a time: median and p95 wall seconds
+- concurrent: 32 CLIs started at once (16 `status ID`, 16 `submit`): median, p95, the
+  slowest, and how many failed (exit code not 0, or a traceback)
+
+PostgreSQL: a throw-away cluster started by tests/pgbed.py (Debian's postgresql, run as
+the `postgres` user when we are root); or `--pg-url postgresql+psycopg://USER@HOST:PORT/DB`
+to use a server of your own (an empty database: the benchmark fills it).
+Goals (issue 14): status <= 0.3 s, no failed command. Figures only, no assertion.
+Run: .venv/bin/python benchmarks/control_plane.py [--jobs 10000] [--repeat 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sqlalchemy import update  # noqa: E402
+
+from gpuflex.db.engine import open_database  # noqa: E402
+from gpuflex.db.models import Event, Job, Worker  # noqa: E402
+from gpuflex.states import JobState  # noqa: E402
+
+GPUFLEX = str(Path(sys.executable).parent / "gpuflex")
+USERS = [f"user{i}" for i in range(10)]
+FINAL = [("succeeded", 70), ("failed", 15), ("cancelled", 10), ("timeout", 5)]
+QUEUED = 200
+DAY_S = 86400.0
+COMMAND_TIMEOUT_S = 600
+
+
+def seed(url: str, first: int, n: int, rng: random.Random, queued: bool = False) -> None:
+    """`n` jobs through the models (ended ones, or queued ones), 1,000 per transaction."""
+    sessions = open_database(url)
+    now = time.time()
+    states = [s for s, weight in FINAL for _ in range(weight)]
+    for start in range(first, first + n, 1000):
+        with sessions.begin() as s:
+            s.add_all([_job(i, "queued" if queued else rng.choice(states), now, rng)
+                       for i in range(start, min(first + n, start + 1000))])
+    sessions.kw["bind"].dispose()
+
+
+def _job(i: int, state: str, now: float, rng: random.Random) -> Job:
+    created = now - rng.uniform(60, 30 * DAY_S) if state != "queued" else now - rng.uniform(1, 3600)
+    workers = rng.randint(1, 4)
+    j = Job(token=f"b{i:011d}", name=f"train-{i % 97}", state=state, argv=["python", "train.py", str(i)],
+            workdir="/tmp", env={}, min_workers=1, max_workers=workers, gpus_per_worker=1,
+            user=rng.choice(USERS), created_at=created, priority=rng.choice([0, 0, 0, 10]))
+    j.events.append(Event(kind="state", message="queued: submitted", time=created, data={"state": "queued"}))
+    if state == "queued":
+        j.queue_reason = "waiting for 1 free slots on local (0 free now)"
+        return j
+    started = created + rng.uniform(1, 600)
+    ended = started + rng.uniform(60, 12 * 3600)
+    j.started_at, j.ended_at = started, ended
+    j.exit_code = {"succeeded": 0, "failed": 1}.get(state)
+    for wid in range(workers):
+        j.workers.append(Worker(wid=wid, host="local", gpus=[wid % 2], state="exited" if state == "succeeded"
+                                else "stopped", log_path=f"/tmp/{i}-{wid}.log", exit_path=f"/tmp/{i}-{wid}.exit",
+                                started_at=started, ended_at=ended, generation=1))
+        j.events.append(Event(kind="worker", message=f"worker {wid} on local exited 0", time=ended,
+                              data={"wid": wid, "host": "local"}))
+    j.events.append(Event(kind="state", message="running: started", time=started, data={"state": "running"}))
+    j.events.append(Event(kind="state", message=f"{state}: done", time=ended, data={"state": state}))
+    return j
+
+
+class Setup:
+    """A config for one backend: one local host of 2 CPU slots, the database at `url`."""
+
+    def __init__(self, root: Path, url: str) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.config = root / "gpuflex.toml"
+        self.config.write_text(f'[database]\nurl = "{url}"\n\n[jobs]\ncancel_grace_s = 2\n\n'
+                               f'[[hosts]]\nname = "local"\ngpus = "cpu:2"\nworkdir = "{root}/work"\n')
+        self.env = {**os.environ, "GPUFLEX_CONFIG": str(self.config), "COLUMNS": "160"}
+
+    def run(self, *args: str) -> tuple[float, bool, str]:
+        """(wall seconds, ok, the first error line) of one whole CLI process."""
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run([GPUFLEX, *args], capture_output=True, text=True, env=self.env,
+                               timeout=COMMAND_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return time.perf_counter() - t0, False, f"timed out after {COMMAND_TIMEOUT_S} s"
+        took = time.perf_counter() - t0
+        ok = p.returncode == 0 and "Traceback" not in p.stderr
+        return took, ok, "" if ok else (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+
+
+def stats(times: list[float]) -> dict[str, float]:
+    ordered = sorted(times)
+    p95 = ordered[min(len(ordered) - 1, max(0, round(0.95 * len(ordered)) - 1))]
+    return {"n": len(times), "median_s": round(statistics.median(ordered), 3), "p95_s": round(p95, 3),
+            "max_s": round(ordered[-1], 3)}
+
+
+def bench_backend(name: str, url: str, root: Path, args: argparse.Namespace) -> dict:
+    rng = random.Random(14)
+    t0 = time.perf_counter()
+    seed(url, 0, args.jobs - QUEUED - 1, rng)
+    seeded_s = time.perf_counter() - t0
+    setup = Setup(root, url)
+    blocker = json.loads(_must(setup, "submit", "--json", "--name", "blocker", "--workers", "2", "--", "sleep", "3600"))
+    seed(url, args.jobs, QUEUED, rng, queued=True)   # behind the blocker: they wait
+    one = str(args.jobs // 2)
+    commands = {
+        "startup (gpuflex --help)": ("--help",),
+        "status (table, every job)": ("status",),
+        "status ID": ("status", one),
+        "status --user user3": ("status", "--user", "user3"),
+        "submit (queued)": ("submit", "--name", "bench", "--", "true"),
+        "metrics": ("metrics",),
+    }
+    out: dict = {"backend": name, "jobs": args.jobs, "seed_s": round(seeded_s, 1), "sequential": {},
+                 "failures": {}}
+    try:
+        for label, argv in commands.items():
+            # listing every job renders thousands of rows: fewer runs of those
+            n = max(2, args.repeat // 3) if label.startswith("status (") or "--user" in argv else args.repeat
+            runs = [setup.run(*argv) for _ in range(n)]
+            out["sequential"][label] = stats([t for t, _, _ in runs])
+            bad = [e for _, ok, e in runs if not ok]
+            if bad:
+                out["failures"][label] = {"count": len(bad), "first": bad[0]}
+        mix = [("status", one)] * (args.concurrent // 2) + [("submit", "--name", "c", "--", "true")] * \
+            (args.concurrent - args.concurrent // 2)
+        with concurrent.futures.ThreadPoolExecutor(len(mix)) as pool:
+            t1 = time.perf_counter()
+            results = list(pool.map(lambda a: (a[0], *setup.run(*a)), mix))
+            wall = time.perf_counter() - t1
+        failed = [(cmd, e) for cmd, _, ok, e in results if not ok]
+        out["concurrent"] = {
+            "clis": len(mix), "wall_s": round(wall, 2), "failed": len(failed),
+            "first_failure": failed[0] if failed else None,
+            **{cmd: stats([t for c, t, _, _ in results if c == cmd]) for cmd in ("status", "submit")}}
+    finally:
+        unqueue(url)   # else the blocker's end would start them
+        setup.run("cancel", str(blocker["id"]))
+    return out
+
+
+def unqueue(url: str) -> None:
+    """Mark every queued job cancelled, straight in the database."""
+    sessions = open_database(url)
+    with sessions.begin() as s:
+        s.execute(update(Job).where(Job.state == JobState.QUEUED).values(state=JobState.CANCELLED))
+    sessions.kw["bind"].dispose()
+
+
+def _must(setup: Setup, *args: str) -> str:
+    p = subprocess.run([GPUFLEX, *args], capture_output=True, text=True, env=setup.env, timeout=COMMAND_TIMEOUT_S)
+    if p.returncode != 0:
+        raise SystemExit(f"gpuflex {' '.join(args)} -> {p.returncode}: {p.stderr.strip()}")
+    return p.stdout
+
+
+def print_table(results: list[dict]) -> None:
+    labels = list(results[0]["sequential"])
+    names = [r["backend"] for r in results]
+    print(f"\n{results[0]['jobs']} jobs in the database; whole CLI processes; seconds (median / p95)")
+    print(f"{'command':32}" + "".join(f"{n:>22}" for n in names))
+    for label in labels:
+        cells = [f"{r['sequential'][label]['median_s']:.3f} / {r['sequential'][label]['p95_s']:.3f}"
+                 for r in results]
+        print(f"{label:32}" + "".join(f"{c:>22}" for c in cells))
+    for cmd in ("status", "submit"):
+        cells = [f"{r['concurrent'][cmd]['median_s']:.2f} / {r['concurrent'][cmd]['p95_s']:.2f}" for r in results]
+        print(f"{'32 at once: ' + cmd:32}" + "".join(f"{c:>22}" for c in cells))
+    print(f"{'32 at once: wall, failed':32}"
+          + "".join(f"{str(r['concurrent']['wall_s']) + ' s, ' + str(r['concurrent']['failed']):>22}"
+                    for r in results))
+    for r in results:
+        for label, f in r["failures"].items():
+            print(f"{r['backend']}: {label}: {f['count']} failed, e.g. {f['first']}")
+        if r["concurrent"]["first_failure"]:
+            print(f"{r['backend']}: concurrent: first failure {r['concurrent']['first_failure']}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=10_000)
+    ap.add_argument("--repeat", type=int, default=10, help="runs of each command, one at a time")
+    ap.add_argument("--concurrent", type=int, default=32)
+    ap.add_argument("--backends", default="sqlite,postgresql")
+    ap.add_argument("--pg-url", default=None, help="an empty PostgreSQL database to use instead of a "
+                    "throw-away cluster")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    args = ap.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="gpuflex-cp-") as tmp:
+        for backend in args.backends.split(","):
+            root = Path(tmp) / backend
+            if backend == "sqlite":
+                results.append(bench_backend("sqlite", f"sqlite:///{root}/g.db", root, args))
+            elif args.pg_url:
+                results.append(bench_backend("postgresql", args.pg_url, root, args))
+            else:
+                from tests import pgbed
+
+                why = pgbed.missing_reason()
+                if why:
+                    print(f"postgresql skipped: {why}; or give --pg-url")
+                    continue
+                cluster = pgbed.start_cluster()
+                try:
+                    results.append(bench_backend("postgresql", cluster.database("bench"), root, args))
+                finally:
+                    cluster.stop()
+            print(json.dumps(results[-1]), flush=True)
+    if results:
+        print_table(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

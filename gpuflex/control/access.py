@@ -1,0 +1,131 @@
+"""Owners and permissions (issue 14): who the caller is, who is an admin, and the one check
+that every command changing a job goes through.
+
+A job's owner is the unix user who submitted it (`jobs.user`). Cancelling or scaling a
+job is its owner's or an admin's: `[access] admins` lists user names and `@group` unix groups (membership from the
+group database, the primary group included). The caller is the real user of this
+process (its uid), never $USER or $LOGNAME, which anyone can set to another name.
+
+Processes belong to a unix account too. A job runs as whoever's gpuflex started it
+on each host: the caller on the local host and on an SSH host reached as each user, one
+shared account on an SSH host whose `[[hosts]] user` is set. A command can see (exit
+records, sockets) and signal only processes of the account it reaches, so it reconciles
+only the active jobs whose processes it can reach (`reaches`), and an admin cannot
+cancel or scale another user's running job on hosts it reaches as itself: refused, not
+recorded as stopped while its processes run on.
+
+The service calls these checks before it writes anything, so a refused command leaves
+the database as it was. What they protect against is a mistake between lab members who
+share one database, not a member who means harm: whoever can write the database (every
+member of the group, for a shared SQLite file) can change its rows directly (see
+docs/architecture.md, Security).
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+from functools import lru_cache
+from typing import Callable, Iterable
+
+from gpuflex.config import Config
+from gpuflex.db.models import Job
+from gpuflex.errors import UsageError
+
+
+class NotOwnerError(UsageError):
+    """The caller is neither the job's owner nor an admin; nothing was changed."""
+
+    def __init__(self, job_id: int, owner: str, verb: str) -> None:
+        super().__init__(f"job {job_id} belongs to {owner}; only {owner} or an admin "
+                         f"([access] admins) may {verb} it.")
+        self.job_id = job_id
+        self.owner = owner
+        self.verb = verb
+
+
+def caller() -> str:
+    """The real user of this process by name (its uid as digits when it has no name)."""
+    uid = os.getuid()
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+@lru_cache(maxsize=256)
+def user_groups(user: str) -> frozenset[str]:
+    """The unix groups `user` is in, primary and supplementary; none for an unknown user."""
+    try:
+        pw = pwd.getpwnam(user)
+        gids = os.getgrouplist(user, pw.pw_gid)
+    except (KeyError, OSError):
+        return frozenset()
+    names = set()
+    for gid in gids:
+        try:
+            names.add(grp.getgrgid(gid).gr_name)
+        except KeyError:
+            continue
+    return frozenset(names)
+
+
+def is_admin(config: Config, user: str) -> bool:
+    """Whether `[access] admins` names `user` or a `@group` they are in."""
+    admins = config.access.admins
+    if user in admins:
+        return True
+    groups = {a[1:] for a in admins if a.startswith("@")}
+    return bool(groups) and not groups.isdisjoint(user_groups(user))
+
+
+def may_change(config: Config, owner: str, who: str) -> bool:
+    """Whether `who` may change a job that `owner` submitted."""
+    return who == owner or is_admin(config, who)
+
+
+def check_owner(config: Config, job: Job, verb: str) -> None:
+    """NotOwnerError (exit 2) unless the caller owns `job` or is an admin; `verb` is what
+    was refused ("cancel", "scale"). UsageError when an admin's command could not reach
+    the processes of another user's running job."""
+    if not may_change(config, job.user, caller()):
+        raise NotOwnerError(job.id, job.user, verb)
+    if not reaches(config, job):
+        hosts = ", ".join(sorted(process_hosts(job)))
+        raise UsageError(f"job {job.id} runs as {job.user} on {hosts}, which gpuflex reaches as each user: "
+                         f"only {job.user}'s own gpuflex can {verb} it (or reach the hosts through one "
+                         f"shared account: [[hosts]] user).")
+
+
+def process_hosts(job: Job) -> set[str]:
+    """The hosts where `job` has processes now: its live workers' and its coordinator's."""
+    return {w.host for w in job.live_workers} | ({job.store_host} if job.store_pgid and job.store_host else set())
+
+
+def shared_account(config: Config, host_name: str) -> bool:
+    """Whether every user's gpuflex reaches the host as one account: an SSH host with
+    `[[hosts]] user` set. (The local host, and an SSH host reached as each user, run a
+    job as whoever started it.)"""
+    host = next((h for h in config.hosts if h.name == host_name), None)
+    return host is not None and not host.is_local and host.user is not None
+
+
+def reaches(config: Config, job: Job) -> bool:
+    """Whether this caller's commands can see and signal `job`'s processes: its own job,
+    or one whose processes all run on shared-account hosts."""
+    return job.user == caller() or all(shared_account(config, h) for h in process_hosts(job))
+
+
+def check_user(name: str, owners: Callable[[], Iterable[str]]) -> str:
+    """`name` for `status --user` if it is a unix user (who may have no job yet) or owns a
+    job here (`owners()`, asked only then: a user since removed); UsageError otherwise."""
+    try:
+        pwd.getpwnam(name)
+        return name
+    except (KeyError, ValueError):   # ValueError: a NUL in the name
+        pass
+    if name in set(owners()):
+        return name
+    raise UsageError(f"--user {name!r}: there is no unix user of that name and no job of theirs; "
+                     f"run 'gpuflex status' to see the owners.")
