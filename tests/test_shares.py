@@ -11,8 +11,9 @@ import torch
 
 from gpuflex.elastic import codec
 from gpuflex.elastic.sampler import ElasticSampler
-from gpuflex.elastic.shares import (REPLAN_GAIN, REPLAN_MIN_S, estimates, even_shares, predicted_step_s, proportional,
-                                    rescale, speed_shares, worth_replanning)
+from gpuflex.elastic.micro import has_batch_norm
+from gpuflex.elastic.shares import (REPLAN_GAIN, REPLAN_MIN_S, at_least, estimates, even_shares, predicted_step_s,
+                                    proportional, rescale, speed_shares, worth_replanning)
 from gpuflex.elastic.split_plan import EXCHANGE_EVERY, Meter, SplitPlan, split_mode
 from gpuflex.elastic.state import TensorRef, flatten
 
@@ -251,3 +252,24 @@ def test_the_plan_is_committed_undone_and_loaded_with_the_state_and_reported(mon
     del tree["objects"]["split"]   # a checkpoint written before the split plan existed
     state.apply_tree(tree)
     assert plan.state_dict() == before
+
+
+@pytest.mark.parametrize("shares, least, ids, expected", [
+    ([30, 33, 1], 2, None, [30, 34, 0]),        # a share of 1 goes to the largest
+    ([20, 20, 1, 1], 2, [4, 3, 2, 1], [20, 22, 0, 0]),  # ties to the smaller id (3), each moved
+    ([30, 33, 1], 1, None, [30, 33, 1]),        # least 1: nothing to move
+    ([5, 2, 0], 3, None, [7, 0, 0]),            # a 0 stays 0
+    ([1], 2, None, [1]),                         # alone: it keeps the batch
+])
+def test_at_least_moves_small_shares_and_keeps_the_total(shares, least, ids, expected):
+    assert at_least(shares, least, ids) == expected
+    assert sum(at_least(shares, least, ids)) == sum(shares)
+
+
+def test_a_batch_norm_model_is_never_given_a_share_of_one():
+    """A speed split that would give the slowest member 1 sample gives it 0 with BatchNorm."""
+    speeds = [0.001, 0.001, 0.025]   # the third 25x slower: 1 sample of 64 by speed
+    assert speed_shares(speeds, 64) == [32, 31, 1]
+    assert speed_shares(speeds, 64, least=2) == [33, 31, 0]
+    bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
+    assert has_batch_norm(bn) and not has_batch_norm(torch.nn.Linear(2, 2))

@@ -117,6 +117,12 @@ def warm_up_steps(model: torch.nn.Module, warm_up: int | None) -> int:
     return 1 if cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo") else 0
 
 
+def has_batch_norm(model: torch.nn.Module) -> bool:
+    """Whether `model` normalizes with its batch's statistics in train mode (BatchNorm of any
+    dimension, SyncBatchNorm): such a model cannot train on a single sample."""
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
 def global_mean(group: Collectives, value: float | torch.Tensor, weight: float, local_only: bool = False) -> float:
     """The global-batch mean of a per-rank mean `value` whose share is `weight` of the global
     batch: the weighted sum over the members (a rank with no samples, whose mean is nan,

@@ -43,7 +43,7 @@ from gpuflex.elastic.gradients import GradPlan, drop_grads
 from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
 from gpuflex.elastic.liveness import StepBarrier, close_after, close_at_exit
 from gpuflex.elastic.loader import ElasticLoader, Prefetcher
-from gpuflex.elastic.micro import Accumulation, share, warm_up_steps
+from gpuflex.elastic.micro import Accumulation, has_batch_norm, share, warm_up_steps
 from gpuflex.elastic.rendezvous import Aborted, Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
 from gpuflex.elastic.signals import StepSignals
@@ -81,7 +81,8 @@ class ElasticRun(StartUp, UserCalls):
                  split: str | None = None) -> None:
         self.model, self.optimizer = model, optimizer
         self.sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, steps=steps, seed=seed)
-        self.split = SplitPlan(global_batch_size, split)   # "speed" | "even"; None: GPUFLEX_SPLIT, else "speed"
+        self.split = SplitPlan(global_batch_size, split,   # "speed" | "even"; None: GPUFLEX_SPLIT, else "speed"
+                               least=2 if has_batch_norm(model) else 1)
         self.registry = Registry.of(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra)
         self.registry.add("split", self.split)   # committed with each step, copied to newcomers, checkpointed
         self.warm_up_steps = warm_up_steps(model, warm_up)   # a newcomer's passes before it is ready

@@ -56,10 +56,28 @@ def proportional(weights: Sequence[float], total: int, ids: Sequence[int] | None
     return shares
 
 
-def speed_shares(sec_per_sample: Sequence[float], total: int, ids: Sequence[int] | None = None) -> list[int]:
+def speed_shares(sec_per_sample: Sequence[float], total: int, ids: Sequence[int] | None = None,
+                 least: int = 1) -> list[int]:
     """Shares proportional to speed (1 / seconds per sample); a member with no positive
-    measurement counts as infinitely slow unless none has one (then even)."""
-    return proportional([1.0 / s if s > 0 else 0.0 for s in sec_per_sample], total, ids)
+    measurement counts as infinitely slow unless none has one (then even). No member gets
+    fewer than `least` samples unless it gets none (`at_least`)."""
+    return at_least(proportional([1.0 / s if s > 0 else 0.0 for s in sec_per_sample], total, ids), least, ids)
+
+
+def at_least(shares: Sequence[int], least: int, ids: Sequence[int] | None = None) -> list[int]:
+    """`shares` with every share below `least` but above 0 given to the largest share (ties
+    to the smaller id), the total unchanged: a model with BatchNorm cannot train on one
+    sample in train mode ("Expected more than 1 value per channel"), so a slow member's
+    share of 1 becomes 0 (it still joins the step's collectives, with weight 0)."""
+    out = list(shares)
+    ids = list(range(len(out))) if ids is None else list(ids)
+    for i, n in enumerate(out):
+        if 0 < n < least:
+            top = min(range(len(out)), key=lambda j: (-out[j], ids[j]))
+            if top != i:
+                out[top] += n
+                out[i] = 0
+    return out
 
 
 def even_shares(n: int, total: int) -> list[int]:
