@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpuflex.config import HarvestSettings
@@ -127,6 +129,13 @@ CASES = {
          [g(A0, "unknown", streak=0, foreign=FOREIGN), g(A1, "unknown", streak=0), g(B0)],
          {"a": "a: connection refused"},
          [("down", "a"), ("grow", 1, B0)]),
+    "a GPU the job released a straggler from is not grown back onto; another is":
+        ([dataclasses.replace(job(1, [w(0, "c:0")], hi=3), shunned=frozenset({("a", 0)}))],
+         [g(A0), g(B0)], {}, [("grow", 1, B0)]),
+    "only shunned GPUs idle: no grow (another job may take them)":
+        ([dataclasses.replace(job(1, [w(0, "c:0")], hi=3), shunned=frozenset({("a", 0), ("a", 1)})),
+          job(2, [w(0, "d:0")], hi=2)],
+         [g(A0), g(A1)], {}, [("grow", 2, A0)]),
     "a stale foreign sample does not yield":
         ([job(1, [w(0, A0), w(1, "c:0")])], [g(A0, "busy", streak=0, foreign=FOREIGN, age=400)], {}, []),
 }

@@ -20,6 +20,7 @@ from gpuflex.cli.hosts_cmd import with_speeds
 from gpuflex.config import load_config, parse_config
 from gpuflex.control import launch as L
 from gpuflex.control import split
+from gpuflex.control.harvest_inputs import shunned, snapshot
 from gpuflex.control.observe import coordinator_status
 from gpuflex.control.pool import Pool
 from gpuflex.control.service import JobService, SubmitRequest
@@ -27,7 +28,7 @@ from gpuflex.control.views import worker_split
 from gpuflex.errors import JobError, UsageError
 from gpuflex.jobspec import split_mode
 from gpuflex.policy.placement import Assignment, HostFree, place
-from gpuflex.policy.split import Member, Release, new_replans, replan_message, straggler
+from gpuflex.policy.split import REGROW_AFTER_S, Member, Release, new_replans, replan_message, straggler
 from gpuflex.states import JobState as J
 from gpuflex.states import WorkerState as W
 from tests.conftest import db_dump, write_config
@@ -273,6 +274,21 @@ def test_a_straggler_is_shrunk_away_in_place_and_its_gpu_is_freed(sim, tmp_path)
     info = svc.job(job_id, events=False)
     assert (info.state, info.world_size) == (J.RUNNING, 3)
     assert ("slow", slow) not in {(w.host, w.wid) for w in info.workers if not w.state.final}
+
+
+def test_harvest_does_not_grow_a_job_back_onto_its_released_stragglers_gpu(sim, tmp_path):
+    """The straggler's GPU is shunned for that job (REGROW_AFTER_S), not for others, and
+    not once that time has passed."""
+    world, svc = sim
+    job_id, token = submit(world, svc, tmp_path)
+    gone = next(w for w in svc.job(job_id).workers if w.host == "slow")
+    world.progress[token] = progress_record(slow_since={gone.wid: 900.0})
+    follow(svc, job_id)
+    with svc.sessions() as session:
+        views = {j.id: j for j in snapshot(session, svc.config)[0]}
+        assert views[job_id].shunned == frozenset(("slow", d) for d in gone.gpus)
+        e = next(e for e in svc.get(session, job_id).events if e.kind == "straggler")
+        assert shunned(session, e.time + REGROW_AFTER_S + 1) == {}
 
 
 def test_a_job_at_its_min_keeps_its_straggler(sim, tmp_path):

@@ -19,6 +19,7 @@ from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.hosts.probe import HISTORY_PER_GPU
 from gpuflex.policy.harvest import GpuView, JobView, Plan, Share, WorkerView, plan, training_finished
+from gpuflex.policy.split import REGROW_AFTER_S, STRAGGLER_KIND
 from gpuflex.states import WorkerState
 
 
@@ -55,12 +56,13 @@ def snapshot(session: Session, config: Config,
     (`finished`: the ids of those whose training ended), and every device of the
     configured hosts with its last verdict."""
     jobs = []
+    shun = shunned(session, time.time())
     for j in queries.jobs(session, queries.NOT_FINAL):
         workers = tuple(WorkerView(w.wid, w.host, tuple(w.gpus), w.state) for w in j.live_workers)
         jobs.append(JobView(id=j.id, state=j.state, min_workers=j.min_workers, max_workers=j.max_workers,
                             gpus_per_worker=j.gpus_per_worker, priority=j.priority, harvest=j.harvest,
                             workers=workers, target_workers=j.target_workers, name=j.name, user=j.user,
-                            finished=j.id in finished))
+                            finished=j.id in finished, shunned=shun.get(j.id, frozenset())))
     since = foreign_since(session)
     names = {h.name for h in config.hosts}
     gpus = [GpuView(host=h.name, index=g.index, verdict=g.verdict, owner=h.owner, kind=g.kind,
@@ -69,6 +71,18 @@ def snapshot(session: Session, config: Config,
             for h in queries.hosts(session) if h.name in names
             for g in h.gpus]
     return jobs, gpus
+
+
+def shunned(session: Session, now: float) -> dict[int, frozenset[tuple[str, int]]]:
+    """By job: the GPUs of the workers it released as stragglers in the last REGROW_AFTER_S
+    (their "straggler" events), which harvest does not grow it back onto."""
+    out: dict[int, set[tuple[str, int]]] = {}
+    for e, job in queries.events_of_kind(session, STRAGGLER_KIND, now - REGROW_AFTER_S, now):
+        wid = e.data.get("worker")
+        for w in job.workers:
+            if w.wid == wid:
+                out.setdefault(job.id, set()).update((w.host, d) for d in w.gpus)
+    return {k: frozenset(v) for k, v in out.items()}
 
 
 def foreign_since(session: Session) -> dict[tuple[str, int], float]:

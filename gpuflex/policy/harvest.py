@@ -61,6 +61,7 @@ class JobView:
     name: str = ""
     user: str = ""
     finished: bool = False        # its training ended (training_finished): never grown
+    shunned: frozenset[GpuRef] = frozenset()   # GPUs it released a straggler from lately: not grown onto
 
     def __post_init__(self) -> None:
         if self.min_workers < 1 or self.max_workers < self.min_workers or self.gpus_per_worker < 0:
@@ -302,16 +303,17 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
         for j in growers:
             if size[j.id] >= j.max_workers or (room[j.user] is not None and room[j.user] < j.gpus_per_worker):
                 continue
-            host = _pick_host(idle, j.gpus_per_worker, hosts_of[j.id])
+            offer = _without(idle, j.shunned)
+            host = _pick_host(offer, j.gpus_per_worker, hosts_of[j.id])
             if host is None:
                 continue
             key = (-j.priority, share.usage.get(j.user, 0.0), harvested[j.id], j.id)
             if best is None or key < best[0]:
-                best = (key, j, host)
+                best = (key, j, host, offer)
         if best is None:
             break
-        _, j, host = best
-        devices = tuple(idle[host][:j.gpus_per_worker])
+        _, j, host, offer = best
+        devices = tuple(offer[host][:j.gpus_per_worker])
         _take(free, idle, host, devices)
         actions.append(Grow(j.id, host, devices))
         size[j.id] += 1
@@ -329,6 +331,14 @@ def _pick_host(idle: Mapping[str, list[int]], need: int, used: Iterable[str]) ->
     if not fits:
         return None
     return min(fits, key=lambda h: (h not in used, -len(idle[h]), h))
+
+
+def _without(idle: Mapping[str, list[int]], shunned: frozenset[GpuRef]) -> dict[str, list[int]]:
+    """`idle` less the `shunned` devices (a job's released stragglers: growing it back onto
+    one would release it again after [jobs] straggler_s, again and again)."""
+    if not shunned:
+        return dict(idle)
+    return {h: [d for d in ds if (h, d) not in shunned] for h, ds in idle.items()}
 
 
 def _take(free: dict[str, list[int]], idle: dict[str, list[int]], host: str, devices: Iterable[int]) -> None:

@@ -30,6 +30,10 @@ from typing import Any, Mapping, Sequence
 
 REPLAN_KIND = "replan"
 STRAGGLER_KIND = "straggler"
+# how long harvest does not grow a job back onto a GPU it released a straggler from: a
+# throttled GPU or a co-tenant seldom clears sooner, and each try costs a resize and another
+# straggler_s at the slow pace
+REGROW_AFTER_S = 3600.0
 KEEP_REPLANS = 8             # the runtime keeps the last 8; more in a record is not the contract
 MAX_SHARES = 4096            # workers listed in one plan (beyond it: not a record of ours)
 REASONS = ("start", "membership", "speeds")
