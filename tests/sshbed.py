@@ -234,6 +234,23 @@ def _start_sshd(sshd: str, h: SshdHost, authorized: Path, extra: list[str], trie
                        + (h.dir / "sshd.log").read_text()[-2000:])
 
 
+def bed_cli(bed: SshBed, home: Path, jobs_toml: str):
+    """A fixture's body: the CLI over every host of the bed (fake GPUs reset) with
+    `jobs_toml` as its [jobs] table; afterwards any sshd a test stopped is started again
+    and every job is cancelled and its processes killed."""
+    from tests.conftest import GpuflexCLI, cleanup_jobs   # conftest's helpers; the bed stays importable alone
+    bed.reset_smi()
+    cfg = home / "g.toml"
+    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n{jobs_toml}'
+                   + "\n".join(host_toml(h, bed) for h in bed.hosts))
+    cli = GpuflexCLI(home, cfg)
+    yield cli
+    for h in bed.hosts:
+        if h.proc is None or h.proc.poll() is not None:
+            restart_sshd(bed, h)
+    cleanup_jobs(cli, home / "g.db")
+
+
 def restart_sshd(bed: SshBed, h: SshdHost) -> None:
     """Start a stopped host's sshd again on the same address, port and keys (the config
     and known_hosts stay valid)."""

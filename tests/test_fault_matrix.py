@@ -18,8 +18,8 @@ picks one process of one run. Independent cells share a job run (the suite's bud
 Each check asserts the outcome and that the failpoint fired (its line in the process's
 log). No timed assertion: every wait has its own generous limit, and the time from the
 fault to the outcome is printed (`pytest -s`) against the bound the table documents.
-The cell a failpoint showed to be broken is a unit test of the coordinator's decisions,
-marked strict xfail with the cause."""
+The cell a failpoint showed to be broken (a newcomer dead before it was ready) is a unit
+test of the coordinator's decisions, below."""
 
 from __future__ import annotations
 

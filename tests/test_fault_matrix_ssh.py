@@ -20,8 +20,8 @@ import time
 import pytest
 
 from gpuflex.hosts.hostops import group_alive
-from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for
-from tests.sshbed import _stop, host_toml, restart_sshd, ssh_hosts  # noqa: F401 (ssh_hosts: a fixture)
+from tests.conftest import db_rows, wait_for
+from tests.sshbed import _stop, bed_cli, restart_sshd, ssh_hosts  # noqa: F401 (ssh_hosts: a fixture)
 from tests.test_elastic_jobs import example_argv, live_members, step_of
 from tests.test_fault_matrix import BOUND_S, armed, member_wids, took, wait_fired, worker
 
@@ -31,17 +31,8 @@ HOLD_S = 8   # a `sleep` failpoint holds the worker at its phase while its host 
 @pytest.fixture
 def fs(ssh_hosts, home):
     """CLI over the bed: 3 s process-group and heartbeat timeouts, 5 s cancel grace."""
-    ssh_hosts.reset_smi()
-    cfg = home / "g.toml"
-    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
-                   "[jobs]\ncancel_grace_s = 5\ncheckpoint_interval_s = 2\npg_timeout_s = 3\n"
-                   "heartbeat_timeout_s = 3\n\n" + "\n".join(host_toml(h, ssh_hosts) for h in ssh_hosts.hosts))
-    cli = GpuflexCLI(home, cfg)
-    yield cli
-    for h in ssh_hosts.hosts:
-        if h.proc is None or h.proc.poll() is not None:
-            restart_sshd(ssh_hosts, h)
-    cleanup_jobs(cli, home / "g.db")
+    yield from bed_cli(ssh_hosts, home, "[jobs]\ncancel_grace_s = 5\ncheckpoint_interval_s = 2\npg_timeout_s = 3\n"
+                                        "heartbeat_timeout_s = 3\n\n")
 
 
 def lose_gpu03(bed, job: dict) -> None:

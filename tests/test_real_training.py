@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from tests.conftest import GpuflexCLI, cleanup_jobs
-from tests.sshbed import host_toml, restart_sshd, ssh_hosts  # noqa: F401
+from tests.sshbed import bed_cli, ssh_hosts  # noqa: F401
 from tests.test_elastic_jobs import DEADLINE_S, scale, step_of, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -64,16 +64,7 @@ def local_pool(home):
 @pytest.fixture
 def ssh_pool(ssh_hosts, home):   # noqa: F811
     """The three sshd hosts (two fake GPUs each) of tests/sshbed.py."""
-    ssh_hosts.reset_smi()
-    cfg = home / "g.toml"
-    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n{JOBS_TOML}'
-                   + "\n".join(host_toml(h, ssh_hosts) for h in ssh_hosts.hosts))
-    cli = GpuflexCLI(home, cfg)
-    yield cli
-    for h in ssh_hosts.hosts:
-        if h.proc is None or h.proc.poll() is not None:
-            restart_sshd(ssh_hosts, h)
-    cleanup_jobs(cli, home / "g.db")
+    yield from bed_cli(ssh_hosts, home, JOBS_TOML)
 
 
 def world_sizes(report: dict) -> list[int]:
