@@ -19,7 +19,7 @@ from gpuflex.config import load_config, parse_config
 from gpuflex.control import access
 from gpuflex.control.service import JobService
 from gpuflex.db.models import Event, Job, Worker
-from tests.conftest import db_dump, write_config
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, db_rows, write_config
 
 SECRET_ENV = "s3cr3t-value-of-the-key"
 STORE_PORT = 47123
@@ -106,7 +106,6 @@ def test_the_owner_may_cancel_their_own_job(lab, home, db_path, monkeypatch):
 
 
 def _states(db_path: Path) -> dict[int, str]:
-    from tests.conftest import db_rows
     return dict(db_rows(db_path, "SELECT id, state FROM jobs"))
 
 
@@ -190,7 +189,6 @@ def test_another_user_sees_no_secret(lab, home, db_path, monkeypatch):
     """status --json and events of alice's job, as bob: no job secret, store port or --env
     value (its name stays)."""
     cfg = lab()
-    from tests.conftest import db_rows
     secret = db_rows(db_path, "SELECT secret FROM jobs WHERE id = 1")[0][0]
     as_user(monkeypatch, "bob")
     out = "".join(invoke(cfg, home, *a).stdout for a in (("status", "1", "--json"), ("status", "--json"),
@@ -213,7 +211,6 @@ def test_another_users_running_processes_are_neither_reconciled_nor_cancelled(la
                                   log_path=str(home / "a.log"), exit_path=str(home / "a.exit")))
     as_user(monkeypatch, "bob")
     assert invoke(cfg, home, "status", "1", "--json").exit_code == 0
-    from tests.conftest import db_rows
     assert db_rows(db_path, "SELECT state, exit_code FROM workers WHERE job_id = 1") == [("running", None)]
     assert _states(db_path)[1] == "running"
     as_user(monkeypatch, "carol")
@@ -233,3 +230,30 @@ def test_an_ended_job_of_another_user_gets_the_commands_own_answer(lab, home, db
     assert "already succeeded; nothing to cancel" in refused_line(invoke(cfg, home, "cancel", "4"))
     assert db_dump(db_path) == before
     assert "belongs to" not in refused_line(invoke(cfg, home, "scale", "4", "2"))
+
+
+def test_another_users_queued_job_keeps_its_place_until_its_owner_starts_it(lab, home, db_path, monkeypatch):
+    """The local host runs a job as whoever starts it, so bob's command does not start
+    alice's queued job (1 worker, priority 1: first in the queue); it holds its device for her, so
+    bob's own job (4 workers on 4 slots) does not jump the queue; her next command starts
+    hers. Nobody preempts for a job they cannot start."""
+    cfg = lab()
+    with JobService(load_config(str(cfg))).sessions.begin() as s:
+        for j in s.query(Job).filter(Job.state == "queued"):
+            j.state = "cancelled"                 # the lab's 5-worker jobs out of the way
+        s.add(Job(token="tfirst", name="first", state="queued", argv=["sleep", "60"], workdir=str(home),
+                  env={}, min_workers=1, max_workers=1, gpus_per_worker=1, user="alice", priority=1))
+    try:
+        as_user(monkeypatch, "bob")
+        assert invoke(cfg, home, "submit", "--workers", "4", "--", "sleep", "60").exit_code == 0
+        assert invoke(cfg, home, "status").exit_code == 0
+        rows = dict(db_rows(db_path, "SELECT name, state FROM jobs WHERE state IN ('queued', 'running')"))
+        assert rows == {"first": "queued", "sleep": "queued"}, rows
+        reason = db_rows(db_path, "SELECT queue_reason FROM jobs WHERE name = 'first'")[0][0]
+        assert "starts at alice's next gpuflex command" in reason and "run as alice on local" in reason
+        as_user(monkeypatch, "alice")
+        assert invoke(cfg, home, "status").exit_code == 0
+        rows = dict(db_rows(db_path, "SELECT name, state FROM jobs WHERE state IN ('queued', 'running')"))
+        assert rows == {"first": "running", "sleep": "queued"}, rows
+    finally:
+        cleanup_jobs(GpuflexCLI(home, cfg), db_path)

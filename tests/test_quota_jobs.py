@@ -53,7 +53,8 @@ def test_a_job_over_quota_waits_then_starts_when_the_other_ends_and_a_scale_over
 def simulated(tmp_path, quota: dict, admins: tuple[str, ...] = ()) -> tuple[World, JobService]:
     """One 4-GPU host owned by "owner" whose processes start and leave at once."""
     world = World(warmup_s=0.0, leave_s=(0.0, 0.0), gpus_per_host=4)
-    host = {"name": "pool", "address": "10.9.1.1", "workdir": "/w", "owner": "owner"}
+    # one shared account on the host ([[hosts]] user): any user's command starts anyone's job
+    host = {"name": "pool", "address": "10.9.1.1", "workdir": "/w", "owner": "owner", "user": "gpuflex"}
     cfg = parse_config({"database": {"url": f"sqlite:///{tmp_path}/g.db"}, "jobs": {"cancel_grace_s": 2},
                         "harvest": {"idle_samples": 1, "reclaim_deadline_s": 10}, "quota": quota,
                         "access": {"admins": list(admins)}, "hosts": [host]}, "<test>")

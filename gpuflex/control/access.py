@@ -117,6 +117,15 @@ def reaches(config: Config, job: Job) -> bool:
     return job.user == caller() or all(shared_account(config, h) for h in process_hosts(job))
 
 
+def may_start(config: Config, job: Job, hosts: Iterable[str] | None = None) -> bool:
+    """Whether this caller's command may start `job`'s processes on `hosts` (None: on any
+    configured host): they run as whoever starts them on the local host and on SSH hosts
+    reached as each user, so only the owner's own command starts a job there; on
+    shared-account hosts anyone's may."""
+    names = [h.name for h in config.hosts] if hosts is None else list(hosts)
+    return job.user == caller() or all(shared_account(config, h) for h in names)
+
+
 def check_user(name: str, owners: Callable[[], Iterable[str]]) -> str:
     """`name` for `status --user` if it is a unix user (who may have no job yet) or owns a
     job here (`owners()`, asked only then: a user since removed); UsageError otherwise."""

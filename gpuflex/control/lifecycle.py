@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy.orm import object_session
 
-from gpuflex.control import executor, journal, queueing, split
+from gpuflex.control import access, executor, journal, queueing, split
 from gpuflex.control import launch as L
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import facts, observe
@@ -169,13 +169,19 @@ def place_queued(ops: Ops) -> None:
             continue
         room = room or queueing.room(ops)
         p = queueing.placement(ops, job, room.free)
-        if not p.ok:
+        reason = None
+        if not p.ok and access.may_start(ops.config, job):   # preempting for a job it cannot start: no
             reason = queueing.make_room(ops, job, p.reason or "", room)
             if reason is not None:   # it preempted: what is free changed
                 room = queueing.room(ops)
                 p = queueing.placement(ops, job, room.free)
         if not p.ok:
             wait(ops, job, reason or p.reason or "")
+            continue
+        if not access.may_start(ops.config, job, [a.host for a in p.assignments]):
+            room = queueing.holding(room, p.assignments)   # its place in the queue is kept
+            wait(ops, job, f"it fits now and starts at {job.user}'s next gpuflex command: {job.user}'s "
+                           f"processes run as {job.user} on {', '.join(sorted({a.host for a in p.assignments}))}")
             continue
         room = None
         try:

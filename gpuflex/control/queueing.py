@@ -25,9 +25,9 @@ from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
 from gpuflex.policy import fairshare
-from gpuflex.policy.placement import HostFree, Placement, place
+from gpuflex.policy.placement import Assignment, HostFree, Placement, place
 from gpuflex.policy.preemption import (Dependency, Gate, HeldWorker, Shrink, Stop, Victim, array_gate,
-                                       dependency_gate, plan_preemption)
+                                       could_preempt, dependency_gate, plan_preemption)
 from gpuflex.states import JobState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -77,9 +77,22 @@ class Room:
 
     def could_start(self, priority: int) -> bool:
         """Whether a job of `priority` might start: a device is free, a leaver is giving
-        one back, or a running job of lower priority might be preempted."""
+        one back, or a running job it may preempt (lower priority, and elastic or
+        --requeue: gpuflex.policy.preemption) holds some."""
         return (any(h.devices for h in self.free) or bool(self.leaving)
-                or any(v.priority < priority for v in self.running))
+                or could_preempt(self.running, priority))
+
+
+def holding(now: Room, assignments: Iterable[Assignment]) -> Room:
+    """`now` without the devices of `assignments` (a job's place in the queue, held for
+    this pass while it waits for its owner's command)."""
+    taken = {(a.host, d) for a in assignments for d in a.devices}
+    free = []
+    for h in now.free:
+        keep = [(d, h.model(i)) for i, d in enumerate(h.devices) if (h.name, d) not in taken]
+        free.append(dataclasses.replace(h, devices=tuple(d for d, _ in keep),
+                                        models=tuple(m for _, m in keep) if h.models else ()))
+    return dataclasses.replace(now, free=free)
 
 
 def room(ops: Ops) -> Room:
