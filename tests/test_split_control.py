@@ -291,6 +291,19 @@ def test_harvest_does_not_grow_a_job_back_onto_its_released_stragglers_gpu(sim, 
         assert shunned(session, e.time + REGROW_AFTER_S + 1) == {}
 
 
+def test_harvest_grows_another_users_job_only_where_it_could_start_it(sim, tmp_path):
+    """Both hosts are reached as each user: the caller's harvest tick would start zed's
+    newcomer as the caller, so every device is closed to zed's job; its own job's are not."""
+    world, svc = sim
+    job_id, _ = submit(world, svc, tmp_path)
+    with svc.sessions() as session:
+        assert snapshot(session, svc.config)[0][0].shunned == frozenset()
+    with svc.sessions.begin() as session:
+        svc.get(session, job_id).user = "zed"
+    with svc.sessions() as session:
+        assert snapshot(session, svc.config)[0][0].shunned == {(h, d) for h in ("fast", "slow") for d in (0, 1)}
+
+
 def test_a_job_at_its_min_keeps_its_straggler(sim, tmp_path):
     world, svc = sim
     job_id, token = submit(world, svc, tmp_path, "4:4", elastic="inplace")

@@ -12,7 +12,7 @@ import time
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
-from gpuflex.control import quotas
+from gpuflex.control import access, quotas
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import coordinator_status
 from gpuflex.db import queries
@@ -54,15 +54,9 @@ def snapshot(session: Session, config: Config,
              finished: set[int] | frozenset[int] = frozenset()) -> tuple[list[JobView], list[GpuView]]:
     """The plan's inputs from the DB: jobs that are not final with their live workers
     (`finished`: the ids of those whose training ended), and every device of the
-    configured hosts with its last verdict."""
-    jobs = []
-    shun = shunned(session, time.time())
-    for j in queries.jobs(session, queries.NOT_FINAL):
-        workers = tuple(WorkerView(w.wid, w.host, tuple(w.gpus), w.state) for w in j.live_workers)
-        jobs.append(JobView(id=j.id, state=j.state, min_workers=j.min_workers, max_workers=j.max_workers,
-                            gpus_per_worker=j.gpus_per_worker, priority=j.priority, harvest=j.harvest,
-                            workers=workers, target_workers=j.target_workers, name=j.name, user=j.user,
-                            finished=j.id in finished, shunned=shun.get(j.id, frozenset())))
+    configured hosts with its last verdict. A job is not grown onto the GPUs it released
+    stragglers from (`shunned`) nor onto a host where this command cannot start its
+    processes (another user's job on a host reached as each user: access.may_start)."""
     since = foreign_since(session)
     names = {h.name for h in config.hosts}
     gpus = [GpuView(host=h.name, index=g.index, verdict=g.verdict, owner=h.owner, kind=g.kind,
@@ -70,6 +64,15 @@ def snapshot(session: Session, config: Config,
                     foreign_since=since.get((h.name, g.index)))
             for h in queries.hosts(session) if h.name in names
             for g in h.gpus]
+    jobs = []
+    shun = shunned(session, time.time())
+    for j in queries.jobs(session, queries.NOT_FINAL):
+        workers = tuple(WorkerView(w.wid, w.host, tuple(w.gpus), w.state) for w in j.live_workers)
+        closed = {g.ref for g in gpus if not access.may_start(config, j, [g.host])}
+        jobs.append(JobView(id=j.id, state=j.state, min_workers=j.min_workers, max_workers=j.max_workers,
+                            gpus_per_worker=j.gpus_per_worker, priority=j.priority, harvest=j.harvest,
+                            workers=workers, target_workers=j.target_workers, name=j.name, user=j.user,
+                            finished=j.id in finished, shunned=shun.get(j.id, frozenset()) | closed))
     return jobs, gpus
 
 

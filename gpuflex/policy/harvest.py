@@ -61,7 +61,7 @@ class JobView:
     name: str = ""
     user: str = ""
     finished: bool = False        # its training ended (training_finished): never grown
-    shunned: frozenset[GpuRef] = frozenset()   # GPUs it released a straggler from lately: not grown onto
+    shunned: frozenset[GpuRef] = frozenset()   # not grown onto: a straggler's lately, or where it cannot start
 
     def __post_init__(self) -> None:
         if self.min_workers < 1 or self.max_workers < self.min_workers or self.gpus_per_worker < 0:
