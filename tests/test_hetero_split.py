@@ -1,7 +1,9 @@
 """Issue 12 end to end: the split of the global batch by measured speed on the local pool.
 
 Three workers, the one on slot 0 three times slower per sample (the example's test bed:
-simulated device time, outside the runtime). The members measure, agree and re-plan; then
+simulated device time, outside the runtime). The first newcomer is killed (SIGKILL, a
+failpoint) while it makes its first re-plan, before the step that would commit it; the
+job goes on without it and grows again. The members measure, agree and re-plan; then
 a fast worker is killed with SIGKILL after the re-plan and the job grows back (the newcomer
 receives the plan with the state). The run ends allclose to a standalone run of the same
 script, every sample of every epoch once, and the progress record showed the slow worker
@@ -15,10 +17,11 @@ import signal
 import sys
 
 from tests.conftest import wait_for
+from tests.test_fault_matrix import armed
 from tests.test_elastic_jobs import (ARGS, DEADLINE_S, EXAMPLE, assert_matches_reference, ej,  # noqa: F401
                                      live_members, reference, scale, step_of)
 
-EPOCHS = 8   # 256 steps of 64 samples
+EPOCHS = 12   # 384 steps of 64 samples
 
 
 def favours_the_fast(progress: dict | None) -> bool:
@@ -38,7 +41,12 @@ def test_speed_split_with_a_3x_slower_worker_survives_kill_9_and_a_grow_exactly(
     report = home / "r.json"
     argv = [sys.executable, EXAMPLE, *ARGS, "--epochs", str(EPOCHS), "--step-sleep", "0.02",
             "--device-work-s", "0.002", "--slow-slots", "0=3", "--report", str(report)]
-    job = ej.submit(argv, "--workers", "1:3")
+    job = ej.submit(argv, "--workers", "1:3", *armed("split.replan@wid=2=kill"))
+    assert ej("scale", str(job["id"]), "3").returncode == 0          # wid 2 dies in its first re-plan
+    lost = wait_for(ej, job["id"], lambda j: any(w["wid"] == 2 and w["state"] in ("lost", "failed")
+                                                 for w in j["workers"]) and j["state"] == "running"
+                    and j["world_size"] == 2, "recovery without the newcomer killed in its re-plan")
+    assert next(w for w in lost["workers"] if w["wid"] == 2)["exit_code"] in (-9, None)
     scale(ej, job["id"], 3)
     planned = wait_for(ej, job["id"], lambda j: favours_the_fast(j.get("progress")), "a re-plan by speed")
     progress = planned["progress"]

@@ -56,6 +56,7 @@ POINTS: dict[str, str] = {
     "resize.copy": "before the state copy to newcomers (sender and newcomer side)",
     "resize.verify": "before the resized generation's state checksum",
     "resize.first_step": "the first step after the switch to a new generation",
+    "split.replan": "a member made a new split of the global batch, before the step that commits it",
     "checkpoint.write": "checkpoint written to its temporary file, before the rename",
     "cancel.stop": "SIGTERM seen, before the final checkpoint",
     "coordinator.publish": "coordinator, before it publishes a generation",

@@ -154,6 +154,9 @@ class Formation:
         t2 = time.time()
         if failpoints.ARMED: failpoints.hit(points[2], **dict(where, step=state.step))
         self._verify(g, rank, received=copied > 0 and not had_state, kind=info["kind"], members=members)
+        # the verified state is every member's undo point: one that never finished a step had
+        # none, and its first step's failure left that step's changes (a re-plan) in place
+        state.commit()
         t3 = time.time()
         self.rdzv.watch_after(g)
         timings = None

@@ -348,8 +348,8 @@ class ElasticRun(StartUp, UserCalls):
             rows = [row]
         else:
             rows = exchange(self.group, self.rank, self.world_size, row) if self._cross("split") else None
-        if rows is not None:
-            sp.decide(rows, step, self.generation)
+        if rows is not None and sp.decide(rows, step, self.generation) is not None:
+            if failpoints.ARMED: failpoints.hit("split.replan", **self._where())   # made, not yet committed
 
     def _checkpoint(self) -> None:
         """Rank 0 writes a checkpoint; one that failed is reported at once through the
