@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import zlib
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,19 @@ log = logging.getLogger(__name__)
 
 class StateMismatch(Exception):
     pass
+
+
+class ShardsLost(Exception):
+    """A sharded run (ElasticRun(shard=...)) cannot go on: a shard's only copy is gone, or a
+    step cannot be undone without one. Not a RuntimeError: a formation does not retry it."""
+
+
+class Shards(Protocol):
+    """A sharded run's model state (gpuflex.elastic.sharding.Sharding), moved by the formation."""
+
+    def before_switch(self, members: list[int], wid: int, rank: int, world: int) -> None: ...
+
+    def form(self, rank: int, world: int) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +67,9 @@ class Formation:
     Leaving or Evicted."""
 
     def __init__(self, *, wid: int, rdzv: Rendezvous, group: Collectives, state: TrainingState,
-                 signals: StepSignals, timeout_s: float) -> None:
+                 signals: StepSignals, timeout_s: float, shards: Shards | None = None) -> None:
         self.wid, self.rdzv, self.group, self.state = wid, rdzv, group, state
+        self.shards = shards   # a sharded run's: moved after the state copy, before the checksum
         self.signals, self.timeout_s = signals, timeout_s
         self.marks: list[tuple[str, float]] = []   # when each part of the last state copy ended
         self.checksum_s = 0.0
@@ -79,6 +93,8 @@ class Formation:
         info = self.rdzv.record(g, self.signals.stop_requested)
         if info is None:
             return None
+        if self.shards is not None:   # over the old group: a leaver's shards go to the survivors
+            self.shards.before_switch(info["members"], self.wid, self.group.rank, self.group.world_size)
         if self.wid not in info["members"]:
             return self._leave(g)
         try:
@@ -151,6 +167,8 @@ class Formation:
         if failpoints.ARMED: failpoints.hit(points[1], **where)
         copied = self._sync_state(g, rank, world)
         state.align_buffers()   # a boundary that failed after the forwards left each member's own
+        if self.shards is not None:
+            copied += self._reshard(g, rank, world, info["kind"])
         t2 = time.time()
         if failpoints.ARMED: failpoints.hit(points[2], **dict(where, step=state.step))
         self._verify(g, rank, received=copied > 0 and not had_state, kind=info["kind"], members=members)
@@ -240,6 +258,20 @@ class Formation:
         state.has_state = True
         state.commit()
         return sum(v.numel() * v.element_size() for v in views)
+
+    def _reshard(self, g: int, rank: int, world: int, kind: str) -> int:
+        """A sharded run's shards moved to this generation's members (the bytes of this rank's
+        new shards). Their checksums disagreeing is a state mismatch: rolled back as one (the
+        old holders keep their old shards for the rollback generation)."""
+        try:
+            return self.shards.form(rank, world)
+        except StateMismatch as e:
+            reason = f"sharded state checksum mismatch in {kind}: {e.args[2]}"
+            if rank == 0:
+                self.rdzv.set(keys.verdict(g), json.dumps({"ok": False, "reason": reason}))
+            self.log(f"generation {g}: {reason}; rolling back")
+            self._destroy()
+            raise
 
     def _verify(self, g: int, rank: int, received: bool, kind: str, members: list[int]) -> None:
         """All members compare a checksum of their live state, step and data position; on a

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic.collectives import Collectives
-from gpuflex.elastic.sampler import Batch
+from gpuflex.elastic.sampler import Batch, split as even_split, split_by
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,20 @@ def micro_bounds(n: int, micro_batch_size: int | None, steps: int | None) -> lis
     return bounds
 
 
+def lockstep_bounds(batch: Batch, micro_batch_size: int | None, steps: int | None) -> list[tuple[int, int]]:
+    """A sharded run's micro-batches: as many on every rank (each forward all-gathers and
+    each backward reduce-scatters, collectives every member must join), the count the
+    largest share needs; each share cut into that many parts differing by at most one row
+    (empty ones kept where a share is smaller than the count). Exact as any cut is."""
+    world, total = batch.world_size, batch.global_size
+    lengths = [split_by(batch.shares, total, r, world, sum(batch.shares))[1] if batch.shares
+               else even_split(total, world, r)[1] for r in range(world)]
+    count = max(len(micro_bounds(m, micro_batch_size, steps)) for m in lengths)
+    base, extra = divmod(len(batch.indices), count)
+    ends = [(k + 1) * base + min(k + 1, extra) for k in range(count)]
+    return list(zip([0, *ends[:-1]], ends))
+
+
 class Accumulation:
     """`run.accumulate`'s state: the micro-batch now being trained, or None outside one."""
 
@@ -66,7 +80,8 @@ class Accumulation:
         self.current: Micro | None = None
 
     def split(self, tensors: Sequence[torch.Tensor], batch: Batch | None, *,
-              micro_batch_size: int | None, steps: int | None) -> Iterator[tuple[torch.Tensor, ...]]:
+              micro_batch_size: int | None, steps: int | None,
+              lockstep: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
         if not tensors:
             raise ValueError("run.accumulate needs at least one tensor (this rank's share of the batch)")
         n = len(tensors[0])
@@ -77,7 +92,10 @@ class Accumulation:
             raise ValueError(f"run.accumulate: got {n} rows, but this rank's share of step {batch.step} "
                              f"has {len(batch.indices)} samples (pass the batch the loader gave)")
         total = batch.global_size if batch is not None else n
-        bounds = micro_bounds(n, micro_batch_size, steps)
+        if lockstep and batch is not None and batch.world_size > 1:
+            bounds = lockstep_bounds(batch, micro_batch_size, steps)
+        else:
+            bounds = micro_bounds(n, micro_batch_size, steps)
         try:
             for k, (a, b) in enumerate(bounds):
                 self.current = Micro(weight=(b - a) / total if total else 0.0, last=k == len(bounds) - 1)

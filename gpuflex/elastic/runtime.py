@@ -15,7 +15,8 @@ committed in memory. A collective that fails (a dead peer) is noted and handled 
 boundary: the survivors report it, the coordinator publishes the next generation, and the
 members continue from the newest state any of them holds (formation.py). Before a step's
 collectives the members pass a barrier over the job store (liveness.py): a busy member is
-waited for, a silent one fenced.
+waited for, a silent one fenced. With `shard=` the model is sharded with FSDP2 over each
+generation and resharded in place (sharding.py, sharded_steps.py).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from gpuflex.elastic.buffers import BufferSync
 from gpuflex.elastic.collectives import Collectives, pick_device
 from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.env import WorkerEnv
-from gpuflex.elastic.formation import Formation, Formed
+from gpuflex.elastic.formation import Formation, Formed, ShardsLost
 from gpuflex.elastic.gradients import GradPlan, drop_grads
 from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
 from gpuflex.elastic.liveness import StepBarrier, close_after, close_at_exit
@@ -46,6 +47,7 @@ from gpuflex.elastic.loader import ElasticLoader, Prefetcher
 from gpuflex.elastic.micro import Accumulation, has_batch_norm, share, warm_up_steps
 from gpuflex.elastic.rendezvous import Aborted, Evicted, Leaving, Rendezvous, StoreLost
 from gpuflex.elastic.sampler import Batch, ElasticSampler
+from gpuflex.elastic.sharded_steps import ShardedSteps
 from gpuflex.elastic.signals import StepSignals
 from gpuflex.elastic.split_plan import SplitPlan, exchange
 from gpuflex.elastic.startup import StartUp
@@ -56,7 +58,7 @@ from gpuflex.elastic.worker_control import Progress
 log = logging.getLogger(__name__)
 
 
-class ElasticRun(StartUp, UserCalls):
+class ElasticRun(StartUp, UserCalls, ShardedSteps):
     """Drives an elastic data-parallel training loop; see the module docstring.
 
     Its parts: `signals` (stop, checkpoint and poke requests), `state` (the step, the logs,
@@ -65,7 +67,7 @@ class ElasticRun(StartUp, UserCalls):
     `rdzv` (the job store) and `formation` (joining generations), and `split` (the split
     plan: each member's share of a step, by measured speed or even; split_plan.py). The calls
     a script makes inside a step (all_reduce, accumulate, global_mean, register) come from
-    UserCalls; the start and join from StartUp."""
+    UserCalls; the start and join from StartUp; a sharded run's steps from ShardedSteps."""
 
     barrier: StepBarrier | None = None   # under gpuflex: the step barrier (liveness.py)
     warming_up = False   # a worker's passes through the loop before it says it is ready (no state yet)
@@ -78,21 +80,31 @@ class ElasticRun(StartUp, UserCalls):
                  extra: dict[str, Any] | None = None, buffers: str = "broadcast",
                  warm_up: int | None = None, track_samples: bool = False,
                  checkpoint_dir: str | None = None, checkpoint_interval_s: float | None = None,
-                 split: str | None = None) -> None:
-        self.model, self.optimizer = model, optimizer
+                 split: str | None = None, shard: Any = None) -> None:
+        self.device = pick_device()
+        self.sharding = None   # shard=: FSDP2 over each generation; optimizer (and scheduler) are factories
+        if shard is not None:
+            optimizer, scheduler = self._shard(model, optimizer, scheduler, shard)
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, steps=steps, seed=seed)
         self.split = SplitPlan(global_batch_size, split,   # "speed" | "even"; None: GPUFLEX_SPLIT, else "speed"
                                least=2 if has_batch_norm(model) else 1)
-        self.registry = Registry.of(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler, extra=extra)
+        heavy = self.sharding is None   # a sharded run's model and optimizer state move as shards only
+        self.registry = Registry.of(model=model if heavy else None, optimizer=optimizer if heavy else None,
+                                    scheduler=scheduler, scaler=scaler, extra=extra)
+        if not heavy:
+            self.registry.add("sharded.param_groups", self.sharding.param_groups)
         self.registry.add("split", self.split)   # committed with each step, copied to newcomers, checkpointed
         self.warm_up_steps = warm_up_steps(model, warm_up)   # a newcomer's passes before it is ready
         self.track_samples, self.stopped = track_samples, False
         env = self.env = WorkerEnv.from_environ()
         self.wid, self.store_address, self.pg_timeout_s = env.worker_id, env.store, env.pg_timeout_s
         self.checkpoint_dir = checkpoint_dir or env.checkpoint_dir
+        if self.checkpoint_dir and not heavy:   # its model lives in shards: DCP checkpoints are the next stage
+            log.warning("gpuflex: a sharded run writes no checkpoint yet (%s unused)", self.checkpoint_dir)
+            self.checkpoint_dir = None
         self.checkpoint_interval_s = float(checkpoint_interval_s or env.checkpoint_interval_s)
         self.rank, self.world_size, self.generation = 0, 1, 0
-        self.device = pick_device()
         self.group = Collectives(self.device, self.pg_timeout_s)
         self.buffers = BufferSync(model, self.group, buffers)
         self.state = TrainingState(registry=self.registry, model=model, sampler=self.sampler, buffers=self.buffers,
@@ -211,6 +223,10 @@ class ElasticRun(StartUp, UserCalls):
         except Leaving:
             self._close()
             sys.exit(0)
+        except ShardsLost as e:   # a plain failure: the job fails (sharding.py)
+            log.error("gpuflex: worker %d: %s", self.wid, e)
+            self._close()
+            sys.exit(1)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this rank's *mean* loss over its share, weighted by the share's part
@@ -219,6 +235,8 @@ class ElasticRun(StartUp, UserCalls):
         batch, micro = self.batch, self.micro.take()
         if self.micro.backward_before_last(loss):   # accumulating: the last micro-batch reduces
             return
+        if self.sharding is not None and not self.warming_up:   # FSDP reduce-scatters (sums) in backward
+            return self._backward_sharded(loss, batch, micro)
         if self.warming_up:   # compiles what the first step would; the received state replaces the rest
             loss.backward()
             self._overlap, self._last_loss = True, loss.detach()
@@ -282,6 +300,7 @@ class ElasticRun(StartUp, UserCalls):
         self._step_started = None
         why = self.group.take_failure()
         if why is not None:   # this step's gradient all-reduce failed: undo it
+            self._no_undo(why)
             state.undo_step()
             self._joined(self.formation.recover(self.generation, why))
             return self._more()
@@ -291,6 +310,7 @@ class ElasticRun(StartUp, UserCalls):
         flags = flags if flags is None or self.buffers.sync(share(self.batch)) else None   # failed: a failed vote
         if flags is None:   # the agreement failed, after this rank completed its step
             why = self.group.take_failure()
+            self._no_undo(why)
             if done_step:
                 ids = self.sampler.global_batch(state.step)[2].tolist() if self.track_samples else None
                 state.confirm_step(ids, now, self.world_size)

@@ -154,6 +154,10 @@ def hold(model: nn.Module, optimizer: torch.optim.Optimizer, old_rank: int, old_
     return Held(rows, shards, states, scalars, buffers, total % reshard.PRIME)
 
 
+class ChecksumMismatch(RuntimeError):
+    """The resharded state does not sum to the old shards' checksum (raised on every rank)."""
+
+
 def _weigh(c: int, i: int, j: int) -> int:
     return c * ((i * 64 + j) % reshard.PRIME + 1) % reshard.PRIME
 
@@ -162,21 +166,25 @@ def reshard_in_place(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                      make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
                      held: Held | None, *, old: Sequence[int | None], new: Sequence[int], rank: int,
                      mesh: DeviceMesh | None, shard: ShardSpec,
-                     group: dist.ProcessGroup | None = None) -> tuple[torch.optim.Optimizer | None, Stats]:
+                     group: dist.ProcessGroup | None = None,
+                     slots: list[tuple[int, int]] | None = None) -> tuple[torch.optim.Optimizer | None, Stats]:
     """Shard `model` over `mesh` (this rank's new shard; None for a leaver) from the old
     shards `held` by the ranks `old` (group rank of each old shard's holder), for the new
     owners `new`. Every rank of `group` calls it. A newcomer (held None) passes its model
-    as built (ideally on the meta device) and optimizer None: `make_optimizer` builds it.
-    Returns the optimizer (the same object for a survivor) and the move's stats; raises
-    RuntimeError when the checksums of the old and the new shards differ."""
+    as built (ideally on the meta device) and either optimizer None (`make_optimizer`
+    builds it) or an optimizer built on the model as built, which keeps its identity.
+    `slots` (each parameter's place in the optimizer's param_groups, in parameters()
+    order) is read from the optimizer when not given; a retry after a failed move must
+    pass it (the optimizer still names the parameters of before). Returns the optimizer
+    (the same object where one was given) and the move's stats; raises ChecksumMismatch
+    when the checksums of the old and the new shards differ."""
     source = min(r for r in old if r is not None)
     info = _broadcast_json(_describe(held) if rank == source else None, source, group)
     stays = rank in new
-    if held is not None and isinstance(model, FSDPModule):
-        slots = _slots(model, optimizer) if optimizer is not None else None
+    if slots is None and optimizer is not None:
+        slots = param_slots(model, optimizer)
+    if isinstance(model, FSDPModule):
         strip(model)
-    else:
-        slots = None
     if stays:
         apply(model, shard, mesh)
         model.to_empty(device=mesh.device_type)
@@ -264,7 +272,7 @@ def _broadcast_json(value: Any, src: int, group: dist.ProcessGroup | None) -> An
     return json.loads(bytes(buf.tolist()).decode())
 
 
-def _slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, int]]:
+def param_slots(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[int, int]]:
     """Where each parameter (in parameters() order) sits in the optimizer's param_groups."""
     where = {id(p): (g, j) for g, grp in enumerate(optimizer.param_groups) for j, p in enumerate(grp["params"])}
     return [where[id(p)] for p in model.parameters()]
@@ -313,4 +321,4 @@ def _check(info: dict[str, Any], held: Held | None, params: list, states: list[d
     dist.all_reduce(sums, group=group)
     before, after = (int(x) % reshard.PRIME for x in sums)
     if before != after:
-        raise RuntimeError(f"resharded state does not match the old shards (checksum {after} != {before})")
+        raise ChecksumMismatch(f"resharded state does not match the old shards (checksum {after} != {before})")

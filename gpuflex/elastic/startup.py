@@ -27,18 +27,22 @@ class StartUp:
             ensure_handler(sys.stderr)
         if not self.distributed:
             self.state.load_disk_checkpoint()
+            if self.sharding is not None:   # the same FSDP2 code path, over a group of one
+                self.sharding.start_alone()
             return
         self._control = start_control(self.env.control, self.signals, self.status, self._request_members)
         self.rdzv = Rendezvous(self.store_address, self.wid, secret=self.env.job_secret,
                                timeout_s=max(60.0, self.pg_timeout_s))
         self.formation = Formation(wid=self.wid, rdzv=self.rdzv, group=self.group, state=self.state,
-                                   signals=self.signals, timeout_s=self.pg_timeout_s)
+                                   signals=self.signals, timeout_s=self.pg_timeout_s, shards=self.sharding)
         self.barrier = StepBarrier(self.rdzv, self.wid, self.env.heartbeat_timeout_s)
         install_crash_hook(lambda rec: (report_crash(self.rdzv, self.wid, rec), self._close()),
                            lambda: f"step {self.step} of generation {self.generation} (rank {self.rank})")
-        if any(p.requires_grad for p in self.model.parameters()):   # the gradient buffer (and hooks),
-            self._grad_plan = self._make_grad_plan()   # touched: not paid for in a first step
-            self._grad_plan.flat.zero_()
+        if self.sharding is not None:   # a member dying in FSDP's collectives: one line, not a crash
+            self._end_on_failed_collective()
+        if self.sharding is None and any(p.requires_grad for p in self.model.parameters()):
+            self._grad_plan = self._make_grad_plan()   # the gradient buffer (and hooks), touched:
+            self._grad_plan.flat.zero_()               # not paid for in a first step
         self.warming_up = self.warm_up_steps > 0
         if not self.warming_up:
             self._join()

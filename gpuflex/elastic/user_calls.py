@@ -32,6 +32,7 @@ class UserCalls:
     registry: Registry
     barrier: StepBarrier | None
     _started: bool
+    sharding: Any   # a sharded run's (sharding.py): every rank takes as many micro-batches
 
     def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> bool:
         """A user collective that a dead peer cannot crash; False if it failed."""
@@ -42,7 +43,8 @@ class UserCalls:
     def accumulate(self, *tensors: torch.Tensor, micro_batch_size: int | None = None,
                    steps: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
         """Micro-batches (tuples of slices along dim 0) of this rank's share (see micro.py)."""
-        return self.micro.split(tensors, self.batch, micro_batch_size=micro_batch_size, steps=steps)
+        return self.micro.split(tensors, self.batch, micro_batch_size=micro_batch_size, steps=steps,
+                                lockstep=self.sharding is not None)
 
     def global_mean(self, value: float | torch.Tensor) -> float:
         """The global batch's mean of this rank's mean (a dead peer: this rank's value)."""

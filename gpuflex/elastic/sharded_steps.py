@@ -1,0 +1,105 @@
+"""What a sharded run (`ElasticRun(shard=...)`, sharding.py) does differently inside a step.
+Mixed into ElasticRun, whose attributes it uses; sharding.py (FSDP2) is imported only by a
+run that shards.
+
+- The optimizer (and a scheduler given as a function of it) is built by the runtime on the
+  model's parameters before they are sharded, and kept: the script uses `run.optimizer`.
+- Backward weights the loss by the rank's share of the global batch; FSDP's reduce-scatter,
+  made a plain sum, adds the shares up: the exact weighted-mean gradient.
+- The step barrier is crossed before the step's first forward, ahead of FSDP's all-gathers
+  (the data-parallel path crosses it before backward's all-reduce).
+- A failed collective or a dead member ends the run (`ShardsLost`): without a copy of the
+  shards a step cannot be undone nor a lost shard restored. Where FSDP's own collective
+  fails inside the script (a member died mid-step), the same line ends the worker instead
+  of a crash record and a traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gpuflex.elastic.formation import ShardsLost
+from gpuflex.elastic.micro import share
+
+log = logging.getLogger(__name__)
+
+
+class ShardedSteps:
+    """Mixed into ElasticRun (runtime.py)."""
+
+    def _shard(self: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any, shard: Any) -> tuple[Any, Any]:
+        """Take the model to shard; the optimizer and scheduler (built here when factories)."""
+        from gpuflex.elastic.sharding import Sharding
+        self.sharding = Sharding(model, optimizer, shard, self.device)
+        self.sharding.on_forward = self._forward_barrier
+        optimizer = self.sharding.optimizer
+        if callable(scheduler) and not hasattr(scheduler, "state_dict"):
+            scheduler = scheduler(optimizer)
+        return optimizer, scheduler
+
+    def full_parameters(self: Any) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by name. In a sharded run it all-gathers each one: every
+        member calls it, inside the loop (e.g. in the last step, for a report)."""
+        if self.sharding is None:
+            return {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        return self.sharding.full_parameters()
+
+    def _backward_sharded(self: Any, loss: torch.Tensor, batch: Any, micro: Any) -> None:
+        """A sharded run's backward: the loss weighted by its share (FSDP sums the gradients).
+        A rank with an empty share (weight 0) still takes part in the collectives."""
+        weight = micro.weight if micro is not None else share(batch)
+        (loss * weight).backward()
+        if batch is not None:
+            self.split.meter.add(time.perf_counter() - self._t_step - self._waited, len(batch.indices))
+        self._last_loss = loss.detach()
+
+    def _forward_barrier(self: Any) -> None:
+        """Before a sharded step's first forward: the step barrier (a dead member: the end)."""
+        at = (self.generation, self.state.step, "forward")
+        if self.warming_up or self.batch is None or self._crossed == at or self._cross("forward"):
+            return
+        with self._guard():
+            self._no_undo(self.group.take_failure())
+
+    def _no_undo(self: Any, why: str | None) -> None:
+        """A sharded run cannot undo a step or restore a dead member's shards: it ends."""
+        if self.sharding is not None:
+            from gpuflex.elastic.sharding import ENDS
+            raise ShardsLost(f"a collective of generation {self.generation} failed ({why}); {ENDS}")
+
+    def _end_on_failed_collective(self: Any) -> None:
+        """Chain `sys.excepthook` (outside the crash hook): an exception escaping the script
+        from a collective (FSDP's all-gather or reduce-scatter: a member died) ends the
+        worker as ShardsLost does, with one line and exit 1; anything else goes on to the
+        crash hook (a bug in the script is reported as a crash)."""
+        previous = sys.excepthook
+
+        def hook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
+            if not _from_a_collective(value, tb):
+                return previous(etype, value, tb)
+            why = f"{etype.__name__}: {str(value).splitlines()[0][:200] if str(value) else ''}"
+            from gpuflex.elastic.sharding import ENDS
+            log.error("gpuflex: worker %d: a collective of generation %d failed in the script (%s); %s",
+                      self.wid, self.generation, why, ENDS)
+            self._close()
+            logging.shutdown()
+            os._exit(1)
+
+        sys.excepthook = hook
+
+
+def _from_a_collective(value: BaseException, tb: Any) -> bool:
+    """The exception came out of torch.distributed (its innermost Python frame is there)."""
+    if isinstance(value, dist.DistError):
+        return True
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    name = tb.tb_frame.f_code.co_filename.replace(os.sep, "/") if tb is not None else ""
+    return isinstance(value, RuntimeError) and "/torch/distributed/" in name
