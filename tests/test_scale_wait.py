@@ -112,3 +112,19 @@ def test_scale_wait_ends_at_its_timeout_while_a_refresh_still_waits(sim, monkeyp
     assert r.exit_code == 1 and f"job {job_id}: the resize to 2 did not finish within 2 s" in r.stderr
     assert still_waiting
     assert state["scaled"] is (blocked == "while-waiting")   # blocked before it: nothing was asked
+
+
+def test_a_shrinks_wait_ends_once_its_leaver_has_exited(sim):
+    """scale --wait of a shrink returns when the leaver is gone, its device free for the
+    next command (a grow right after it used to find the slot still held)."""
+    world, svc, job_id = sim
+    world.warmup_s = 0.0
+    svc.scale(job_id, 2)
+    for _ in range(20):
+        svc.refresh()
+        if (svc.job(job_id, events=False).state, svc.job(job_id, events=False).world_size) == (J.RUNNING, 2):
+            break
+    world.leave_s = (2.0, 2.0)                          # the leaver takes 2 s to exit after the switch
+    r = scale(job_id, 1, "--timeout", "120")
+    assert r.exit_code == 0, r.output
+    assert [(w.wid, w.state.value) for w in svc.job(job_id).workers] == [(0, "running"), (1, "exited")]

@@ -20,7 +20,7 @@ from gpuflex.control.service import SubmitRequest, parse_count, parse_env, parse
 from gpuflex.errors import JobError, UsageError
 from gpuflex.jobspec import parse_after, parse_array, parse_time
 from gpuflex.policy.lifecycle import LEFT_OUT_KIND
-from gpuflex.states import JobState
+from gpuflex.states import JobState, WorkerState
 
 
 def register(app: typer.Typer) -> None:
@@ -191,7 +191,8 @@ def scale(
     ctx: typer.Context,
     job: str = typer.Argument(..., help="A job id or name."),
     n: int = typer.Argument(..., help="The number of workers wanted (within the job's MIN:MAX)."),
-    wait: bool = typer.Option(False, "--wait", help="Wait until the workers have switched."),
+    wait: bool = typer.Option(False, "--wait", help="Wait until the workers have switched (and a shrink's "
+                                                    "leavers have exited, their devices free)."),
     timeout: float = typer.Option(300, "--timeout", help="Seconds to wait with --wait (1 to 86400)."),
 ) -> None:
     """Resize a running elastic job in place to N workers.
@@ -233,6 +234,8 @@ def scale(
             if cur.state.final:
                 raise JobError(f"job {cur.id} ended ({cur.state}) before the resize finished.")
             if cur.state is JobState.RUNNING and cur.world_size == n:
+                if any(w.state is WorkerState.LEAVING for w in cur.workers):
+                    continue   # a shrink is done once its leavers are gone too: their devices are free then
                 switched = switched or time.monotonic()
                 ev = [e for e in cur.recent if e.kind in ("scale", "fault", "formed")
                       and e.data.get("generation") == cur.generation]
