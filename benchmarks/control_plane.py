@@ -12,7 +12,8 @@ in the figures). Each
 command is the whole console-script process, as a user runs it: interpreter, imports,
 config, database, the refresh every command does first, render.
 
-- sequential: N runs of each command, one at a time: median and p95 wall seconds
+- sequential: N runs of each command, one at a time: median and p95 wall seconds; and,
+  inside each process, how long its imports and the command itself took (median)
 - concurrent: 32 CLIs started at once (16 `status ID`, 16 `submit`): median, p95, the
   slowest, and how many failed (exit code not 0, or a traceback)
 
@@ -46,6 +47,11 @@ from gpuflex.db.models import Event, Job, Worker  # noqa: E402
 from gpuflex.states import JobState  # noqa: E402
 
 GPUFLEX = str(Path(sys.executable).parent / "gpuflex")
+# the console script's work, run by `python -c` so the process also says how long its
+# imports took and how long the command itself (config, database, refresh, render) did
+TIMED = ("import sys, time\nt0 = time.perf_counter()\nfrom gpuflex.cli import main\nt1 = time.perf_counter()\n"
+         "try:\n    main()\nfinally:\n"
+         "    sys.stderr.write(f'\\n#timing {t1 - t0:.4f} {time.perf_counter() - t1:.4f}\\n')\n")
 USERS = [f"user{i}" for i in range(10)]
 FINAL = [("succeeded", 70), ("failed", 15), ("cancelled", 10), ("timeout", 5)]
 QUEUED = 200
@@ -102,15 +108,23 @@ class Setup:
 
     def run(self, *args: str) -> tuple[float, bool, str]:
         """(wall seconds, ok, the first error line) of one whole CLI process."""
+        took, ok, error, _ = self.timed(*args)
+        return took, ok, error
+
+    def timed(self, *args: str) -> tuple[float, bool, str, tuple[float, float] | None]:
+        """`run`'s answer and the process's own (imports, command) seconds (None if it died)."""
         t0 = time.perf_counter()
         try:
-            p = subprocess.run([GPUFLEX, *args], capture_output=True, text=True, env=self.env,
-                               timeout=COMMAND_TIMEOUT_S)
+            p = subprocess.run([sys.executable, "-c", TIMED, *args], capture_output=True, text=True,
+                               env=self.env, timeout=COMMAND_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            return time.perf_counter() - t0, False, f"timed out after {COMMAND_TIMEOUT_S} s"
+            return time.perf_counter() - t0, False, f"timed out after {COMMAND_TIMEOUT_S} s", None
         took = time.perf_counter() - t0
-        ok = p.returncode == 0 and "Traceback" not in p.stderr
-        return took, ok, "" if ok else (p.stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        marks = [line.split()[1:] for line in p.stderr.splitlines() if line.startswith("#timing ")]
+        stderr = "\n".join(line for line in p.stderr.splitlines() if not line.startswith("#timing "))
+        ok = p.returncode == 0 and "Traceback" not in stderr
+        error = "" if ok else (stderr.strip().splitlines() or [f"exit {p.returncode}"])[-1]
+        return took, ok, error, (float(marks[-1][0]), float(marks[-1][1])) if marks else None
 
 
 def stats(times: list[float]) -> dict[str, float]:
@@ -131,21 +145,25 @@ def bench_backend(name: str, url: str, root: Path, args: argparse.Namespace) -> 
     one = str(args.jobs // 2)
     commands = {
         "startup (gpuflex --help)": ("--help",),
-        "status (table, every job)": ("status",),
+        "status (table)": ("status",),   # the jobs not ended and the 20 ended last
         "status ID": ("status", one),
         "status --user user3": ("status", "--user", "user3"),
+        "status --all (every job)": ("status", "--all"),
+        "status --json (every job)": ("status", "--json"),
         "submit (queued)": ("submit", "--name", "bench", "--", "true"),
         "metrics": ("metrics",),
     }
     out: dict = {"backend": name, "jobs": args.jobs, "seed_s": round(seeded_s, 1), "sequential": {},
-                 "failures": {}}
+                 "split": {}, "failures": {}}
     try:
         for label, argv in commands.items():
             # listing every job renders thousands of rows: fewer runs of those
-            n = max(2, args.repeat // 3) if label.startswith("status (") or "--user" in argv else args.repeat
-            runs = [setup.run(*argv) for _ in range(n)]
-            out["sequential"][label] = stats([t for t, _, _ in runs])
-            bad = [e for _, ok, e in runs if not ok]
+            n = max(2, args.repeat // 3) if "(every job)" in label else args.repeat
+            runs = [setup.timed(*argv) for _ in range(n)]
+            out["sequential"][label] = stats([t for t, _, _, _ in runs])
+            out["split"][label] = {"imports_s": round(statistics.median(m[0] for *_, m in runs if m), 3),
+                                   "command_s": round(statistics.median(m[1] for *_, m in runs if m), 3)}
+            bad = [e for _, ok, e, _ in runs if not ok]
             if bad:
                 out["failures"][label] = {"count": len(bad), "first": bad[0]}
         mix = [("status", one)] * (args.concurrent // 2) + [("submit", "--name", "c", "--", "true")] * \
@@ -189,6 +207,11 @@ def print_table(results: list[dict]) -> None:
         cells = [f"{r['sequential'][label]['median_s']:.3f} / {r['sequential'][label]['p95_s']:.3f}"
                  for r in results]
         print(f"{label:32}" + "".join(f"{c:>22}" for c in cells))
+    print("\nthe same runs inside each process: imports / the command itself (median seconds)")
+    for label in labels:
+        cells = [f"{r['split'][label]['imports_s']:.3f} / {r['split'][label]['command_s']:.3f}" for r in results]
+        print(f"{label:32}" + "".join(f"{c:>22}" for c in cells))
+    print()
     for cmd in ("status", "submit"):
         cells = [f"{r['concurrent'][cmd]['median_s']:.2f} / {r['concurrent'][cmd]['p95_s']:.2f}" for r in results]
         print(f"{'32 at once: ' + cmd:32}" + "".join(f"{c:>22}" for c in cells))

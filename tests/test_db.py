@@ -13,7 +13,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 
 from tests.conftest import db_rows
-from gpuflex.db.engine import current_revision, head_revision, make_engine, open_database, upgrade
+from gpuflex.db.engine import (current_revision, head_revision, make_engine, open_database, plain_head,
+                               stamped_revision, upgrade)
 from gpuflex.db.models import Base, Host, Job
 from gpuflex.errors import DatabaseError
 
@@ -42,6 +43,21 @@ def test_head_is_recorded_once_and_a_second_upgrade_does_nothing(tmp_path):
     assert upgrade(engine) is False
     assert db_rows(tmp_path / "g.db", "SELECT version_num FROM alembic_version") == [
         (head_revision(engine),)]
+
+
+def test_the_head_read_without_alembic_is_alembics_and_an_odd_script_leaves_it_to_alembic(tmp_path):
+    engine = make_engine(_url(tmp_path / "g.db"))
+    assert plain_head() == head_revision(engine)
+    assert stamped_revision(engine) is None
+    upgrade(engine)
+    assert stamped_revision(engine) == plain_head()
+    (tmp_path / "m" / "versions").mkdir(parents=True)
+    (tmp_path / "m" / "versions" / "0001_a.py").write_text("revision = '0001'\ndown_revision = None\n")
+    (tmp_path / "m" / "versions" / "0002_b.py").write_text("revision = '0002'\ndown_revision = '0001'\n")
+    assert plain_head(tmp_path / "m") == "0002"
+    (tmp_path / "m" / "versions" / "0003_merge.py").write_text("revision = '0003'\n"
+                                                               "down_revision = ('0001', '0002')\n")
+    assert plain_head(tmp_path / "m") is None
 
 
 def test_sqlite_runs_in_wal_mode_with_a_busy_timeout_and_foreign_keys(tmp_path):

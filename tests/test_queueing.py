@@ -12,6 +12,7 @@ from rich.console import Console
 import gpuflex.cli.render as render
 from gpuflex.config import parse_config
 from gpuflex.control.pool import Pool
+from gpuflex.control.queueing import Room
 from gpuflex.control.service import ArrayRef, JobService, SubmitRequest, parse_ref
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import UsageError
@@ -19,7 +20,7 @@ from gpuflex.jobspec import format_time, parse_array, parse_time
 from gpuflex.policy.lifecycle import Observation, ProcSeen
 from gpuflex.policy.placement import HostFree
 from gpuflex.policy.preemption import (Dependency, HeldWorker, Shrink, Stop, Victim, array_gate,
-                                       dependency_gate, plan_preemption)
+                                       could_preempt, dependency_gate, plan_preemption)
 from gpuflex.states import JobState as S
 from gpuflex.states import WorkerState
 from tests.fakes.hosts import FakeHost, World
@@ -128,6 +129,18 @@ def test_gangs_equal_or_higher_priority_and_resizing_jobs_are_never_preempted():
     assert not plan([victim(1, 0, (0, 1), elastic="inplace", min_workers=2)], 1).ok   # at its MIN
     busy = Victim(1, 0, "inplace", False, 1, workers("h", 0, 1), can_shrink=False)
     assert not plan([busy], 1).ok
+
+
+def test_a_job_could_preempt_only_what_a_plan_may_stop_or_shrink():
+    never = [victim(1, 0, (0, 1)), victim(2, 10, (2,), requeue=True),
+             victim(3, 0, (3, 4), elastic="inplace", min_workers=2)]
+    assert not could_preempt(never, 10) and not plan(never, 1).ok
+    assert could_preempt(never + [victim(4, 0, (5,), requeue=True)], 10)
+    assert could_preempt([victim(5, 0, (6, 7), elastic="inplace", min_workers=1)], 10)
+    assert not could_preempt([victim(5, 0, (6, 7), elastic="inplace", min_workers=1)], 0)
+    # so a full pool of such jobs lets the placing pass skip reading fair share's usage
+    assert not Room([HostFree("h", (), slots=True)], [], never).could_start(10)
+    assert Room([HostFree("h", (8,), slots=True)], [], never).could_start(10)
 
 
 def test_nobody_is_preempted_when_even_all_of_them_would_not_make_room():

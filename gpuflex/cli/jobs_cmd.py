@@ -102,6 +102,21 @@ def submit(
         raise typer.Exit(1)
 
 
+ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
+
+
+def parse_states(values: list[str]) -> list[JobState]:
+    """`--state` values (each may be a comma-separated list) as job states; UsageError
+    naming the first that is none."""
+    out = []
+    for name in (n.strip() for v in values for n in v.split(",")):
+        try:
+            out.append(JobState(name))
+        except ValueError:
+            raise UsageError(f"--state {name!r}: give one of " + ", ".join(s.value for s in JobState) + ".") from None
+    return out
+
+
 def _known(svc, job: str) -> None:
     """Fail on an unknown job before the refresh, so bad input changes nothing."""
     svc.job(job, events=False)
@@ -110,15 +125,22 @@ def _known(svc, job: str) -> None:
 @command
 def status(
     ctx: typer.Context,
-    job: Optional[str] = typer.Argument(None, help="A job id or name; all jobs when left out."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or an array of all jobs)."),
+    job: Optional[str] = typer.Argument(None, help="A job id or name; when left out, the jobs not ended "
+                                        f"and the {ENDED_SHOWN} that ended last."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or an array of all jobs, "
+                                 "filtered by --user, --mine and --state)."),
+    show_all: bool = typer.Option(False, "--all", help="List every ended job too, not only the "
+                                  f"{ENDED_SHOWN} that ended last."),
+    state: Optional[list[str]] = typer.Option(None, "--state", help="Only jobs in this state (repeatable, "
+                                              "or comma-separated): " + ", ".join(s.value for s in JobState) + "."),
     watch: bool = typer.Option(False, "--watch", help="Refresh every --interval seconds until Ctrl-C "
                                "(with --json: one JSON document per line per refresh)."),
     interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch (0.2 to 86400)."),
     user: Optional[str] = typer.Option(None, "--user", help="Only the jobs this user submitted (their owner)."),
     mine: bool = typer.Option(False, "--mine", help="Only the jobs I submitted."),
 ) -> None:
-    """Show jobs, or one job with its workers and last scale events.
+    """Show the jobs not ended and the newest ended ones (--all: every job), or one job with
+    its workers and last scale events.
 
     Example: gpuflex status 3 --json
     """
@@ -127,17 +149,22 @@ def status(
         parse_ref(job)
     if (job is not None) + (user is not None) + mine > 1:
         raise UsageError("give one of JOB, --user NAME and --mine.")
+    if job is not None and (show_all or state):
+        raise UsageError("--all and --state choose the jobs listed; give them without JOB.")
+    states = parse_states(state) if state else None
     svc = obj(ctx).service()
     owner = access.caller() if mine else svc.check_owner_name(user) if user is not None else None
 
     def snapshot():
         svc.refresh()
         if job is None:
-            jobs = svc.jobs(owner)
+            # JSON is for scripts: every job (the contract); a table is for people: the
+            # jobs not ended and the newest ended ones, the rest counted in one line
+            shown = svc.listing(owner, states, None if as_json or show_all else ENDED_SHOWN)
             if as_json:
                 return [render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id))
-                        for j in jobs]
-            return render.jobs_table(jobs, svc.progress)
+                        for j in shown.jobs]
+            return render.listing(shown, svc.progress)
         j = svc.job(job, events=False)   # the whole history is `gpuflex events`; status reads a few rows
         if as_json:
             return render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id))

@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from gpuflex.control.views import SPLIT_FIELDS, EventInfo, JobInfo, WorkerInfo, worker_split
+from gpuflex.control.views import SPLIT_FIELDS, EventInfo, JobInfo, Listing, WorkerInfo, worker_split
 from gpuflex.jobspec import format_time
 from gpuflex.states import JobState
 
@@ -133,15 +134,27 @@ def time_left_text(job: JobInfo) -> str:
     return f"time left {format_time(job.time_left_s)} of {format_time(job.time_limit_s)}"
 
 
-def array_summary(jobs: list[JobInfo]) -> str:
-    """"16 jobs: 4 running, 10 queued, 2 succeeded" (states in their life's order)."""
-    counts = {s: sum(1 for j in jobs if j.state is s) for s in JobState}
-    return f"{len(jobs)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+def array_summary(jobs: list[JobInfo], counts: dict[JobState, int] | None = None) -> str:
+    """"16 jobs: 4 running, 10 queued, 2 succeeded" (states in their life's order): of
+    `jobs`, or of the whole array's `counts` per state when given (a listing may show
+    only some of its jobs)."""
+    if counts is None:
+        counts = {s: sum(1 for j in jobs if j.state is s) for s in JobState}
+    return f"{sum(counts.values())} jobs: " + ", ".join(f"{counts[s]} {s}" for s in JobState if counts.get(s))
 
 
-def jobs_table(jobs: list[JobInfo], progress: dict[int, dict[str, Any]]) -> Table:
-    """One row per job; an array is one row (its id, counts per state) with its jobs
-    under it, indented, each named NAME[INDEX]."""
+def listing(shown: Listing, progress: dict[int, dict[str, Any]]) -> Table | Group:
+    """`status`'s table, then a line for the ended jobs it left out, if any."""
+    table = jobs_table(shown.jobs, progress, shown.arrays)
+    if not shown.older:
+        return table
+    return Group(table, f"{shown.older} older ended job(s) not shown: gpuflex status --all")
+
+
+def jobs_table(jobs: list[JobInfo], progress: dict[int, dict[str, Any]],
+               array_counts: dict[int, dict[JobState, int]] | None = None) -> Table:
+    """One row per job; an array is one row (its id, counts per state: of `array_counts` when
+    given, else of its jobs here) with its jobs under it, indented, each named NAME[INDEX]."""
     t = Table(title="gpuflex jobs", title_justify="left")
     for col in ("ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "LEFT", "OWNER", "AGE", "NOTE"):
         t.add_column(col, no_wrap=col != "NOTE")
@@ -155,7 +168,8 @@ def jobs_table(jobs: list[JobInfo], progress: dict[int, dict[str, Any]]) -> Tabl
         elif j.array_id in arrays:
             members = arrays.pop(j.array_id)
             cap = f" (at most {members[0].array_limit} running)" if members[0].array_limit else ""
-            t.add_row(f"array {j.array_id}", j.name, array_summary(members) + cap, "", "", "", "", j.user,
+            summary = array_summary(members, (array_counts or {}).get(j.array_id))
+            t.add_row(f"array {j.array_id}", j.name, summary + cap, "", "", "", "", j.user,
                       ago(min(m.created_at for m in members)), "")
             for m in members:
                 _job_row(t, m, progress, indent=True)

@@ -245,14 +245,20 @@ class JobService:
 
     def jobs(self, owner: str | None = None) -> list[views.JobInfo]:
         """Every job with its workers, by id; only `owner`'s when given."""
+        return self.listing(owner).jobs
+
+    def listing(self, owner: str | None = None, states: list[JobState] | None = None,
+                ended: int | None = None) -> views.Listing:
+        """The jobs `status` lists (views.listing): those not ended and the `ended` newest
+        ended ones (all when None); only `owner`'s and those in `states` when given."""
         with self.sessions() as session:
-            return [views.job_info(j) for j in queries.jobs(session) if owner is None or j.user == owner]
+            return views.listing(session, owner, states, ended)
 
     def check_owner_name(self, name: str) -> str:
         """`name` for `status --user` (gpuflex.control.access.check_user): a unix user, or
         the owner of a job here; UsageError otherwise."""
         with self.sessions() as session:
-            return access.check_user(name, lambda: (j.user for j in queries.jobs(session)))
+            return access.check_user(name, lambda: queries.owners(session))
 
     def check_may_change(self, ref: str | int, verb: str) -> None:
         """NotOwnerError (gpuflex.control.access) unless the caller owns the job `ref`
@@ -393,7 +399,7 @@ class JobService:
                 else:
                     executor.stop_job(ops, job, JobState.CANCELLED, "cancelled by user")
             lifecycle.place_queued(ops)
-            return [views.job_info(j) for j in jobs]
+            return views.job_infos(jobs)
 
     def scale(self, ref: str, n: int) -> views.JobInfo:
         """Resize a running job. A grow commits its steps one by one under the ops lock

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from sqlalchemy.orm import Session, object_session
 
@@ -80,7 +80,7 @@ class JobInfo:
     last_crash: dict[str, Any] | None = None   # the newest crash event's details, with its time
     # members waiting at a step barrier for busy members (running jobs): [{wid, for, phase, since}]
     waiting: tuple[dict[str, Any], ...] = ()
-    recent: tuple[EventInfo, ...] = ()   # the newest few state and generation events
+    recent: tuple[EventInfo, ...] = ()   # the newest few state and generation events (one job's view)
     # issue 11: 'inplace' | 'restart' | None (a fixed gang); the run's time limit and the
     # seconds left of it (running jobs); --after ids; the array and this job's index in it
     elastic: str | None = None
@@ -107,14 +107,52 @@ def event_info(e: Event) -> EventInfo:
     return EventInfo(e.id, e.job_id, e.time, e.kind, e.message, e.data, e.count or 1, e.last_time)
 
 
+@dataclasses.dataclass(frozen=True)
+class Listing:
+    """What `status` lists: the jobs, and how many ended ones it left out (`--all` shows
+    them); for each array among the jobs, how many of all its jobs are in each state."""
+
+    jobs: list[JobInfo]
+    older: int = 0
+    arrays: dict[int, dict[JobState, int]] = dataclasses.field(default_factory=dict)
+
+
+def listing(session: Session, owner: str | None, states: list[JobState] | None, ended: int | None) -> Listing:
+    """The jobs `status` lists, by id, read in a few queries whatever their number
+    (queries.listed_jobs, `job_infos`): every job not ended and the `ended` newest ended
+    ones (all when None); only `owner`'s and only those in `states` when given."""
+    jobs = queries.listed_jobs(session, owner=owner, states=states, ended=ended)
+    older = 0 if ended is None else max(0, queries.ended_count(session, owner=owner, states=states) - ended)
+    arrays = queries.array_state_counts(session, [j.array_id for j in jobs if j.array_id is not None])
+    return Listing(job_infos(jobs), older, arrays)
+
+
 def job_info(job: Job, *, events: bool = False) -> JobInfo:
-    """A job as a record. Only `events` reads the job's whole history; the rest reads a
-    few rows whatever the history holds (so `status` stays fast)."""
-    session = object_session(job)
-    crash = queries.last_event_of(session, job.id, [CRASH_KIND]) if session is not None else None
-    waited = queries.last_event_of(session, job.id, [WAITING_KIND], job.started_at or 0.0) \
-        if session is not None and job.state.active else None
-    recent = queries.recent_events(session, job.id, RECENT_KINDS, RECENT) if session is not None else []
+    """A job as a record, with its newest few state and generation events (`recent`).
+    Only `events` reads the job's whole history; the rest reads a few rows whatever the
+    history holds (so `status` stays fast)."""
+    info = job_infos([job], recent=True)[0]
+    return dataclasses.replace(info, events=tuple(event_info(e) for e in job.events)) if events else info
+
+
+def job_infos(jobs: list[Job], *, recent: bool = False) -> list[JobInfo]:
+    """Jobs of one session as records, in their order, read in a few queries whatever
+    their number (the workers come loaded with the jobs, or one query each: see
+    queries.listed_jobs): the newest crash of each, the newest wait of each running one,
+    and with `recent` each one's newest few state and generation events (a query per
+    job: for one job's view)."""
+    session = object_session(jobs[0]) if jobs else None
+    if session is None:
+        return [_job_info(j, None, None, ()) for j in jobs]
+    crashes = queries.last_events_of(session, [j.id for j in jobs], [CRASH_KIND])
+    waits = queries.last_events_of(session, [j.id for j in jobs if j.state.active], [WAITING_KIND],
+                                   since_start=True)
+    return [_job_info(j, crashes.get(j.id), waits.get(j.id),
+                      queries.recent_events(session, j.id, RECENT_KINDS, RECENT) if recent else ())
+            for j in jobs]
+
+
+def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Iterable[Event]) -> JobInfo:
     return JobInfo(
         id=job.id, name=job.name, state=job.state, user=job.user, argv=tuple(job.argv),
         workdir=job.workdir, env={k: REDACTED for k in job.env}, min_workers=job.min_workers,
@@ -124,7 +162,6 @@ def job_info(job: Job, *, events: bool = False) -> JobInfo:
         exit_code=job.exit_code, exit_reason=job.exit_reason, created_at=job.created_at,
         started_at=job.started_at, ended_at=job.ended_at,
         workers=tuple(worker_info(w) for w in job.workers),
-        events=tuple(event_info(e) for e in job.events) if events else (),
         retries=job.retries or 0,
         last_crash={**crash.data, "time": crash.time} if crash is not None else None,
         waiting=tuple((waited.data or {}).get("waiting") or ()) if waited is not None else (),

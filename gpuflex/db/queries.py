@@ -6,16 +6,26 @@ what that transaction wrote) and returns model objects or plain values.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from sqlalchemy import delete, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, selectinload
 
 from gpuflex.db.models import Event, Gpu, GpuSample, Host, Job, Worker
 from gpuflex.states import JobState, WorkerState
 
 ACTIVE = (JobState.RUNNING, JobState.SCALING)
 NOT_FINAL = (JobState.QUEUED, JobState.RUNNING, JobState.SCALING)
+FINAL = tuple(s for s in JobState if s.final)
+# ids per IN list of a batched read: well under the bound parameters SQLite and the
+# PostgreSQL drivers take (SQLAlchemy's selectinload uses the same size)
+CHUNK = 500
+
+
+def _chunks(ids: Iterable[int]) -> Iterator[list[int]]:
+    ids = list(ids)
+    for start in range(0, len(ids), CHUNK):
+        yield ids[start:start + CHUNK]
 
 
 # ---- jobs ---------------------------------------------------------------------------------
@@ -33,6 +43,47 @@ def jobs(session: Session, states: Iterable[JobState] | None = None) -> list[Job
     if states is not None:
         q = q.where(Job.state.in_(list(states)))
     return list(session.scalars(q))
+
+
+def _listed(owner: str | None, states: Iterable[JobState] | None) -> list:
+    """The WHERE clauses of a listing: only `owner`'s jobs, only those in `states`."""
+    where = [] if owner is None else [Job.user == owner]
+    return where if states is None else [*where, Job.state.in_(list(states))]
+
+
+def listed_jobs(session: Session, *, owner: str | None = None, states: Iterable[JobState] | None = None,
+                ended: int | None = None) -> list[Job]:
+    """Jobs by id, their workers loaded with them (a few queries, whatever their number):
+    every job not ended, and of the ended ones the `ended` newest by end time (all when
+    None); only `owner`'s and only those in `states` when given. The database filters."""
+    where = _listed(owner, states)
+    q = select(Job).where(*where).options(selectinload(Job.workers)).order_by(Job.id)
+    if ended is not None:
+        newest = select(Job.id).where(*where, Job.state.in_(FINAL)).order_by(
+            func.coalesce(Job.ended_at, Job.created_at).desc(), Job.id.desc()).limit(ended)
+        q = q.where(Job.state.in_(NOT_FINAL) | Job.id.in_(newest))
+    return list(session.scalars(q))
+
+
+def ended_count(session: Session, *, owner: str | None = None, states: Iterable[JobState] | None = None) -> int:
+    """How many ended jobs a listing with the same filters holds (counted by the database)."""
+    return session.scalar(select(func.count(Job.id)).where(*_listed(owner, states), Job.state.in_(FINAL))) or 0
+
+
+def owners(session: Session) -> set[str]:
+    """Every job owner in the database."""
+    return set(session.scalars(select(Job.user).distinct()))
+
+
+def array_state_counts(session: Session, array_ids: Iterable[int]) -> dict[int, dict[JobState, int]]:
+    """array id -> {state: how many of its jobs}, for `array_ids` (one GROUP BY per chunk)."""
+    out: dict[int, dict[JobState, int]] = {}
+    for chunk in _chunks(dict.fromkeys(array_ids)):
+        for array_id, state, n in session.execute(select(Job.array_id, Job.state, func.count(Job.id))
+                                                  .where(Job.array_id.in_(chunk))
+                                                  .group_by(Job.array_id, Job.state)):
+            out.setdefault(array_id, {})[state] = n
+    return out
 
 
 def job_counts(session: Session) -> dict[tuple[JobState, str], int]:
@@ -238,6 +289,22 @@ def with_event_since(session: Session, job_ids: Iterable[int], kind: str, since:
         return set()
     return set(session.scalars(select(Event.job_id).where(
         Event.job_id.in_(ids), Event.kind == kind, func.coalesce(Event.last_time, Event.time) >= since)))
+
+
+def last_events_of(session: Session, job_ids: Iterable[int], kinds: Iterable[str], *,
+                   since_start: bool = False) -> dict[int, Event]:
+    """job id -> its newest event of one of `kinds` (with `since_start`: recorded at or
+    after the job's current run started), for each of `job_ids` that has one: a query
+    per CHUNK ids, whatever the histories hold."""
+    out: dict[int, Event] = {}
+    for chunk in _chunks(job_ids):
+        newest = select(func.max(Event.id)).where(Event.job_id.in_(chunk), Event.kind.in_(list(kinds)))
+        if since_start:
+            newest = newest.join(Job, Job.id == Event.job_id).where(
+                Event.time >= func.coalesce(Job.started_at, 0.0))
+        out.update((e.job_id, e) for e in session.scalars(
+            select(Event).where(Event.id.in_(newest.group_by(Event.job_id)))))
+    return out
 
 
 def recent_events(session: Session, job_id: int, kinds: Iterable[str], limit: int) -> list[Event]:

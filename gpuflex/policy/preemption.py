@@ -150,6 +150,12 @@ def _offers(victims: Sequence[Victim], priority: int) -> list[tuple[Preempt, tup
     return shrinks + stops
 
 
+def could_preempt(victims: Sequence[Victim], priority: int) -> bool:
+    """Whether a job of `priority` may preempt any of `victims` at all (a shrink or a
+    stop `plan_preemption` could choose), whatever it needs."""
+    return bool(_offers(victims, priority))
+
+
 def plan_preemption(free: Sequence[HostFree], coming: Sequence[HeldWorker], minimum: int, per_worker: int,
                     priority: int, victims: Sequence[Victim]) -> Plan:
     """What to preempt so that `minimum` workers of `per_worker` devices fit (see the
