@@ -101,14 +101,14 @@ def fired_lines(log: Path | str, name: str) -> list[str]:
     return [line for line in text.splitlines() if line.startswith(f"failpoint {name} ")]
 
 
-def wait_fired(log: Path | str, name: str) -> tuple[str, float]:
-    """The line failpoint `name` wrote to `log`, and when (monotonic) it was first seen."""
+def wait_fired(log: Path | str, name: str, nth: int = 1) -> tuple[str, float]:
+    """The `nth` line failpoint `name` wrote to `log`, and when (monotonic) it was first seen."""
     end = time.monotonic() + BOUND_S
-    while not (lines := fired_lines(log, name)):
+    while len(lines := fired_lines(log, name)) < nth:
         if time.monotonic() > end:
-            pytest.fail(f"failpoint {name} never fired in {log}")
+            pytest.fail(f"failpoint {name} never fired {nth} time(s) in {log}")
         time.sleep(0.2)
-    return lines[0], time.monotonic()
+    return lines[nth - 1], time.monotonic()
 
 
 def pid_in(line: str) -> int:

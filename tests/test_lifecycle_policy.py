@@ -82,6 +82,16 @@ def test_an_unreachable_host_is_noted_and_its_workers_lost_once_the_job_went_on_
     ]
 
 
+def test_a_starting_newcomer_on_an_unreachable_host_is_lost_once_the_coordinator_left_it_out():
+    """FM-ssh's start-up cell: the host died while its newcomer warmed up; the coordinator
+    left it out, so the job will never take it in (it used to stay "starting")."""
+    facts = job(w(0, "a"), w(2, "b", state=W.STARTING, gen=0), w(3, "b", state=W.STARTING, gen=0))
+    status = dict(coord(2, [0]), left_out=[{"n": 1, "wid": 2, "reason": "stopped beating", "phase": "warm-up"}])
+    ended = [a for a in decide(facts, Observation({0: ALIVE}, unreachable={"b": "down"}, coordinator=status))
+             if isinstance(a, EndWorker)]
+    assert ended == [EndWorker(2, W.LOST)]
+
+
 def test_an_unreachable_host_whose_workers_are_still_members_loses_nobody():
     facts = job(w(0, "a"), w(1, "b"))
     seen = Observation({0: ALIVE}, unreachable={"b": "down"}, coordinator=coord(1, [0, 1]))

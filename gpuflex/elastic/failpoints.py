@@ -215,16 +215,17 @@ def hit(name: str, **ctx: object) -> None:
 
 
 def _due(name: str, ctx: dict[str, object]) -> Rule | None:
+    """The first rule due at this reach. Every rule whose filters hold counts the reach,
+    whichever fires: `hit=2` is the second reach even when another rule fired at the first."""
+    due = None
     for rule in _rules:
-        if rule.name != name or (rule.fired and rule.action != "sleep"):
-            continue
-        if not rule.holds(ctx):
+        if rule.name != name or (rule.fired and rule.action != "sleep") or not rule.holds(ctx):
             continue
         rule.reached += 1
-        if rule.reached >= rule.filters.get("hit", 1):
+        if due is None and rule.reached >= rule.filters.get("hit", 1):
             rule.fired = True
-            return rule
-    return None
+            due = rule
+    return due
 
 
 def _act(rule: Rule, ctx: dict[str, object]) -> None:

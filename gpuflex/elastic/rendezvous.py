@@ -276,7 +276,7 @@ class Rendezvous:
         Returns None when `stop()` becomes true. Raises Evicted when this worker, once a
         member, is left out of a newer generation, or when the coordinator rejected it.
         """
-        polls = 0
+        polls, checked = 0, after
         while not stop():
             if polls % 10 == 0:   # the rarer outcomes are looked at every 10th poll
                 self.check_abort()
@@ -292,11 +292,24 @@ class Rendezvous:
             if info is not None:
                 if self.wid in info["members"]:
                     return info
-                if was_member and self.wid in info["prev"]:
-                    raise Evicted(f"left out of generation {g}")
-                after = g if not was_member else after
+                if was_member:
+                    checked = self._left_out_after(checked, g)
+                else:
+                    after = g
             time.sleep(POLL_S)
         return None
+
+    def _left_out_after(self, checked: int, g: int) -> int:
+        """Raise Evicted if a generation in (checked, g] left this worker out of its previous
+        members, else return g. Not only the newest: a member frozen past a recovery and
+        woken after the next one was published found itself in neither's members and the
+        newest's `prev`, and waited for the job's end (the fault matrix's resize.first_step
+        x SIGSTOP of rank 0, whose recovery lost its last rank too)."""
+        for h in range(checked + 1, g + 1):
+            rec = self.generation(h)
+            if rec is not None and self.wid in rec["prev"] and self.wid not in rec["members"]:
+                raise Evicted(f"left out of generation {h}")
+        return g
 
     def barrier(self, g: int, members: list[int], timeout_s: float) -> None:
         """Wait until every member of g has arrived; Superseded if a newer one appears."""

@@ -17,7 +17,8 @@ gpuflex.control.executor writes it. In order:
    "left-out" for each newcomer the coordinator left out of a resize (it died warming up,
    or never started: worker, host, phase; a settle in the same reconcile names them too).
 3. A live worker on an unreachable host that the job has gone on without (not in a newer
-   generation's members, and not a newcomer still starting) is LOST.
+   generation's members, and not a newcomer still starting unless the coordinator left it
+   out) is LOST.
 4. A gang (all but an in-place job) whose worker ended badly is stopped: failed with
    that worker's exit code, or relaunched (gpuflex.policy.outcomes.gang_failure).
    A crash (outcomes: a worker's non-zero exit code the runtime does not use, or one the
@@ -105,10 +106,15 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
             actions.append(SetState(JobState.RUNNING, "; ".join(
                 [f"world size {world_size} at generation {gen}", *(r.message for r in dropped)])))
         if coord.get("generation"):
-            # a worker on a host we cannot reach that the job has gone on without is lost
+            # a worker on a host we cannot reach that the job has gone on without is lost; a
+            # newcomer still starting only once the coordinator left it out (it would stay
+            # "starting" while its host is gone, and hold its slot)
+            entries = coord.get("left_out") if isinstance(coord.get("left_out"), list) else []
+            dropped_wids = {e["wid"] for e in entries if isinstance(e, Mapping) and is_int(e.get("wid"))}
             for w in live():
                 if w.host in seen.unreachable and w.wid not in coord["members"] \
-                        and w.generation < coord["generation"] and w.state is not WorkerState.STARTING:
+                        and w.generation < coord["generation"] \
+                        and (w.state is not WorkerState.STARTING or w.wid in dropped_wids):
                     end(w, WorkerState.LOST, None)
     if job.gang and (ended := gang_failure(job, workers.values(), (coord or {}).get("crashed"), seen.log_tails)):
         actions.extend(ended)
