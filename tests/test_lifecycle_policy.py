@@ -92,6 +92,16 @@ def test_a_starting_newcomer_on_an_unreachable_host_is_lost_once_the_coordinator
     assert ended == [EndWorker(2, W.LOST)]
 
 
+def test_a_first_generation_worker_on_an_unreachable_host_is_lost_once_the_coordinator_rejected_it():
+    """The start-up x SSH host cell: the first formation's deadline went on without worker 1
+    (rejected); its host is gone, so its row would stay "starting" until the host answered."""
+    facts = job(w(0, "a"), w(1, "b", state=W.STARTING, gen=0), w(2, "b", state=W.STARTING, gen=0))
+    status = dict(coord(1, [0]), rejected=[1, True, "2"])      # what is no id is not trusted
+    ended = [a for a in decide(facts, Observation({0: ALIVE}, unreachable={"b": "down"}, coordinator=status))
+             if isinstance(a, EndWorker)]
+    assert ended == [EndWorker(1, W.LOST)]
+
+
 def test_an_unreachable_host_whose_workers_are_still_members_loses_nobody():
     facts = job(w(0, "a"), w(1, "b"))
     seen = Observation({0: ALIVE}, unreachable={"b": "down"}, coordinator=coord(1, [0, 1]))

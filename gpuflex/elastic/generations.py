@@ -380,8 +380,9 @@ class Generations:
         verification and were ignored (each distinct record once), "last": the key of the
         newest one (None: none)}. `history`: the last HISTORY_KEPT generations of
         `generations_total`. `abort`, `held` ({reason, since, workers, phase}), `unreachable` (null or {reason, ...}),
-        `crashed`, `waiting`, `known` (every id ever wanted) and `left_out` (newcomers left out
-        of a resize: {n, wid, reason, phase, generation, at}, n counting them) lists,
+        `crashed`, `waiting`, `known` (every id ever wanted), `rejected` (ids left out for
+        good) and `left_out` (newcomers left out of a resize: {n, wid, reason, phase,
+        generation, at}, n counting them) lists,
         `forming` (null or {generation, since, waiting_for, phase}) are always present."""
         cur = self.history[-1] if self.history else None
         settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired
@@ -393,7 +394,7 @@ class Generations:
                 "forming": None if self.finished or self.abort or self.held else self.formation.record(),
                 "crashed": [self.reports.crashed[w] for w in sorted(self.reports.crashed)],
                 "waiting": self.reports.waiting, "generations_total": self.generation, "known": sorted(self.known),
-                "left_out": list(self.warm_ups.left_out),
+                "left_out": list(self.warm_ups.left_out), "rejected": sorted(self.rejected),
                 "history": [dict(h, verified=h["verified"] and (h["timings"] is not None or h is not cur))
                             for h in self.history]}
 

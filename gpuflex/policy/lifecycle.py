@@ -107,10 +107,13 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
                 [f"world size {world_size} at generation {gen}", *(r.message for r in dropped)])))
         if coord.get("generation"):
             # a worker on a host we cannot reach that the job has gone on without is lost; a
-            # newcomer still starting only once the coordinator left it out (it would stay
-            # "starting" while its host is gone, and hold its slot)
+            # newcomer still starting only once the coordinator left it out of a resize or
+            # rejected it (a first formation's deadline): it would stay "starting" while its
+            # host is gone, and hold its slot
             entries = coord.get("left_out") if isinstance(coord.get("left_out"), list) else []
-            dropped_wids = {e["wid"] for e in entries if isinstance(e, Mapping) and is_int(e.get("wid"))}
+            rejected = coord.get("rejected") if isinstance(coord.get("rejected"), list) else []
+            dropped_wids = {e["wid"] for e in entries if isinstance(e, Mapping) and is_int(e.get("wid"))} \
+                | {w for w in rejected if is_int(w)}
             for w in live():
                 if w.host in seen.unreachable and w.wid not in coord["members"] \
                         and w.generation < coord["generation"] \
