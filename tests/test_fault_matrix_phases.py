@@ -373,14 +373,15 @@ def killed_at(fm, home, job: dict, wid: int, point: str, restarts: int, trained:
 
 
 def fill(path: Path) -> None:
-    """Write zeros to `path` until its file system is full."""
-    with open(path, "wb") as f:
-        try:
+    """Write zeros to `path` until its file system is full (already full: even creating
+    `path` fails)."""
+    try:
+        with open(path, "wb") as f:
             while True:
                 f.write(bytes(1 << 16))
                 f.flush()
-        except OSError as e:
-            assert e.errno == errno.ENOSPC, e
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
 
 
 @contextlib.contextmanager
@@ -389,8 +390,9 @@ def full_disk(path: Path) -> Iterator[dict[str, str] | None]:
     filler took the rest): a real full disk from here on; unmounted after. Yields the files'
     digests, or None where no tmpfs can be mounted (not root)."""
     saved = {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(path)],
-                                           capture_output=True).returncode != 0:
+    size = sum(len(d) for d in saved.values()) + (4 << 20)   # the copies fit, whatever the run wrote
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                                            str(path)], capture_output=True).returncode != 0:
         yield None
         return
     try:
