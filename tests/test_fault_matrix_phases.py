@@ -51,9 +51,11 @@ STOP_HOLD_S = 2   # rank 0 at the cancel's stop: less than cancel_grace_s, so it
 
 
 def settled(cli, job_id: int, members: list[int], what: str) -> dict:
-    """The job running on exactly `members` (ranks in that order), the victims gone."""
-    return wait_for(cli, job_id, lambda j: j["state"] == "running" and member_wids(j) == members, what,
-                    BOUND_S, every_s=0.5)
+    """The job running on exactly `members` (ranks in that order), the victims gone, in a
+    generation of that size: a victim's row ends before the coordinator forms the recovery,
+    and a grow asked in between joins the recovery's formation instead of a resize's."""
+    return wait_for(cli, job_id, lambda j: j["state"] == "running" and member_wids(j) == members
+                    and j["world_size"] == len(members), what, BOUND_S, every_s=0.5)
 
 
 def woken_ends_evicted(cli, job_id: int, line: str, wid: int, cell: str) -> None:
