@@ -24,7 +24,7 @@ from gpuflex.db.models import Job, Worker
 from gpuflex.elastic import env as env_contract
 from gpuflex.elastic import failpoints
 from gpuflex.jobspec import INPLACE, SPLIT_EVEN, torchrun_args
-from gpuflex.elastic.env import WorkerEnv
+from gpuflex.elastic.env import SPEED_HINT, SPLIT, STRAGGLER_FACTOR, WorkerEnv
 from gpuflex.hosts import hostops
 from gpuflex.hosts.transport import SpawnSpec, Transport
 from gpuflex.policy.speeds import speed_hint
@@ -35,9 +35,6 @@ OMP_THREADS = "OMP_NUM_THREADS"
 ARRAY_ID = "GPUFLEX_ARRAY_ID"        # an array job's array (the id of its first job)
 ARRAY_INDEX = "GPUFLEX_ARRAY_INDEX"  # and its index in it
 # issue 12: to each in-place worker, for the runtime's split of the global batch
-SPLIT = "GPUFLEX_SPLIT"                         # speed | even: how the global batch is divided
-SPEED_HINT = "GPUFLEX_SPEED_HINT"               # its first guess of its relative speed
-STRAGGLER_FACTOR = "GPUFLEX_STRAGGLER_FACTOR"   # slower than the median by this: a straggler
 
 
 def job_dir(host: HostConfig, job: Job) -> str:

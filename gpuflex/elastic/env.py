@@ -38,6 +38,9 @@ GPUS = "GPUFLEX_GPUS"                        # the worker's own GPUs (host indic
 # in local-rank order, for a gang: torchrun's convention): the device it should use.
 CUDA_DEVICE = "GPUFLEX_CUDA_DEVICE"
 RESTART_COUNT = "GPUFLEX_RESTART_COUNT"      # the job's relaunches so far (jobs.restarts)
+SPLIT = "GPUFLEX_SPLIT"                         # speed | even: how the global batch is divided
+SPEED_HINT = "GPUFLEX_SPEED_HINT"               # its first guess of its relative speed
+STRAGGLER_FACTOR = "GPUFLEX_STRAGGLER_FACTOR"   # slower than the median by this: a straggler
 # Tuning knobs a user may set in a job's environment (read by gpuflex.elastic.gradients).
 DIRECT_BYTES = "GPUFLEX_DIRECT_BYTES"
 EXCHANGE_BYTES = "GPUFLEX_EXCHANGE_BYTES"

@@ -35,15 +35,13 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic.collectives import Collectives
+from gpuflex.elastic.env import SPEED_HINT, SPLIT, STRAGGLER_FACTOR
 from gpuflex.elastic.shares import (even_shares, estimates, median, predicted_step_s, speed_shares,
                                     worth_replanning)
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("speed", "even")
-SPLIT_ENV = "GPUFLEX_SPLIT"
-HINT_ENV = "GPUFLEX_SPEED_HINT"
-STRAGGLER_ENV = "GPUFLEX_STRAGGLER_FACTOR"
 DEFAULT_STRAGGLER_FACTOR = 3.0
 EXCHANGE_EVERY = 8   # steps between exchanges of the measurements
 EWMA_ALPHA = 0.3     # the weight of a new step's measurement
@@ -53,9 +51,9 @@ HISTORY = 8          # re-plans kept in the plan (and shown in the progress reco
 def split_mode(split: str | None, environ: Mapping[str, str] | None = None) -> str:
     """`ElasticRun(split=...)`: as given, else GPUFLEX_SPLIT, else "speed"."""
     env = os.environ if environ is None else environ
-    mode = split if split is not None else (env.get(SPLIT_ENV) or "speed")
+    mode = split if split is not None else (env.get(SPLIT) or "speed")
     if mode not in SPLITS:
-        where = "split" if split is not None else SPLIT_ENV
+        where = "split" if split is not None else SPLIT
         raise ValueError(f"{where} must be one of {', '.join(SPLITS)}, got {mode!r}")
     return mode
 
@@ -104,8 +102,8 @@ class SplitPlan:
         env = os.environ if environ is None else environ
         self.mode = split_mode(split, env)
         self.least = least   # the smallest share a speed split gives a member, unless 0 (BatchNorm: 2)
-        self.hint = _positive(env, HINT_ENV, 1.0)
-        self.straggler_factor = _positive(env, STRAGGLER_ENV, DEFAULT_STRAGGLER_FACTOR, least=1.0)
+        self.hint = _positive(env, SPEED_HINT, 1.0)
+        self.straggler_factor = _positive(env, STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FACTOR, least=1.0)
         self.global_batch_size = global_batch_size
         self.meter = Meter()
         self.exchanged_in = -1   # the generation of the last exchange (local)
