@@ -68,7 +68,8 @@ def snapshot(session: Session, config: Config,
     shun = shunned(session, time.time())
     for j in queries.jobs(session, queries.NOT_FINAL):
         workers = tuple(WorkerView(w.wid, w.host, tuple(w.gpus), w.state) for w in j.live_workers)
-        closed = {g.ref for g in gpus if not access.may_start(config, j, [g.host])}
+        shut = {h for h in names if not access.may_start(config, j, [h])}
+        closed = {g.ref for g in gpus if g.host in shut}
         jobs.append(JobView(id=j.id, state=j.state, min_workers=j.min_workers, max_workers=j.max_workers,
                             gpus_per_worker=j.gpus_per_worker, priority=j.priority, harvest=j.harvest,
                             workers=workers, target_workers=j.target_workers, name=j.name, user=j.user,
