@@ -15,6 +15,7 @@ import argparse
 import hashlib
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -64,13 +65,17 @@ def main() -> None:
     if rank == 0:
         with open(os.path.join(args.out, "params.json"), "w") as f:
             json.dump([p.flatten().tolist() for p in params], f)
-    # DDP's reducer gone and every rank done before any tears its group down: otherwise gloo
-    # aborted a process now and then ("terminate called without an active exception",
-    # SIGABRT at exit: 1 run in 4 across two hosts)
-    del ddp_model, optimizer
-    dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # torch 2.13 on CPU: DDP keeps gloo's worker threads alive past destroy_process_group,
+    # and one of them may still be freeing the last all-reduce of backward(), which holds a
+    # Python object, when the interpreter finalizes; the thread cannot take the GIL then and
+    # the process aborts ("terminate called without an active exception", SIGABRT; 8 runs
+    # in 60 under plain torchrun). Everything is written and the group torn down: leave
+    # without finalizing.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
