@@ -1,5 +1,6 @@
 """What a lab's job asks for besides its command: how it changes size, how long it may run,
-what it waits for and which array it belongs to (issue 11). Pure parsing, shared by the
+what it waits for and which array it belongs to (issue 11), how its batch is split (issue
+12) and which checkpoint it resumes from (issue 13). Pure parsing, shared by the
 CLI (`submit --elastic/--time/--after/--array`) and the config (`[jobs] default_time`), so
 one spelling means one thing everywhere; every refusal is a UsageError naming the value.
 
@@ -12,6 +13,7 @@ bare number is minutes, as in Slurm); `--array` takes `A-B`, `A,B,C` or a mix, w
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 from gpuflex.errors import UsageError
@@ -156,6 +158,36 @@ def split_mode(value: str | None, elastic: str | None) -> str | None:
                          f"batch gpuflex divides); this is a {elastic or 'gang'} job, whose script divides "
                          "its own batch: leave --split out (or submit with --elastic inplace).")
     return mode
+
+
+def resume_path(value: str, elastic: str | None, cwd: str) -> str:
+    """The job's `resume_from` (issue 13) from `--resume-from PATH`: the checkpoint directory
+    of an earlier job, `~` expanded, made absolute against `cwd` (the caller's) and
+    normalised. Only an in-place job starts from gpuflex's checkpoint (its runtime reads one
+    written at any world size); a gang or restart job's script resumes from its own, so
+    the option is refused there rather than silently ignored."""
+    text = str(value)
+    if elastic != INPLACE:
+        raise UsageError(f"--resume-from applies to in-place jobs (gpuflex.elastic scripts, which start from "
+                         f"gpuflex's checkpoint at any world size); this is a {elastic or 'gang'} job, whose "
+                         "script resumes from its own checkpoints: leave --resume-from out (or submit with "
+                         "--elastic inplace).")
+    if not text.strip():
+        raise UsageError(f"--resume-from {text!r}: give the checkpoint directory of an earlier job (the "
+                         "directory holding its checkpoint.pt).")
+    if not _one_utf8_line(text):
+        raise UsageError(f"--resume-from {text!r} holds a NUL byte, a line break or bytes that are not UTF-8.")
+    return os.path.normpath(os.path.join(cwd, os.path.expanduser(text)))
+
+
+def _one_utf8_line(text: str) -> bool:
+    """Whether `text` can be stored (UTF-8), passed in an environment (no NUL) and shown on
+    one line of a message or log (no line break)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:   # the shell's bytes that are not UTF-8, as surrogate escapes
+        return False
+    return not any(c in text for c in "\0\n\r")
 
 
 def torchrun_args(argv: list[str]) -> list[str] | None:

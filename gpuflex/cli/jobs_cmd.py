@@ -64,6 +64,8 @@ def submit(
     split: Optional[str] = typer.Option(None, "--split", help="How an in-place job's global batch is divided over "
                                         "its workers: speed (in proportion to each worker's measured speed, for "
                                         "mixed GPUs; default) or even."),
+    resume_from: Optional[str] = typer.Option(None, "--resume-from", help="An in-place job starts from this "
+                                              "checkpoint directory of an earlier job, at any world size."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -85,7 +87,7 @@ def submit(
                         time_limit_s=parse_time(time) if time is not None else None,
                         after=parse_after(after) if after is not None else (),
                         array=parse_array(array) if array is not None else None, requeue=requeue,
-                        notify=notify, split=split)
+                        notify=notify, split=split, resume_from=resume_from)
     svc = obj(ctx).service()
     job = svc.job(svc.submit(req), events=False)
     if as_json:

@@ -181,7 +181,7 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
     contract = WorkerEnv(
         worker_id=worker.wid, job_id=job.id, job_token=job.token, job_secret=job.secret,
         store=f"{job.store_addr}:{job.store_port}", control=worker_socket(job, worker.wid),
-        checkpoint_dir=job.checkpoint_dir or posixpath.join(d, "checkpoints"),
+        checkpoint_dir=job.checkpoint_dir or posixpath.join(d, "checkpoints"), resume_from=job.resume_from,
         checkpoint_interval_s=config.jobs.checkpoint_interval_s, pg_timeout_s=config.jobs.pg_timeout_s,
         gpus=tuple(worker.gpus) if host.cpu_slots is None else None,
         slots=tuple(worker.gpus) if host.cpu_slots is not None else None,

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Mapping
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config, check_webhook_url
-from gpuflex.control import access, executor, intents, journal, lifecycle, notify, report, scaling, views
+from gpuflex.control import access, executor, intents, journal, lifecycle, notify, report, resume, scaling, views
 from gpuflex.control.executor import Ops
 from gpuflex.control.launch import submit_environment
 from gpuflex.control.pool import Pool
@@ -91,6 +91,7 @@ class SubmitRequest:
     requeue: bool = False
     notify: str | None = None   # --notify: the webhook URL (None: [notify] url, if any)
     split: str | None = None    # --split speed|even (issue 12; None: speed for an in-place job)
+    resume_from: str | None = None   # --resume-from PATH as given (issue 13; see control/resume.py)
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
@@ -313,6 +314,7 @@ class JobService:
 
     # ---- commands ----------------------------------------------------------------
     def submit(self, req: SubmitRequest) -> int:
+        resume_from = resume.checked(self.config, req.resume_from, req.elastic_mode)   # before any probe
         workdir = os.path.abspath(os.path.expanduser(req.workdir or os.getcwd()))
         results = self.collect_probes()
         with self.locked() as session:
@@ -333,9 +335,8 @@ class JobService:
                     submit_env=submit_environment(environ, req.env),
                     min_workers=req.min_workers, max_workers=req.max_workers,
                     gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
-                    retries=req.retries, elastic=req.elastic_mode, time_limit_s=limit,
-                    split=split_mode(req.split, req.elastic_mode),
-                    after=list(req.after) or None, requeue=req.requeue,
+                    retries=req.retries, elastic=req.elastic_mode, time_limit_s=limit, resume_from=resume_from,
+                    split=split_mode(req.split, req.elastic_mode), after=list(req.after) or None, requeue=req.requeue,
                     notify_url=req.notify or self.config.notify.url,
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
                     user=access.caller(),

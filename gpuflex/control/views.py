@@ -92,6 +92,10 @@ class JobInfo:
     array_limit: int | None = None
     requeue: bool = False
     split: str | None = None     # issue 12: 'speed' | 'even' (in-place jobs), None: a gang's own
+    # issue 13: where the job writes its checkpoints (None before its first start; a host's
+    # path, `~` its user's home) and the earlier job's it started from (`submit --resume-from`)
+    checkpoint_dir: str | None = None
+    resume_from: str | None = None
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -168,7 +172,8 @@ def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Itera
         recent=tuple(event_info(e) for e in recent),
         elastic=job.elastic, time_limit_s=job.time_limit_s, time_left_s=time_left(job),
         after=tuple(job.after or ()), array_id=job.array_id, array_index=job.array_index,
-        array_limit=job.array_limit, requeue=bool(job.requeue), split=job.split)
+        array_limit=job.array_limit, requeue=bool(job.requeue), split=job.split,
+        checkpoint_dir=job.checkpoint_dir, resume_from=job.resume_from)
 
 
 SPLIT_FIELDS = ("share", "samples_per_s", "relative")

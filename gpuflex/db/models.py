@@ -131,6 +131,10 @@ class Job(Base):
     # how an in-place job's global batch is divided: 'speed' (by measured worker speed) or
     # 'even' (`submit --split`; migration 0008); None: submitted before, runs even
     split: Mapped[str | None] = mapped_column(String(8))
+    # the checkpoint directory of an earlier job that an in-place job's workers start from,
+    # at whatever world size wrote it (`submit --resume-from`, absolute; migration 0009);
+    # None: the job starts afresh
+    resume_from: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

@@ -29,6 +29,8 @@ WORKER_ID = "GPUFLEX_WORKER_ID"
 STORE = "GPUFLEX_STORE"                      # host:port of the job's TCPStore; unset = standalone
 CONTROL = "GPUFLEX_CONTROL"                  # the worker's unix control socket
 CHECKPOINT_DIR = "GPUFLEX_CHECKPOINT_DIR"
+# an earlier job's checkpoint directory an in-place job starts from (`submit --resume-from`)
+RESUME_FROM = "GPUFLEX_RESUME_FROM"
 CHECKPOINT_INTERVAL_S = "GPUFLEX_CHECKPOINT_INTERVAL_S"
 PG_TIMEOUT_S = "GPUFLEX_PG_TIMEOUT_S"
 HEARTBEAT_TIMEOUT_S = "GPUFLEX_HEARTBEAT_TIMEOUT_S"   # a member silent this long is taken for dead
@@ -61,6 +63,7 @@ class WorkerEnv:
     job_secret: str | None = dataclasses.field(default=None, repr=False)
     control: str | None = None
     checkpoint_dir: str | None = None
+    resume_from: str | None = None            # an earlier job's checkpoint directory; None: afresh
     checkpoint_interval_s: float = DEFAULT_CHECKPOINT_INTERVAL_S
     pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S
     heartbeat_timeout_s: float = DEFAULT_HEARTBEAT_TIMEOUT_S
@@ -99,6 +102,7 @@ class WorkerEnv:
         for name, value in ((JOB_ID, self.job_id), (JOB_TOKEN, self.job_token),
                             (JOB_SECRET, self.job_secret), (STORE, self.store),
                             (CONTROL, self.control), (CHECKPOINT_DIR, self.checkpoint_dir),
+                            (RESUME_FROM, self.resume_from),
                             ("MASTER_ADDR", self.master_addr), ("MASTER_PORT", self.master_port)):
             if value is not None:
                 env[name] = str(value)
@@ -133,6 +137,7 @@ class WorkerEnv:
             job_secret=env.get(JOB_SECRET) or None,
             control=env.get(CONTROL) or None,
             checkpoint_dir=os.path.expanduser(env[CHECKPOINT_DIR]) if env.get(CHECKPOINT_DIR) else None,
+            resume_from=os.path.expanduser(env[RESUME_FROM]) if env.get(RESUME_FROM) else None,
             checkpoint_interval_s=float(env.get(CHECKPOINT_INTERVAL_S, DEFAULT_CHECKPOINT_INTERVAL_S)),
             pg_timeout_s=float(env.get(PG_TIMEOUT_S, DEFAULT_PG_TIMEOUT_S)),
             heartbeat_timeout_s=float(env.get(HEARTBEAT_TIMEOUT_S, DEFAULT_HEARTBEAT_TIMEOUT_S)),
