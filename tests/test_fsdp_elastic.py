@@ -38,12 +38,14 @@ from torch import nn
 
 from gpuflex.elastic import reshard
 from gpuflex.elastic.formation import StateMismatch
+from gpuflex.elastic.keys import SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.elastic.micro import lockstep_bounds, micro_bounds
 from gpuflex.elastic.runtime import ElasticRun
 from gpuflex.elastic.sampler import ElasticSampler
 from gpuflex.elastic.sharding import Sharding
 from gpuflex.hosts.relay import unix_request
 from tests.test_elastic_jobs import ej, live_members, scale, step_of, wait_for  # noqa: F401 (ej: the fixture)
+from tests.conftest import db_rows
 from tests.test_runtime_api import DEADLINE_S, ROOT, Job, assert_every_sample_once, free_port
 
 EXAMPLE = ROOT / "examples" / "elastic_fsdp.py"
@@ -170,16 +172,17 @@ def test_a_resize_2_3_2_in_place_equals_a_fixed_size_run_and_the_unsharded_one(j
     assert "rolling back" not in j.logs()
 
 
-def test_a_member_killed_ends_the_sharded_job_with_one_error_line(jobs):
+def test_a_member_killed_ends_the_survivor_with_the_shards_lost_exit(jobs):
     """kill -9 takes the only copy of a member's shards: the survivor does not train on or
-    hang; it ends (exit 1) saying why and that DCP recovery is the next stage."""
+    hang; it ends with SHARDS_LOST_EXIT (the control side restarts the job from its
+    distributed checkpoint: the local-pool tests below), saying why in one line."""
     j = jobs([0, 1], "killed", [*ARGS, "--step-sleep", "0.4"])
     j.wait(lambda: j.at(1, 2), "step 2")
     j.procs[1].kill()
     rc = j.procs[0].wait(timeout=DEADLINE_S)
     log = (j.tmp / "worker-0.log").read_text()
-    assert rc == 1, log
-    assert "a sharded job keeps one copy of each shard" in log and "next stage" in log, log
+    assert rc == SHARDS_LOST_EXIT, log
+    assert "a sharded job keeps one copy of each shard" in log and "restarts from its last distributed" in log, log
     assert "Traceback" not in log, log
 
 
@@ -258,4 +261,57 @@ def test_on_the_local_pool_1_3_2_4_in_place_ends_as_the_unsharded_run(ej, home, 
     assert [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws] == [1, 3, 2, 4]
     assert_every_sample_once(r, N, 4 * STEPS, B)
     assert not [e for e in ej.json("events", str(job["id"])) if e["kind"] == "rollback"]
+    close(r["params"], reference(tmp_path, "--no-shard", *epochs))
+
+
+def resumed_steps(logs: str) -> list[int]:
+    """The steps the job's restarts resumed at, from the workers' log lines."""
+    return [int(part.split()[0]) for part in logs.split("resumed from checkpoint at step ")[1:]]
+
+
+def test_a_member_killed_restarts_the_job_from_its_distributed_checkpoint(ej, home, tmp_path):
+    """kill -9 of a member of a 3-worker sharded job (2 may go on): the survivors end with
+    SHARDS_LOST_EXIT, the job is requeued (cause shards-lost, not counted against --retries),
+    restarts from its last DCP checkpoint at whatever size it gets, replays the steps since,
+    and ends as the unsharded run, every sample once."""
+    report = home / "r.json"
+    epochs = ["--epochs", "4"]   # 64 steps; 1 s checkpoints (the ej config)
+    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--report", str(report)],
+                    "--workers", "2:3", "--elastic", "inplace")
+    running = wait_for(ej, job["id"], lambda j: step_of(j) >= 12 and j["world_size"] == 3, "steps at world size 3")
+    victim = live_members(running)[1]
+    os.kill(victim["pid"], 9)
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded" and done["restarts"] == 1, done
+    first_run = done["workers"][:3]
+    assert sorted(w["exit_code"] for w in first_run) == [-9, SHARDS_LOST_EXIT, SHARDS_LOST_EXIT], first_run
+    requeues = [e for e in ej.json("events", str(job["id"])) if (e["data"] or {}).get("cause") == "shards-lost"]
+    assert requeues and f"worker {victim['wid']}" in requeues[0]["message"], requeues
+    logs = ej.ok("logs", str(job["id"])).stdout
+    (resumed,) = resumed_steps(logs)
+    assert 0 < resumed <= step_of(running) + 10, (resumed, step_of(running))
+    assert "shards restored from" in logs and "/dcp/step-" in logs
+    r = json.loads(report.read_text())
+    assert_every_sample_once(r, N, 2 * STEPS, B)
+    close(r["params"], reference(tmp_path, "--no-shard", *epochs))
+
+
+def test_a_lost_store_restarts_the_sharded_job_from_its_distributed_checkpoint(ej, home, tmp_path):
+    """The job store killed: every member exits STORE_LOST_EXIT, the job restarts from its
+    DCP checkpoint (not from step 0) and ends as the unsharded run."""
+    report = home / "r.json"
+    epochs = ["--epochs", "4"]
+    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--report", str(report)],
+                    "--workers", "2", "--elastic", "inplace")
+    wait_for(ej, job["id"], lambda j: step_of(j) >= 12 and j["world_size"] == 2, "steps past the first checkpoints")
+    (store_pgid,) = db_rows(home / "g.db", "SELECT store_pgid FROM jobs WHERE id = ?", (job["id"],))[0]
+    os.killpg(store_pgid, 9)
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded" and done["restarts"] == 1, done
+    assert [w["exit_code"] for w in done["workers"][:2]] == [STORE_LOST_EXIT] * 2, done["workers"]
+    logs = ej.ok("logs", str(job["id"])).stdout
+    (resumed,) = resumed_steps(logs)
+    assert resumed > 0 and "shards restored from" in logs
+    r = json.loads(report.read_text())
+    assert_every_sample_once(r, N, 2 * STEPS, B)
     close(r["params"], reference(tmp_path, "--no-shard", *epochs))

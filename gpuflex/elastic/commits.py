@@ -13,6 +13,7 @@ import torch
 
 from gpuflex.elastic.buffers import BufferSync
 from gpuflex.elastic.checkpoints import CheckpointError, load_newest_good, save_checkpoint
+from gpuflex.elastic.shard_checkpoints import UnsafeCheckpoint, path_of
 from gpuflex.elastic.sampler import ElasticSampler
 from gpuflex.elastic.state import LightCommit, Registry, copy_value, rng_state, set_rng_state
 
@@ -27,7 +28,8 @@ class TrainingState:
     what is done with them at step boundaries and formations."""
 
     def __init__(self, *, registry: Registry, model: torch.nn.Module, sampler: ElasticSampler,
-                 distributed: bool, checkpoint_dir: str | None, buffers: BufferSync | None = None) -> None:
+                 distributed: bool, checkpoint_dir: str | None, buffers: BufferSync | None = None,
+                 resume_from: str | None = None) -> None:
         self.registry, self.model, self.sampler = registry, model, sampler
         self.buffers = buffers
         self.distributed = distributed
@@ -39,6 +41,9 @@ class TrainingState:
         self.last_checkpoint = time.monotonic()
         self.last_checkpoint_error: str | None = None   # the last failed write's reason, until one succeeds
         self.checkpoint_failures = 0                    # writes that failed, in this process
+        self.resume_from = resume_from   # `submit --resume-from`: another job's checkpoint directory
+        self.resume_dcp: str | None = None   # a sharded run's shards to restore (the loaded checkpoint names them)
+        self.dcp_names: list[str] = []       # the DCP directories the light files name (rank 0)
         self._light: LightCommit | None = None
         self._buffer_slots: list[tuple[torch.nn.Module, str]] | None = None
 
@@ -122,8 +127,9 @@ class TrainingState:
         self.step_log = [list(x) for x in logs["step_log"]]
         self.samples = {int(e): list(v) for e, v in logs["samples"].items()}
 
-    def checkpoint(self, rank: int, world_size: int) -> bool:
-        """Rank 0 writes the live (just committed) state to disk, atomically. A write that
+    def checkpoint(self, rank: int, world_size: int, dcp: str | None = None) -> bool:
+        """Rank 0 writes the live (just committed) state to disk, atomically (a sharded run:
+        its light state, naming the distributed checkpoint `dcp` of its shards). A write that
         fails (a full disk, a read-only or vanished directory) is a failed checkpoint, not
         a failed job: training goes on with the earlier checkpoints intact, the reason is
         logged and kept in `last_checkpoint_error`, and the next try comes an interval
@@ -131,30 +137,42 @@ class TrainingState:
         if not (self.checkpoint_dir and rank == 0):
             return False
         path = os.path.join(self.checkpoint_dir, CHECKPOINT_FILE)
+        payload = {"state": self.capture(), "logs": self.logs_payload(), "time": time.time(),
+                   "world_size": world_size}
         try:
-            save_checkpoint(path, {"state": self.capture(), "logs": self.logs_payload(),
-                                   "time": time.time(), "world_size": world_size})
+            save_checkpoint(path, dict(payload, dcp=dcp) if dcp else payload)
         except OSError as e:
-            self.checkpoint_failures += 1
-            self.last_checkpoint_error = f"checkpoint at step {self.step} failed: {e.strerror or e} ({path})"
-            log.warning("gpuflex: %s; training goes on, the earlier checkpoints are kept", self.last_checkpoint_error)
+            self.checkpoint_failed(f"checkpoint at step {self.step} failed: {e.strerror or e} ({path})")
             return False
-        finally:   # a failed write is retried an interval later, not at every step
-            self.last_checkpoint = time.monotonic()
+        self.last_checkpoint = time.monotonic()
         self.last_checkpoint_error = None
         return True
+
+    def checkpoint_failed(self, reason: str) -> None:
+        """A checkpoint that could not be written: logged, kept, retried an interval later."""
+        self.checkpoint_failures += 1
+        self.last_checkpoint_error = reason
+        self.last_checkpoint = time.monotonic()
+        log.warning("gpuflex: %s; training goes on, the earlier checkpoints are kept", reason)
 
     def load_disk_checkpoint(self) -> bool:
         """Resume from the newest checkpoint that verifies (see checkpoints.py). Where the
         job has checkpoints and none is usable, the worker ends (NO_CHECKPOINT_EXIT) with
         one line naming each file and its problem: the job fails rather than start over
         from step 0 and end `succeeded`."""
-        if not self.checkpoint_dir:
+        if not self.checkpoint_dir and not self.resume_from:
             return False
-        path = os.path.join(self.checkpoint_dir, CHECKPOINT_FILE)
         try:
-            found = load_newest_good(path)
-        except CheckpointError as e:
+            found = load_newest_good(os.path.join(self.checkpoint_dir, CHECKPOINT_FILE)) \
+                if self.checkpoint_dir else None
+            if found is None and self.resume_from:   # the job's own come first: a restart goes on from there
+                found = load_newest_good(os.path.join(self.resume_from, CHECKPOINT_FILE))
+                if found is None:
+                    raise CheckpointError(f"--resume-from {self.resume_from}: no {CHECKPOINT_FILE} there")
+            if found is not None and found.payload.get("dcp"):
+                self.resume_dcp = path_of(os.path.dirname(found.path), str(found.payload["dcp"]))
+                self.dcp_names = [str(found.payload["dcp"])]
+        except (CheckpointError, UnsafeCheckpoint) as e:
             log.error("gpuflex: %s; the job cannot resume and does not start over", e)
             raise SystemExit(NO_CHECKPOINT_EXIT) from None
         if found is None:

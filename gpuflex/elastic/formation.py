@@ -70,6 +70,7 @@ class Formation:
                  signals: StepSignals, timeout_s: float, shards: Shards | None = None) -> None:
         self.wid, self.rdzv, self.group, self.state = wid, rdzv, group, state
         self.shards = shards   # a sharded run's: moved after the state copy, before the checksum
+        self.fresh = False     # the formation being made is a (re)start: nobody had state
         self.signals, self.timeout_s = signals, timeout_s
         self.marks: list[tuple[str, float]] = []   # when each part of the last state copy ended
         self.checksum_s = 0.0
@@ -168,7 +169,13 @@ class Formation:
         copied = self._sync_state(g, rank, world)
         state.align_buffers()   # a boundary that failed after the forwards left each member's own
         if self.shards is not None:
-            copied += self._reshard(g, rank, world, info["kind"])
+            try:
+                copied += self._reshard(g, rank, world, info["kind"])
+                if self.fresh:   # a (re)start: the shards of the checkpoint rank 0 resumed from
+                    self.shards.restore(self.group, state.resume_dcp)
+            except BaseException:   # not restored: the next formation is a (re)start again
+                state.has_state = state.has_state and not self.fresh
+                raise
         t2 = time.time()
         if failpoints.ARMED: failpoints.hit(points[2], **dict(where, step=state.step))
         self._verify(g, rank, received=copied > 0 and not had_state, kind=info["kind"], members=members)
@@ -203,7 +210,8 @@ class Formation:
         vec = torch.zeros(world, dtype=torch.int64)
         vec[rank] = state.step + 1 if state.has_state else 0
         steps = [int(x) - 1 for x in group.all_reduce(vec)]
-        if all(s < 0 for s in steps):             # nobody has state: a fresh (re)start
+        self.fresh = all(s < 0 for s in steps)
+        if self.fresh:                            # nobody has state: a fresh (re)start
             if rank == 0:
                 state.load_disk_checkpoint()
                 state.has_state = True

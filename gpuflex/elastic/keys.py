@@ -81,6 +81,9 @@ STORE_LOST_EXIT  75 (EX_TEMPFAIL): the job store is gone; the job restarts from 
 EVICTED_EXIT     3: this worker was dropped from the job (or its state was rejected)
 ABORTED_EXIT     76: the coordinator ended the job (the same failure repeated
                  max_same_failures times, see `abort`); the job fails with that reason
+SHARDS_LOST_EXIT 79: a sharded run lost shards it holds the only copy of (a member killed
+                 or a collective failed mid-step: shard_checkpoints.py); the job restarts
+                 from its last distributed checkpoint and replays the steps since
 Exit code of the coordinator (its supervisor's exit record keeps it for the control side):
 ORPHAN_EXIT      77: it ended itself because its job was gone: its job directory was
                  removed, or no worker heartbeat and no control-socket request came for its
@@ -97,7 +100,8 @@ from __future__ import annotations
 STORE_LOST_EXIT = 75
 EVICTED_EXIT = 3
 ABORTED_EXIT = 76
-RUNTIME_EXITS = (STORE_LOST_EXIT, EVICTED_EXIT, ABORTED_EXIT)   # the runtime's own ways out
+SHARDS_LOST_EXIT = 79
+RUNTIME_EXITS = (STORE_LOST_EXIT, EVICTED_EXIT, ABORTED_EXIT, SHARDS_LOST_EXIT)   # the runtime's own ways out
 ORPHAN_EXIT = 77   # the coordinator's, not a worker's: its job was gone
 
 

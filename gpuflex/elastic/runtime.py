@@ -41,7 +41,7 @@ from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.formation import Formation, Formed, ShardsLost
 from gpuflex.elastic.gradients import GradPlan, drop_grads
-from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.elastic.liveness import StepBarrier, close_after, close_at_exit
 from gpuflex.elastic.loader import ElasticLoader, Prefetcher
 from gpuflex.elastic.micro import Accumulation, has_batch_norm, share, warm_up_steps
@@ -100,15 +100,13 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
         env = self.env = WorkerEnv.from_environ()
         self.wid, self.store_address, self.pg_timeout_s = env.worker_id, env.store, env.pg_timeout_s
         self.checkpoint_dir = checkpoint_dir or env.checkpoint_dir
-        if self.checkpoint_dir and not heavy:   # its model lives in shards: DCP checkpoints are the next stage
-            log.warning("gpuflex: a sharded run writes no checkpoint yet (%s unused)", self.checkpoint_dir)
-            self.checkpoint_dir = None
         self.checkpoint_interval_s = float(checkpoint_interval_s or env.checkpoint_interval_s)
         self.rank, self.world_size, self.generation = 0, 1, 0
         self.group = Collectives(self.device, self.pg_timeout_s)
         self.buffers = BufferSync(model, self.group, buffers)
         self.state = TrainingState(registry=self.registry, model=model, sampler=self.sampler, buffers=self.buffers,
-                                   distributed=self.distributed, checkpoint_dir=self.checkpoint_dir)
+                                   distributed=self.distributed, checkpoint_dir=self.checkpoint_dir,
+                                   resume_from=env.resume_from)
         self.signals = StepSignals()
         self.agreement = Agreement(batch_size=global_batch_size, track_samples=track_samples,
                                    signals=self.signals, group=self.group, switch_to=self._switch_to)
@@ -223,10 +221,11 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
         except Leaving:
             self._close()
             sys.exit(0)
-        except ShardsLost as e:   # a plain failure: the job fails (sharding.py)
+        except ShardsLost as e:   # the job restarts from its distributed checkpoint (sharding.py)
             log.error("gpuflex: worker %d: %s", self.wid, e)
-            self._close()
-            sys.exit(1)
+            self._close(done=False)   # not done: the control side sees the exit code and restarts the job
+            logging.shutdown()
+            os._exit(SHARDS_LOST_EXIT)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this rank's *mean* loss over its share, weighted by the share's part
@@ -338,8 +337,8 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
             if self.rdzv is not None and self.rank == 0:
                 self.rdzv.set(keys.FINISHED, "1")
             return False
-        if self.rank == 0 and (ckpt or time.monotonic() - state.last_checkpoint >= self.checkpoint_interval_s):
-            self._checkpoint()
+        if ckpt or (self.rank == 0 and time.monotonic() - state.last_checkpoint >= self.checkpoint_interval_s):
+            self._checkpoint(agreed=ckpt)
         if self.rank == 0 and self.rdzv is not None:
             self.progress.report(state.step_log, self.rdzv)
         if switch_to > self.generation:
@@ -371,11 +370,13 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
         if rows is not None and sp.decide(rows, step, self.generation) is not None:
             if failpoints.ARMED: failpoints.hit("split.replan", **self._where())   # made, not yet committed
 
-    def _checkpoint(self) -> None:
-        """Rank 0 writes a checkpoint; one that failed is reported at once through the
-        progress record (the control side turns each new failure into an event)."""
-        if not self.state.checkpoint(self.rank, self.world_size) and self.state.last_checkpoint_error \
-                and self.rdzv is not None:
+    def _checkpoint(self, agreed: bool = True) -> None:
+        """Rank 0 writes a checkpoint (a sharded run: every member, ShardedSteps); one that
+        failed is reported at once through the progress record (the control side turns each
+        new failure into an event)."""
+        written = self._checkpoint_shards(agreed) if self.sharding is not None \
+            else self.state.checkpoint(self.rank, self.world_size)
+        if not written and self.state.last_checkpoint_error and self.rdzv is not None and self.rank == 0:
             self.progress.report(self.state.step_log, self.rdzv, force=True)
 
     def _where(self) -> dict[str, int]:
@@ -394,13 +395,14 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
                 "waiting_for": list(self.barrier.waiting_for) if self.barrier else [], "time": time.time(),
                 **self.split.record()}
 
-    def _close(self) -> None:
+    def _close(self, done: bool = True) -> None:
         if getattr(self, "_closed", False):
             return
         self._closed = True
         if self.rdzv is not None:
             with contextlib.suppress(StoreLost):
-                self.rdzv.set(keys.done(self.wid), "1")
+                if done:
+                    self.rdzv.set(keys.done(self.wid), "1")
             self.rdzv.close()
         if self._control is not None:
             self._control.close()

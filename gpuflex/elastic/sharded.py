@@ -42,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from gpuflex.elastic import reshard
+from gpuflex.elastic.shard_checkpoints import SafeReader
 
 # which submodules get their own fully_shard (the root always gets one): a module class or
 # classes, or a function of the root returning the modules
@@ -227,31 +228,47 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> 
     in `directory`, resumable at any world size: each rank writes its own shards into
     `directory`.tmp, and the group's lowest rank renames it into place once all are written
     (a crash midway leaves the previous checkpoint whole). Every rank of the mesh calls it."""
-    state = _state(model, optimizer)
-    partial = directory.rstrip("/") + ".tmp"
-    dcp.save(state, checkpoint_id=partial)
+    write(model, optimizer, directory)
     dist.barrier()
+
+
+def write(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
+    """`save` without its closing barrier: when DCP's save returns on rank 0 every rank has
+    written (rank 0 writes the metadata last), so rank 0 can rename at once. DCP raises on
+    every rank when any rank's write failed."""
+    partial = directory.rstrip("/") + ".tmp"
+    os.makedirs(partial, mode=0o700, exist_ok=True)
+    dcp.save(_state(model, optimizer), checkpoint_id=partial)
     if dist.get_rank() == 0:
+        os.chmod(partial, 0o700)   # read back only if nobody else can write it (shard_checkpoints)
+        for name in os.listdir(partial):   # every rank's files: DCP creates them under the umask
+            os.chmod(os.path.join(partial, name), 0o600)
         old = directory.rstrip("/") + ".old"
         if os.path.isdir(directory):
             os.replace(directory, old)
         os.replace(partial, directory)
         shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
 
 
 def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
     """The state `save` wrote (at any world size) into this rank's shards of a sharded
-    model and its optimizer. DCP reads the checkpoint's metadata with pickle: a checkpoint
-    directory must be writable by the job's owner alone (gpuflex.elastic.checkpoints
-    creates it 0700)."""
+    model and its optimizer. DCP's metadata is a pickle: it is read only from a directory
+    and file of this user's that nobody else may write, by an unpickler that builds DCP's
+    metadata classes alone (shard_checkpoints.SafeReader; UnsafeCheckpoint otherwise)."""
     state = _state(model, optimizer)
-    dcp.load(state, checkpoint_id=directory)
+    dcp.load(state, storage_reader=SafeReader(directory))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def _state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    msd, osd = get_state_dict(model, optimizer)   # initialises an empty optimizer's state
+    """The model's and optimizer's state dicts, as DCP saves and loads them in place. DCP
+    loads only the keys given, and get_state_dict initialises an optimizer's state (a step
+    at lr 0) only when it holds none: the empty entries that looking a parameter up in its
+    state (a defaultdict) leaves behind are dropped first, or a fresh optimizer would load
+    no state at all."""
+    for p in [p for p, s in optimizer.state.items() if not s]:
+        del optimizer.state[p]
+    msd, osd = get_state_dict(model, optimizer)
     return {"model": msd, "optim": osd}
 
 

@@ -8,10 +8,14 @@ run that shards.
   made a plain sum, adds the shares up: the exact weighted-mean gradient.
 - The step barrier is crossed before the step's first forward, ahead of FSDP's all-gathers
   (the data-parallel path crosses it before backward's all-reduce).
-- A failed collective or a dead member ends the run (`ShardsLost`): without a copy of the
-  shards a step cannot be undone nor a lost shard restored. Where FSDP's own collective
-  fails inside the script (a member died mid-step), the same line ends the worker instead
-  of a crash record and a traceback.
+- A failed collective or a dead member ends the run (`ShardsLost`, SHARDS_LOST_EXIT):
+  without a copy of the shards a step cannot be undone nor a lost shard restored here; the
+  job restarts from its last distributed checkpoint. Where FSDP's own collective fails
+  inside the script (a member died mid-step), the same line ends the worker instead of a
+  crash record and a traceback.
+- A checkpoint is every member's act (each writes its own shards, shard_checkpoints.py):
+  one the job's interval makes due is asked for by rank 0 in the next step's vote, so all
+  members write it at the same boundary.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gpuflex.elastic import shard_checkpoints
 from gpuflex.elastic.formation import ShardsLost
+from gpuflex.elastic.keys import SHARDS_LOST_EXIT
 from gpuflex.elastic.micro import share
 
 log = logging.getLogger(__name__)
@@ -60,6 +66,31 @@ class ShardedSteps:
             self.split.meter.add(time.perf_counter() - self._t_step - self._waited, len(batch.indices))
         self._last_loss = loss.detach()
 
+    def _checkpoint_shards(self: Any, agreed: bool) -> bool:
+        """At an agreed boundary, every member: its shards into dcp/step-N, then rank 0 the
+        light state naming them, then the DCP directories no light file names removed. Rank
+        0 alone with the interval due: asked for in the next step's vote. False: it failed
+        (or, off rank 0, nothing to write)."""
+        state = self.state
+        if not self.checkpoint_dir:
+            return False
+        if not agreed:
+            self.signals.request_checkpoint()
+            return True
+        name = shard_checkpoints.step_name(state.step)
+        from gpuflex.elastic import sharded
+        try:
+            sharded.write(self.model, self.optimizer, shard_checkpoints.path_of(self.checkpoint_dir, name))
+        except (OSError, RuntimeError) as e:   # DCP's CheckpointException is a RuntimeError
+            state.checkpoint_failed(f"distributed checkpoint at step {state.step} failed: "
+                                    f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
+            return False
+        if not state.checkpoint(self.rank, self.world_size, dcp=name):
+            return False
+        state.dcp_names = [*state.dcp_names[-1:], name]
+        shard_checkpoints.prune(self.checkpoint_dir, set(state.dcp_names))
+        return True
+
     def _forward_barrier(self: Any) -> None:
         """Before a sharded step's first forward: the step barrier (a dead member: the end)."""
         at = (self.generation, self.state.step, "forward")
@@ -77,7 +108,7 @@ class ShardedSteps:
     def _end_on_failed_collective(self: Any) -> None:
         """Chain `sys.excepthook` (outside the crash hook): an exception escaping the script
         from a collective (FSDP's all-gather or reduce-scatter: a member died) ends the
-        worker as ShardsLost does, with one line and exit 1; anything else goes on to the
+        worker as ShardsLost does, with one line and SHARDS_LOST_EXIT; anything else goes on to the
         crash hook (a bug in the script is reported as a crash)."""
         previous = sys.excepthook
 
@@ -88,9 +119,9 @@ class ShardedSteps:
             from gpuflex.elastic.sharding import ENDS
             log.error("gpuflex: worker %d: a collective of generation %d failed in the script (%s); %s",
                       self.wid, self.generation, why, ENDS)
-            self._close()
+            self._close(done=False)
             logging.shutdown()
-            os._exit(1)
+            os._exit(SHARDS_LOST_EXIT)
 
         sys.excepthook = hook
 

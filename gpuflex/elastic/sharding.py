@@ -18,8 +18,9 @@ the old group), since they are no members of the next group.
 
 The per-step commit holds no model or optimizer state (it would mean a full gather): a
 step whose collectives failed cannot be undone, and a member killed takes the only copy of
-its shards. Both end the job with `ShardsLost` (one error line, exit 1: the job fails);
-recovery from a distributed checkpoint is the next stage. A checksum mismatch of a move is
+its shards. Both end the run with `ShardsLost` (one line, SHARDS_LOST_EXIT): the job
+restarts from its last distributed checkpoint (shard_checkpoints.py; `restore` at the
+first formation of the restart) and replays the steps since. A checksum mismatch of a move is
 rolled back like the data-parallel state copy's: the old holders keep their old shards
 (`held`) and the rollback generation takes them from there.
 """
@@ -36,12 +37,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from gpuflex.elastic import sharded
+from gpuflex.elastic.commits import NO_CHECKPOINT_EXIT
+from gpuflex.elastic.shard_checkpoints import UnsafeCheckpoint
 from gpuflex.elastic.formation import ShardsLost, StateMismatch
 
 log = logging.getLogger(__name__)
 
-ENDS = ("a sharded job keeps one copy of each shard and no per-step copy to roll back to, so it ends here "
-        "(recovery from a distributed checkpoint is the next stage of issue 13)")
+ENDS = ("a sharded job keeps one copy of each shard and no per-step copy to roll back to: it restarts "
+        "from its last distributed checkpoint and replays the steps since")
 
 
 class ParamGroups:
@@ -198,6 +201,22 @@ class Sharding:
     def _before_forward(self, *_: Any) -> None:
         if self.on_forward is not None:
             self.on_forward()
+
+    def restore(self, group: Any, path: str | None) -> None:
+        """After the first formation of a (re)start, every member calls it: the shards from the
+        distributed checkpoint at `path` (rank 0's, from the light checkpoint it loaded; sent
+        to the others over `group`, None when alone), resharded to this generation."""
+        if group is not None:
+            path = group.broadcast_bytes((path or "").encode() if group.rank == 0 else None, 0, 4096).decode() or None
+        if path is None:
+            return
+        try:
+            sharded.load(self.model, self.optimizer, path)
+        except (UnsafeCheckpoint, OSError, RuntimeError) as e:   # DCP raises on every rank when one failed
+            log.error("gpuflex: the distributed checkpoint %s cannot be read (%s); the job cannot resume and "
+                      "does not start over", path, _first_line(e))
+            raise SystemExit(NO_CHECKPOINT_EXIT) from None
+        log.info("gpuflex: shards restored from %s at %d shard(s)", path, self.count)
 
     # ---- what the script reads -----------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ class StartUp:
             self.state.load_disk_checkpoint()
             if self.sharding is not None:   # the same FSDP2 code path, over a group of one
                 self.sharding.start_alone()
+                self.sharding.restore(None, self.state.resume_dcp)
             return
         self._control = start_control(self.env.control, self.signals, self.status, self._request_members)
         self.rdzv = Rendezvous(self.store_address, self.wid, secret=self.env.job_secret,

@@ -20,6 +20,8 @@ here judge the workers' ends:
   (exit codes) are a gang's.
 - Once no worker lives: Requeue (cause "store-lost", naming the store's host and the
   phase the job was in) when the last generation's members exited with STORE_LOST_EXIT;
+  Requeue (cause "shards-lost", naming the member that died) when a sharded run's exited
+  with SHARDS_LOST_EXIT: it resumes from its last distributed checkpoint, not counted;
   FAILED when one exited ABORTED_EXIT. In an in-place job whose last members ended by a
   fault (a signal, no exit record: kill -9 of its only worker, a lost host) and none exited
   0: Requeue (cause "fault", not counted against --retries: it resumes from its
@@ -33,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable, Mapping, Union
 
-from gpuflex.elastic.keys import ABORTED_EXIT, RUNTIME_EXITS, STORE_LOST_EXIT
+from gpuflex.elastic.keys import ABORTED_EXIT, RUNTIME_EXITS, SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.states import JobState, WorkerState
 
 INPLACE = "inplace"      # jobs.elastic of a job resized in place (gpuflex.jobspec.INPLACE)
@@ -43,6 +45,7 @@ CRASH_CAUSE = "crash"    # a requeue's cause, counted against the job's --retrie
 GANG_FAILED_KIND = "worker-failed"   # the event of a gang's worker that ended badly
 GANG_CAUSE = "gang"      # a gang relaunched after a worker failed: counted against --retries
 FAULT_CAUSE = "fault"    # a restart job relaunched after a fault: not counted
+SHARDS_LOST_CAUSE = "shards-lost"   # a sharded job restarted from its distributed checkpoint: not counted
 RETRY_CAUSES = (CRASH_CAUSE, GANG_CAUSE)
 LOST_EXIT = 128 + 9      # a gang worker gone without an exit record: as if SIGKILLed
 TRACEBACK_LINES = 10     # the lines of a crash's traceback kept in the job's exit reason
@@ -252,6 +255,11 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int) -> Reque
     if any(w.exit_code == STORE_LOST_EXIT for w in last):
         return Requeue(f"the job store on {job.store_host or 'its host'} was lost in {job.phase}; "
                        "restarting from the last checkpoint", "store-lost")
+    if any(w.exit_code == SHARDS_LOST_EXIT for w in last):
+        gone = next((w for w in last if is_fault(w)), None)
+        who = f"worker {gone.wid} on {gone.host} {gang_exit(gone)[1]}" if gone else "a collective failed"
+        return Requeue(f"{who} in {job.phase}, with the only copy of its shards; restarting from the last "
+                       "distributed checkpoint", SHARDS_LOST_CAUSE)
     crash = first_crash(job, current, None, {})
     if crash is not None:
         return after_crash(job, crash)

@@ -1,0 +1,119 @@
+"""A sharded run's on-disk checkpoints (issue 13): the shards in a distributed checkpoint
+(torch.distributed.checkpoint, DCP), the light state in the data-parallel run's file.
+
+Under the job's checkpoint directory:
+
+    dcp/step-<N>/        DCP's files of step N: one per rank that wrote it, and .metadata
+    checkpoint.pt        the light state (step, logs, RNG, sampler, split, param groups,
+                         scheduler: checkpoints.py's format) and "dcp": "step-<N>";
+                         checkpoint.prev.pt the one before, naming its own DCP directory
+
+Every member writes its own shards (`sharded.save`: into step-<N>.tmp, renamed into place
+by rank 0 once all are written); then rank 0 writes checkpoint.pt, then removes the DCP
+directories neither light file names. A crash or a full disk anywhere leaves the previous
+pair whole. DCP reads back at any world size: each member reads the rows of its new
+shards, whoever wrote them. So a job whose shards are lost (a member killed, the store
+lost) restarts from here at whatever size it gets, and replays the steps since exactly
+(the light state holds the sampler's place and the RNG). Every host of a sharded job must
+see the same checkpoint directory (a shared file system) for the shards written on one
+host to be read on another.
+
+DCP writes its .metadata with pickle. It is read here with an unpickler that builds only
+DCP's metadata classes, torch.Size, dtypes and paths, and only from a directory and file
+that this user owns and nobody else may write: never what another user could have put
+there.
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import logging
+import os
+import pickle
+import re
+import shutil
+import stat
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+log = logging.getLogger(__name__)
+
+DCP_DIR = "dcp"
+_NAME = re.compile(r"step-(\d+)")
+_ALLOWED = {
+    "torch.distributed.checkpoint.metadata": {
+        "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
+        "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath"},
+}
+
+
+class UnsafeCheckpoint(Exception):
+    """A distributed checkpoint this process will not read; the message says why."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None),
+                                                                                  torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"its .metadata refers to {module}.{name}, which a DCP checkpoint never holds")
+
+
+def check_private(path: str) -> None:
+    """`path` (a file or directory) is this user's and nobody else may write it."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        raise UnsafeCheckpoint(f"{path}: {e.strerror}") from None
+    if st.st_uid != os.getuid():
+        raise UnsafeCheckpoint(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCheckpoint(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, its metadata read by the restricted unpickler from a private file."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = str(self._get_metadata_path(kwargs.get("rank")))
+        check_private(os.path.dirname(path))
+        check_private(path)
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+        if not isinstance(metadata, Metadata):
+            raise UnsafeCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def step_name(step: int) -> str:
+    return f"step-{step}"
+
+
+def path_of(checkpoint_dir: str, name: str) -> str:
+    """The DCP directory a light checkpoint names (a name, never a path: checked)."""
+    if not _NAME.fullmatch(name):
+        raise UnsafeCheckpoint(f"a checkpoint names the distributed checkpoint {name!r}, not step-<N>")
+    return os.path.join(checkpoint_dir, DCP_DIR, name)
+
+
+def prune(checkpoint_dir: str, keep: set[str]) -> list[str]:
+    """Remove the DCP directories (and left-over .tmp ones) of `checkpoint_dir` not in
+    `keep`; returns the names removed."""
+    gone = []
+    for d in glob.glob(os.path.join(glob.escape(checkpoint_dir), DCP_DIR, "step-*")):
+        name = os.path.basename(d)
+        if name not in keep:
+            shutil.rmtree(d, ignore_errors=True)
+            gone.append(name)
+    return gone
