@@ -315,3 +315,30 @@ def test_a_lost_store_restarts_the_sharded_job_from_its_distributed_checkpoint(e
     r = json.loads(report.read_text())
     assert_every_sample_once(r, N, 2 * STEPS, B)
     close(r["params"], reference(tmp_path, "--no-shard", *epochs))
+
+
+def test_a_cancelled_sharded_job_resumes_at_another_size_with_resume_from(ej, home, tmp_path):
+    """Job A (2 workers) is cancelled mid-run: its stop writes a distributed checkpoint.
+    Job B (`submit --resume-from` A's checkpoint directory, 3 workers) starts at A's step
+    with A's shards cut for 3, and ends as the unsharded run, every sample once (its logs
+    go on from A's)."""
+    epochs = ["--epochs", "4"]
+    argv = [sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2"]
+    a = ej.submit([*argv, "--report", str(home / "a.json")], "--workers", "2", "--elastic", "inplace")
+    wait_for(ej, a["id"], lambda j: step_of(j) >= 10, "steps of job A")
+    ej.ok("cancel", str(a["id"]))
+    a_done = ej.wait_final(a["id"], DEADLINE_S)
+    assert a_done["state"] == "cancelled", a_done
+    ckpt = a_done["checkpoint_dir"]
+    b = ej.submit([*argv, "--report", str(home / "b.json")], "--workers", "3", "--elastic", "inplace",
+                  "--resume-from", ckpt)
+    done = ej.wait_final(b["id"], DEADLINE_S)
+    assert done["state"] == "succeeded" and done["resume_from"] == ckpt, done
+    logs = ej.ok("logs", str(b["id"])).stdout
+    (resumed,) = resumed_steps(logs)
+    assert resumed >= 10 and f"shards restored from {ckpt}/dcp/step-{resumed}" in logs, logs[-2000:]
+    r = json.loads((home / "b.json").read_text())
+    assert_every_sample_once(r, N, 2 * STEPS, B)
+    sizes = [ws for _, _, ws in r["step_log"]]
+    assert sizes[:resumed] == [2] * resumed and set(sizes[resumed:]) == {3}
+    close(r["params"], reference(tmp_path, "--no-shard", *epochs))

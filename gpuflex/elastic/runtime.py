@@ -36,7 +36,7 @@ import torch
 from gpuflex.elastic import failpoints, keys
 from gpuflex.elastic.agreement import Agreement
 from gpuflex.elastic.buffers import BufferSync
-from gpuflex.elastic.collectives import Collectives, pick_device
+from gpuflex.elastic.collectives import Collectives, backward, pick_device
 from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.formation import Formation, Formed, ShardsLost
@@ -251,7 +251,7 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
                 p.grad = torch.zeros_like(p)
         else:
             weight = micro.weight if micro is not None else share(batch)
-            (loss * weight if weight != 1.0 else loss).backward()
+            backward(loss * weight if weight != 1.0 else loss, self.backend)
         if batch is not None:   # this rank's compute of the step: to the end of its backward, less barriers
             self.split.meter.add(time.perf_counter() - self._t_step - self._waited, len(batch.indices))
         self._last_loss = loss.detach()

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic import shard_checkpoints
+from gpuflex.elastic.collectives import backward
 from gpuflex.elastic.formation import ShardsLost
 from gpuflex.elastic.keys import SHARDS_LOST_EXIT
 from gpuflex.elastic.micro import share
@@ -61,7 +62,7 @@ class ShardedSteps:
         """A sharded run's backward: the loss weighted by its share (FSDP sums the gradients).
         A rank with an empty share (weight 0) still takes part in the collectives."""
         weight = micro.weight if micro is not None else share(batch)
-        (loss * weight).backward()
+        backward(loss * weight, self.backend)
         if batch is not None:
             self.split.meter.add(time.perf_counter() - self._t_step - self._waited, len(batch.indices))
         self._last_loss = loss.detach()
