@@ -7,6 +7,7 @@ through a DataLoader with 2 worker processes. The "before" of elastic.py (diff t
 import argparse
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -116,3 +117,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    os._exit(0)   # torch 2.13 gloo exit race (examples/torchrun/ddp_tutorial.py): no interpreter teardown

@@ -200,3 +200,4 @@ def main():
 
 if __name__ == "__main__":
     main()
+    os._exit(0)   # torch 2.13 gloo exit race (examples/torchrun/ddp_tutorial.py): no interpreter teardown

@@ -267,20 +267,28 @@ def upgrade(engine: Engine) -> bool:
     try:
         if quick is not None and stamped_revision(engine) == quick:
             return False
-        from alembic import command
-
-        head = head_revision(engine)
-        if current_revision(engine) == head:
+        if current_revision(engine) == head_revision(engine):
             return False
     except sa.exc.DBAPIError as e:  # unopenable, a file that is not a database, no server
-        detail = " ".join(str(e.orig).split()) or type(e.orig).__name__
-        raise DatabaseError(f"cannot open the database {where(engine.url)}: {detail}.",
-                            hint=_HINT if engine.url.get_backend_name() == "sqlite" else _SERVER_HINT) from None
+        if "database is locked" not in str(e.orig):
+            raise _unopenable(engine, e) from None
+        # another process is creating or migrating it (SQLite answers a change of journal
+        # mode during that at once, busy timeout or not): wait for it under the lock
     with database_lock(engine.url.render_as_string(hide_password=False), "migration").held():
-        if current_revision(engine) == head:
-            return False
+        from alembic import command
+        try:
+            if current_revision(engine) == head_revision(engine):
+                return False
+        except sa.exc.DBAPIError as e:
+            raise _unopenable(engine, e) from None
         command.upgrade(alembic_config(engine), "head")
         return True
+
+
+def _unopenable(engine: Engine, e: sa.exc.DBAPIError) -> DatabaseError:
+    detail = " ".join(str(e.orig).split()) or type(e.orig).__name__
+    return DatabaseError(f"cannot open the database {where(engine.url)}: {detail}.",
+                         hint=_HINT if engine.url.get_backend_name() == "sqlite" else _SERVER_HINT)
 
 
 def open_database(url: str) -> sessionmaker[Session]:

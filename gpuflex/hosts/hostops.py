@@ -267,9 +267,11 @@ def status(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """For each {pgid, exit_path}: {"alive": bool, "exit": exit record or None}."""
     out = []
     for item in items:
-        record = read_exit(item["exit_path"])
+        # alive first: the supervisor (the group's leader) writes the record before it exits,
+        # so a group seen gone has its record by now; read first, a record written between
+        # the two looks like a worker gone without one (lost)
         alive = bool(item.get("pgid")) and group_alive(int(item["pgid"]))
-        out.append({"alive": alive, "exit": record})
+        out.append({"alive": alive, "exit": read_exit(item["exit_path"])})
     return out
 
 
