@@ -1,6 +1,8 @@
 """Steady-state overhead: steps per second of the elastic runtime under gpuflex against
 plain DDP under torchrun (benchmarks/torchrun_worker.py: the same model, data order, noise
-and loss), same fixed world size (2, gloo on CPU).
+and loss), same fixed world size (2, gloo on CPU). With --fsdp: a sharded job
+(examples/elastic_fsdp.py, `ElasticRun(shard=Block)`, an even split, one micro-batch per
+rank) against plain FSDP2 under torchrun (benchmarks/torchrun_fsdp_worker.py).
 
 The two runs are interleaved finely: both jobs are started, and then only one of them runs
 at a time, in alternating windows of about a second (the other job's processes are held
@@ -11,6 +13,7 @@ taken from the job's own step log (the first steps after a resume left out); eac
 adjacent windows gives one ratio, and the pairs alternate which job goes first.
 
 Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700,3535] [--pairs 20]
+     .venv/bin/python benchmarks/steady_overhead.py --fsdp [--hidden 64,256]
 """
 
 from __future__ import annotations
@@ -66,6 +69,12 @@ class Job:
         return out
 
 
+def lm_state_bytes(hidden: int, layers: int = 2, vocab: int = 32, block: int = 16) -> int:
+    """examples/elastic_fsdp.py's LM: parameters + AdamW's two moments, fp32."""
+    params = (vocab + block) * hidden + layers * (12 * hidden * hidden + 10 * hidden) + 2 * hidden + vocab * hidden
+    return params * 4 * 3
+
+
 def wait_for(cond, what: str, timeout: float = 120) -> None:
     end = time.monotonic() + timeout
     while not cond():
@@ -78,10 +87,14 @@ def lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-def start_ddp(tmp: Path, hidden: int) -> tuple[Job, subprocess.Popen, Path]:
+FSDP_BATCH = 32   # --fsdp: the global batch, 16 a rank (one micro-batch each)
+
+
+def start_ddp(tmp: Path, hidden: int, fsdp: bool) -> tuple[Job, subprocess.Popen, Path]:
     log = tmp / "ddp.log"
+    worker = ["torchrun_fsdp_worker.py", "--global-batch-size", str(FSDP_BATCH)] if fsdp else ["torchrun_worker.py"]
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                             f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / "torchrun_worker.py"),
+                             f"--nproc-per-node={WORLD}", str(ROOT / "benchmarks" / worker[0]), *worker[1:],
                              "--hidden", str(hidden), "--epochs", str(EPOCHS), "--steps-file", str(log),
                              "--flush-every", "10"],
                             stdout=subprocess.DEVNULL, stderr=open(tmp / "ddp.err", "w"),
@@ -92,12 +105,14 @@ def start_ddp(tmp: Path, hidden: int) -> tuple[Job, subprocess.Popen, Path]:
     return Job("DDP", process_groups(proc.pid)), proc, log
 
 
-def start_gpuflex(tmp: Path, hidden: int) -> tuple[Job, Gpuflex, str]:
+def start_gpuflex(tmp: Path, hidden: int, fsdp: bool) -> tuple[Job, Gpuflex, str]:
     # held for a second at a time: timeouts well above the windows
     gf = Gpuflex(tmp / "gf", slots=WORLD, jobs="pg_timeout_s = 120\nheartbeat_timeout_s = 120\n")
-    job = str(json.loads(gf("submit", "--workers", str(WORLD), "--json", "--env", "OMP_NUM_THREADS=1",
-                            "--", sys.executable, str(EXAMPLE), "--hidden", str(hidden),
-                            "--epochs", str(EPOCHS)))["id"])
+    script = [str(ROOT / "examples" / "elastic_fsdp.py"), "--global-batch-size", str(FSDP_BATCH),
+              "--micro-batch-size", str(FSDP_BATCH // WORLD)] if fsdp else [str(EXAMPLE)]
+    job = str(json.loads(gf("submit", "--workers", str(WORLD), "--elastic", "inplace", "--split", "even",
+                            "--json", "--env", "OMP_NUM_THREADS=1", "--", sys.executable, *script,
+                            "--hidden", str(hidden), "--epochs", str(EPOCHS)))["id"])
     try:
         wait_for(lambda: gf.step(job) >= SKIP, "gpuflex's first steps")
     except BaseException:   # the job would train on (100000 epochs) after the benchmark is gone
@@ -106,14 +121,15 @@ def start_gpuflex(tmp: Path, hidden: int) -> tuple[Job, Gpuflex, str]:
     return Job("gpuflex", gf.pgids(job)), gf, job
 
 
-def measure(hidden: int, pairs: int, window: float) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+def measure(hidden: int, pairs: int, window: float, fsdp: bool) -> tuple[list[tuple[int, float]],
+                                                                         list[tuple[int, float]]]:
     with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
         tmp = Path(t)
-        ddp, proc, ddp_log = start_ddp(tmp, hidden)
+        ddp, proc, ddp_log = start_ddp(tmp, hidden, fsdp)
         ddp.signal(signal.SIGSTOP)
         ours = gf = None
         try:
-            ours, gf, job = start_gpuflex(tmp, hidden)
+            ours, gf, job = start_gpuflex(tmp, hidden, fsdp)
             ours.signal(signal.SIGSTOP)
             for i in range(pairs):
                 first, second = (ddp, ours) if i % 2 == 0 else (ours, ddp)
@@ -141,30 +157,34 @@ def measure(hidden: int, pairs: int, window: float) -> tuple[list[tuple[int, flo
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--hidden", default="64,700,3535", help="widths: 0.04, 4 and 100 MB of state")
+    ap.add_argument("--hidden", default=None, help="widths (default 64,700,3535: 0.04, 4 and 100 MB of "
+                    "state; with --fsdp 64,256)")
+    ap.add_argument("--fsdp", action="store_true", help="a sharded job against plain FSDP2 under torchrun")
     ap.add_argument("--pairs", type=int, default=20, help="window pairs per size")
     ap.add_argument("--window", type=float, default=0.0,
                     help="seconds per window (default: 1 s, or ~25 steps at large sizes)")
     args = ap.parse_args()
-    print(f"world size {WORLD}, gloo on CPU; the jobs take turns in windows, {args.pairs} pairs per size")
-    rows = []
-    for hidden in [int(h) for h in args.hidden.split(",")]:
+    base = "FSDP2" if args.fsdp else "DDP"
+    print(f"world size {WORLD}, gloo on CPU, {base} under torchrun against gpuflex"
+          f"{' (ElasticRun(shard=))' if args.fsdp else ''}; the jobs take turns in windows, {args.pairs} pairs per size")
+    rows, size = [], lm_state_bytes if args.fsdp else state_bytes
+    for hidden in [int(h) for h in (args.hidden or ("64,256" if args.fsdp else "64,700,3535")).split(",")]:
         # ~25 steps of the 100 MB model take ~3 s on 2 cores
         window = args.window or max(1.0, 3.0 * (hidden / 3535) ** 2)
-        d, o = measure(hidden, args.pairs, window)
+        d, o = measure(hidden, args.pairs, window, args.fsdp)
         ratios = [ro / rd for (_, rd), (_, ro) in zip(d, o) if rd == rd and ro == ro]
         pooled_d = sum(n for n, _ in d) / sum(n / r for n, r in d if n)
         pooled_o = sum(n for n, _ in o) / sum(n / r for n, r in o if n)
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [float("nan")] * 3
-        print(f"\nhidden {hidden} ({state_bytes(hidden) / 1e6:.1f} MB of state), windows of {window:.1f} s")
-        print("  DDP steps/s     " + " ".join(f"{r:6.1f}" for _, r in d))
+        print(f"\nhidden {hidden} ({size(hidden) / 1e6:.1f} MB of state), windows of {window:.1f} s")
+        print(f"  {base:5} steps/s   " + " ".join(f"{r:6.1f}" for _, r in d))
         print("  gpuflex steps/s " + " ".join(f"{r:6.1f}" for _, r in o))
         print("  pair ratios     " + " ".join(f"{r:6.3f}" for r in ratios))
         rows.append((hidden, pooled_d, pooled_o, statistics.median(ratios), q[0], q[2], len(ratios),
                      sum(n for n, _ in d), sum(n for n, _ in o)))
-    print("\nhidden  state MB  DDP steps/s  gpuflex steps/s  pooled ratio  median pair ratio (IQR)     pairs  steps DDP/gpuflex")
+    print(f"\nhidden  state MB  {base:5} steps/s  gpuflex steps/s  pooled ratio  median pair ratio (IQR)     pairs  steps torchrun/gpuflex")
     for hidden, pd, po, med, q1, q3, n, sd, so in rows:
-        print(f"{hidden:6d}  {state_bytes(hidden) / 1e6:8.1f}  {pd:11.1f}  {po:15.1f}  {po / pd:8.3f} "
+        print(f"{hidden:6d}  {size(hidden) / 1e6:8.1f}  {pd:13.1f}  {po:15.1f}  {po / pd:8.3f} "
               f"({100 * (po / pd - 1):+.1f}%)  {med:8.3f} ({q1:.3f}-{q3:.3f})  {n:5d}  {sd}/{so}")
 
 

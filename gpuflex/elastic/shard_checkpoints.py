@@ -18,14 +18,21 @@ lost) restarts from here at whatever size it gets, and replays the steps since e
 see the same checkpoint directory (a shared file system) for the shards written on one
 host to be read on another.
 
-DCP writes its .metadata with pickle. It is read here with an unpickler that builds only
-DCP's metadata classes, torch.Size, dtypes and paths, and only from a directory and file
-that this user owns and nobody else may write: never what another user could have put
-there.
+No pickle travels between the members: DCP's collective save and load would gather plans
+and broadcast its metadata as pickles over the process group. So each member saves alone
+(`no_dist`) into `step-N/rank-K/`, with its own .metadata (its chunks, at their global
+offsets); the members agree over the group, with a plain all-reduce, that all of them
+wrote; and a load reads every rank's .metadata from disk and merges them into one
+(`SafeReader`): each member then reads the rows of its new shards from whichever files hold
+them, at any world size. DCP writes its .metadata with pickle: it is read here with an
+unpickler that builds only DCP's metadata classes, torch.Size, dtypes and paths, and only
+from directories and files that this user owns and nobody else may write: never what
+another user could have put there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import io
 import logging
@@ -37,12 +44,15 @@ import stat
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed import checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 log = logging.getLogger(__name__)
 
 DCP_DIR = "dcp"
 _NAME = re.compile(r"step-(\d+)")
+_RANK = re.compile(r"rank-(\d+)")
 _ALLOWED = {
     "torch.distributed.checkpoint.metadata": {
         "BytesStorageMetadata", "ChunkStorageMetadata", "Metadata", "MetadataIndex", "StorageMeta",
@@ -78,18 +88,54 @@ def check_private(path: str) -> None:
         raise UnsafeCheckpoint(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
 
 
+def write_rank(state: dict[str, Any], directory: str, rank: int) -> None:
+    """This member's shards (and its copy of what is replicated) into `directory`/rank-K,
+    by DCP without any collective."""
+    dcp.save(state, storage_writer=FileSystemWriter(os.path.join(directory, f"rank-{rank}")), no_dist=True)
+
+
+def read_metadata(path: str) -> Any:
+    """One .metadata file, private, through the allow-list unpickler."""
+    check_private(os.path.dirname(path))
+    check_private(path)
+    with open(path, "rb") as f:
+        metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+def merged_metadata(directory: str) -> Any:
+    """The metadata of a checkpoint written rank by rank: every rank's chunks of each tensor
+    (a replicated value, and anything not a tensor, from the lowest rank), each file named
+    by its path under `directory`."""
+    ranks = sorted(int(m.group(1)) for d in os.listdir(directory) if (m := _RANK.fullmatch(d)))
+    if not ranks:
+        raise UnsafeCheckpoint(f"{directory} holds no rank-N directory: not a gpuflex distributed checkpoint")
+    merged = None
+    for r in ranks:
+        md = read_metadata(os.path.join(directory, f"rank-{r}", ".metadata"))
+        files = {k: dataclasses.replace(v, relative_path=f"rank-{r}/{v.relative_path}")
+                 for k, v in md.storage_data.items()}
+        if merged is None:
+            merged, md.storage_data = md, files
+            continue
+        for fqn, meta in md.state_dict_metadata.items():
+            have = merged.state_dict_metadata.setdefault(fqn, meta)
+            if have is not meta and isinstance(have, TensorStorageMetadata):
+                seen = {tuple(c.offsets) for c in have.chunks}
+                have.chunks.extend(c for c in meta.chunks if tuple(c.offsets) not in seen)
+        for k, v in files.items():
+            merged.storage_data.setdefault(k, v)
+    return merged
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader, its metadata read by the restricted unpickler from a private file."""
+    """DCP's file reader over a checkpoint written rank by rank: the ranks' metadata merged,
+    each read by the restricted unpickler from a private file (no collective)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = str(self._get_metadata_path(kwargs.get("rank")))
-        check_private(os.path.dirname(path))
-        check_private(path)
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
-        from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-        if not isinstance(metadata, Metadata):
-            raise UnsafeCheckpoint(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
+        metadata = merged_metadata(str(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from gpuflex.elastic import reshard
-from gpuflex.elastic.shard_checkpoints import SafeReader
+from gpuflex.elastic.shard_checkpoints import SafeReader, write_rank
 
 # which submodules get their own fully_shard (the root always gets one): a module class or
 # classes, or a function of the root returning the modules
@@ -233,16 +233,27 @@ def save(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> 
 
 
 def write(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> None:
-    """`save` without its closing barrier: when DCP's save returns on rank 0 every rank has
-    written (rank 0 writes the metadata last), so rank 0 can rename at once. DCP raises on
-    every rank when any rank's write failed."""
+    """`save` without its closing barrier: every rank writes its own shards (no pickle on the
+    wire: shard_checkpoints), an all-reduce tells every rank whether all wrote (else each
+    raises), and rank 0 makes the files private and renames the directory into place."""
     partial = directory.rstrip("/") + ".tmp"
-    os.makedirs(partial, mode=0o700, exist_ok=True)
-    dcp.save(_state(model, optimizer), checkpoint_id=partial)
+    failure: BaseException | None = None
+    try:
+        os.makedirs(partial, mode=0o700, exist_ok=True)
+        write_rank(_state(model, optimizer), partial, dist.get_rank())
+    except (OSError, RuntimeError) as e:
+        failure = e
+    wrote = torch.tensor([0 if failure else 1])
+    dist.all_reduce(wrote, op=dist.ReduceOp.MIN)
+    if failure is not None:
+        raise failure
+    if not int(wrote[0]):
+        raise RuntimeError("another member could not write its shards")
     if dist.get_rank() == 0:
-        os.chmod(partial, 0o700)   # read back only if nobody else can write it (shard_checkpoints)
-        for name in os.listdir(partial):   # every rank's files: DCP creates them under the umask
-            os.chmod(os.path.join(partial, name), 0o600)
+        for root, dirs, files in os.walk(partial):   # read back only if nobody else can write them
+            os.chmod(root, 0o700)
+            for name in files:
+                os.chmod(os.path.join(root, name), 0o600)
         old = directory.rstrip("/") + ".old"
         if os.path.isdir(directory):
             os.replace(directory, old)
@@ -256,7 +267,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> 
     and file of this user's that nobody else may write, by an unpickler that builds DCP's
     metadata classes alone (shard_checkpoints.SafeReader; UnsafeCheckpoint otherwise)."""
     state = _state(model, optimizer)
-    dcp.load(state, storage_reader=SafeReader(directory))
+    dcp.load(state, storage_reader=SafeReader(directory), no_dist=True)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
