@@ -176,6 +176,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         worker(args)
+        os._exit(0)   # torch 2.13's gloo exit race (examples/torchrun/ddp_tutorial.py): no teardown
         return
     print(f"FSDP2 state resharded 2 -> 3 processes (gloo, CPU, {os.cpu_count()} cores): in place vs "
           "DCP save + restart + load")

@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from gpuflex.elastic import reshard
-from gpuflex.elastic.shard_checkpoints import SafeReader, write_rank
+from gpuflex.elastic.shard_checkpoints import SafeReader, alone, write_rank
 
 # which submodules get their own fully_shard (the root always gets one): a module class or
 # classes, or a function of the root returning the modules
@@ -267,7 +267,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer, directory: str) -> 
     and file of this user's that nobody else may write, by an unpickler that builds DCP's
     metadata classes alone (shard_checkpoints.SafeReader; UnsafeCheckpoint otherwise)."""
     state = _state(model, optimizer)
-    dcp.load(state, storage_reader=SafeReader(directory), no_dist=True)
+    with alone():
+        dcp.load(state, storage_reader=SafeReader(directory), no_dist=True)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
