@@ -115,6 +115,22 @@ def pid_in(line: str) -> int:
     return int(line.split(" pid=")[1].split()[0])
 
 
+def wake(line: str) -> None:
+    """SIGCONT the worker a `stop` failpoint froze, once it is stopped: the failpoint writes
+    its line and then stops itself, so a SIGCONT sent on seeing the line can come first
+    and leave it stopped for good (a loaded host). Bounded: a process gone is not waited for."""
+    pid, end = pid_in(line), time.monotonic() + BOUND_S
+    while time.monotonic() < end:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("T", "t"):
+                    break
+        except OSError:   # gone
+            return
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGCONT)
+
+
 def coordinator_log(home: Path, job_id: int) -> Path:
     (token,) = db_rows(home / "g.db", "SELECT token FROM jobs WHERE id = ?", (job_id,))[0]
     return home / "work" / "jobs" / token / "coordinator.log"
@@ -187,7 +203,7 @@ def test_faults_at_the_phases_of_a_resize_end_exactly_as_the_fixed_size_run(fm, 
     line, t = wait_fired(worker(now, 1)["log"], "resize.copy")
     now = settled_on(fm, job["id"], [5, 6], now["generation"], "recovery without the frozen rank 0")
     took("resize.copy x SIGSTOP of rank 0 (sender)", t, B1)
-    os.kill(pid_in(line), signal.SIGCONT)
+    wake(line)
     woke = time.monotonic()
     ended = wait_for(fm, job["id"], lambda j: worker(j, 1)["state"] in FINAL_WORKER,
                      "the woken rank 0 to end", BOUND_S)
@@ -241,7 +257,7 @@ def test_faults_in_the_first_formation_requeue_naming_the_worker_then_recover(fm
     wait_for(fm, job["id"], lambda j: j["generation"] >= 2 and 5 not in member_wids(j)
              and len(member_wids(j)) == 2, "the restart formed without the frozen worker", BOUND_S, every_s=0.5)
     took("formation.join x SIGSTOP of the last rank", t, B1)
-    os.kill(pid_in(line), signal.SIGCONT)
+    wake(line)
     woke = time.monotonic()
     ended = wait_for(fm, job["id"], lambda j: worker(j, 5)["state"] in FINAL_WORKER, "the woken worker to end",
                      BOUND_S)

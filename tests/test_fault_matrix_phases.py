@@ -43,7 +43,7 @@ from gpuflex.hosts.hostops import group_alive
 from tests.conftest import db_rows, wait_for
 from tests.test_elastic_jobs import assert_matches_reference, example_argv, live_members, reference, step_of
 from tests.test_fault_matrix import B1, BOUND_S, FINAL_WORKER, armed, fired_lines, fm, gated, member_wids, \
-    pid_in, took, wait_fired, worker  # noqa: F401 (fm: a fixture)
+    pid_in, took, wait_fired, wake, worker  # noqa: F401 (fm: a fixture)
 
 EPOCHS = 48  # the run above: long enough, while gated, for all its faults
 HOLD_S = 6   # how long a `sleep` failpoint holds a worker at its phase while the test kills the coordinator
@@ -60,7 +60,7 @@ def settled(cli, job_id: int, members: list[int], what: str) -> dict:
 
 def woken_ends_evicted(cli, job_id: int, line: str, wid: int, cell: str) -> None:
     """SIGCONT the worker a `stop` failpoint froze; left out while frozen, it must end (exit 3)."""
-    os.kill(pid_in(line), signal.SIGCONT)
+    wake(line)
     woke = time.monotonic()
     ended = wait_for(cli, job_id, lambda j: worker(j, wid)["state"] in FINAL_WORKER, f"woken worker {wid} to end",
                      BOUND_S)
@@ -81,7 +81,7 @@ def held_then_killed(cli, job: dict, held: int, point: str, victim: int, nth: in
     line, _ = fault(cli, job, held, point, nth)
     os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    os.kill(pid_in(line), signal.SIGCONT)
+    wake(line)
     return killed
 
 
