@@ -16,7 +16,7 @@ Peak extra memory per rank during the reshard: the tensors it holds for it (its 
 until the move ends, plus its new ones: gpuflex.elastic.sharded.Stats) and how far its
 resident set's peak rose during the reshard (ru_maxrss; 0 when the training peak, with a
 layer gathered, was higher).
-Run: .venv/bin/python benchmarks/fsdp_resize.py [--sizes 100e6,1e9] [--hidden 1024]
+Run: .venv/bin/python benchmarks/fsdp_resize.py [--sizes 100e6,1e9] [--hidden 1024] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -170,6 +171,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="100e6,1e9")
     ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=5, help="pairs (in place, restart) per size; medians printed")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--mode"), ap.add_argument("--phase"), ap.add_argument("--out")
     ap.add_argument("--rank", type=int), ap.add_argument("--port", type=int), ap.add_argument("--layers", type=int)
@@ -178,15 +180,23 @@ def main() -> None:
         worker(args)
         os._exit(0)   # torch 2.13's gloo exit race (examples/torchrun/ddp_tutorial.py): no teardown
         return
+    if args.repeat < 1:
+        raise SystemExit("--repeat must be at least 1")
     print(f"FSDP2 state resharded 2 -> 3 processes (gloo, CPU, {os.cpu_count()} cores): in place vs "
-          "DCP save + restart + load")
-    print(f"{'state':>8} {'in place s':>11} {'restart s':>10} {'ratio':>6} {'peak extra/rank':>16} "
+          f"DCP save + restart + load; medians of {args.repeat} pairs (min-max)")
+    print(f"{'state':>8} {'in place s':>18} {'restart s':>18} {'ratio':>6} {'peak extra/rank':>16} "
           f"{'RSS rise':>9} {'new shard':>10} {'same':>5}")
     for size in (float(s) for s in args.sizes.split(",")):
-        r = one_size(size, args.hidden)
-        print(f"{r['state_bytes'] / 1e6:>6.0f}MB {r['inplace_s']:>11.2f} {r['restart_s']:>10.2f} "
-              f"{r['restart_s'] / r['inplace_s']:>5.1f}x {r['peak_extra_bytes'] / 1e6:>14.0f}MB "
-              f"{r['rss_rise_bytes'] / 1e6:>7.0f}MB {r['shard_bytes_after'] / 1e6:>8.0f}MB {str(r['same_state']):>5}")
+        runs = [one_size(size, args.hidden) for _ in range(args.repeat)]
+        r = runs[0]
+        inplace = sorted(x["inplace_s"] for x in runs)
+        restart = sorted(x["restart_s"] for x in runs)
+        mid_in, mid_re = statistics.median(inplace), statistics.median(restart)
+        print(f"{r['state_bytes'] / 1e6:>6.0f}MB {mid_in:>6.2f} ({inplace[0]:.2f}-{inplace[-1]:.2f}) "
+              f"{mid_re:>6.2f} ({restart[0]:.2f}-{restart[-1]:.2f}) {mid_re / mid_in:>5.1f}x "
+              f"{max(x['peak_extra_bytes'] for x in runs) / 1e6:>14.0f}MB "
+              f"{max(x['rss_rise_bytes'] for x in runs) / 1e6:>7.0f}MB {r['shard_bytes_after'] / 1e6:>8.0f}MB "
+              f"{str(all(x['same_state'] for x in runs)):>5}")
 
 
 if __name__ == "__main__":

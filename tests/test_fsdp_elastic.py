@@ -206,21 +206,23 @@ def _rollback_worker(rank: int, port: int, out: dict) -> None:
         out[("before", rank)] = {n: t.tolist() for n, t in s.full_parameters().items()}
         dist.destroy_process_group()
     generation(2, 3)
-    move = reshard.move
+    move_all = reshard.move_all
     if rank == 0:   # every new shard of this rank is changed once moved: a bit flipped on the way
 
         def corrupted(*args, **kwargs):
-            shard = move(*args, **kwargs)
-            shard.view(-1)[:1] += 1.0
-            return shard
+            shards = move_all(*args, **kwargs)
+            for shard in shards:
+                if shard is not None and shard.numel():
+                    shard.view(-1)[:1] += 1.0
+            return shards
 
-        reshard.move = corrupted
+        reshard.move_all = corrupted
     try:
         s.form(rank, 3)
     except StateMismatch:
         out[("refused", rank)] = True
     finally:
-        reshard.move = move
+        reshard.move_all = move_all
     dist.destroy_process_group()
     if rank < 2:
         generation(3, 2)

@@ -47,8 +47,10 @@ def test_a_row_nobody_holds_is_named_not_invented():
         reshard.plan(9, [0, None, 2], [0, 1])
 
 
-def test_the_checksum_does_not_depend_on_the_cut():
-    t = torch.randn(11, 3)
+@pytest.mark.parametrize("shape", [(11, 3), (11, 4), (11,), (11, 2, 2)],
+                         ids=["12-byte rows", "64-bit words", "1-d", "3-d"])
+def test_the_checksum_does_not_depend_on_the_cut(shape):
+    t = torch.randn(*shape)
     whole = reshard.checksum(t, 0)
     for world in (2, 3, 5):
         parts = sum(reshard.checksum(t[a:b], a) for a, b in reshard.bounds(11, world))
@@ -56,6 +58,11 @@ def test_the_checksum_does_not_depend_on_the_cut():
     swapped = t.clone()
     swapped[[0, 1]] = swapped[[1, 0]]
     assert reshard.checksum(swapped, 0) != whole    # the rows' places count
+    flipped = t.clone()
+    flipped.view(-1).view(torch.int32)[7] ^= 1 << 9
+    assert reshard.checksum(flipped, 0) != whole    # any changed bit counts
+    shifted = torch.cat([torch.zeros(1, *shape[1:]), t])[1:]   # the same rows at an odd offset
+    assert reshard.checksum(shifted, 0) == whole
 
 
 def _free_port() -> int:

@@ -62,52 +62,99 @@ def plan(n: int, old: Sequence[int | None], new: Sequence[int]) -> list[Transfer
     return moves
 
 
+@dataclasses.dataclass
+class Piece:
+    """One tensor to move: this rank's old shard of it (None when it held none), its row
+    count n, `like` (the rows' shape and dtype, for a rank without an old shard) and `out`
+    (the new shard's storage to receive into, e.g. FSDP's own local tensor; else one is
+    allocated)."""
+
+    shard: torch.Tensor | None
+    n: int
+    like: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+
+
+ROUND = 256   # transfers (counted over the whole plan) posted at once: bounds the requests in flight
+
+
 def move(shard: torch.Tensor | None, n: int, old: Sequence[int | None], new: Sequence[int], *,
          rank: int, group: dist.ProcessGroup | None = None, like: torch.Tensor | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor | None:
-    """This rank's new shard (None when it owns none), from its old `shard` (None when it
-    held none) and its peers'. `like` gives the rows' shape and dtype to a rank without an
-    old shard (e.g. the meta parameter); `out` may be the new shard's storage to receive
-    into (FSDP's own local tensor), else one is allocated. Every rank of the group calls
-    this with the same n, old and new."""
-    ref = shard if shard is not None else like
-    if ref is None:
-        raise ValueError("a rank without an old shard must pass `like` (the rows' shape and dtype)")
-    old_start = bounds(n, len(old))[old.index(rank)][0] if rank in old else 0
-    mine = [i for i, r in enumerate(new) if r == rank]
-    if not mine:
-        target = None
-    else:
-        a, b = bounds(n, len(new))[mine[0]]
-        target = out if out is not None else torch.empty((b - a, *ref.shape[1:]), dtype=ref.dtype,
-                                                         device=ref.device)
-        new_start = a
-    ops = []
-    for t in plan(n, old, new):
-        if t.src == rank and t.dst == rank:
-            target[t.start - new_start:t.stop - new_start].copy_(shard[t.start - old_start:t.stop - old_start])
-        elif t.src == rank:
-            ops.append(dist.P2POp(dist.isend, shard[t.start - old_start:t.stop - old_start].contiguous(), t.dst,
-                                  group=group, tag=t.start))
-        elif t.dst == rank:
-            ops.append(dist.P2POp(dist.irecv, target[t.start - new_start:t.stop - new_start], t.src,
-                                  group=group, tag=t.start))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    return target
+    """This rank's new shard of one tensor (None when it owns none): `move_all` of one piece."""
+    return move_all([Piece(shard, n, like, out)], old, new, rank=rank, group=group)[0]
+
+
+def move_all(pieces: Sequence[Piece], old: Sequence[int | None], new: Sequence[int], *,
+             rank: int, group: dist.ProcessGroup | None = None) -> list[torch.Tensor | None]:
+    """Each piece's new shard on this rank (None where it owns none), from the old shards
+    held by `old` and the new owners `new`. Every rank of the group calls it with the same
+    pieces' n, old and new. The transfers of all pieces are posted together (in rounds of
+    ROUND), so the links stay busy while one tensor's rows are still on the way; each
+    transfer's tag is its place in the whole plan, the same on both ends."""
+    targets: list[torch.Tensor | None] = []
+    ops: list[dist.P2POp] = []
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    tag = 0
+    for piece in pieces:
+        shard, n = piece.shard, piece.n
+        ref = shard if shard is not None else piece.like
+        if ref is None:
+            raise ValueError("a rank without an old shard must pass `like` (the rows' shape and dtype)")
+        old_start = bounds(n, len(old))[old.index(rank)][0] if rank in old else 0
+        mine = [i for i, r in enumerate(new) if r == rank]
+        target, new_start = None, 0
+        if mine:
+            new_start, b = bounds(n, len(new))[mine[0]]
+            target = piece.out if piece.out is not None else torch.empty(
+                (b - new_start, *ref.shape[1:]), dtype=ref.dtype, device=ref.device)
+        for t in plan(n, old, new):
+            if t.src == rank and t.dst == rank:
+                copies.append((target[t.start - new_start:t.stop - new_start],
+                               shard[t.start - old_start:t.stop - old_start]))
+            elif t.src == rank:
+                ops.append(dist.P2POp(dist.isend, shard[t.start - old_start:t.stop - old_start].contiguous(),
+                                      t.dst, group=group, tag=tag))
+            elif t.dst == rank:
+                ops.append(dist.P2POp(dist.irecv, target[t.start - new_start:t.stop - new_start], t.src,
+                                      group=group, tag=tag))
+            tag += 1
+            if tag % ROUND == 0:
+                _post(ops, copies)
+        targets.append(target)
+    _post(ops, copies)
+    return targets
+
+
+def _post(ops: list[dist.P2POp], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Post the ops, make the local copies while they are on the way, wait for them all,
+    and empty both lists."""
+    works = dist.batch_isend_irecv(ops) if ops else []
+    for dst, src in copies:
+        dst.copy_(src)
+    for work in works:
+        work.wait()
+    ops.clear()
+    copies.clear()
 
 
 def checksum(rows: torch.Tensor, start: int) -> int:
-    """Σ over the elements of (bits mod P) x (global element index mod P + 1), mod P, for the
-    rows of a tensor that start at row `start`: equal sums over any cut of the same rows."""
+    """Σ over the rows of (row sum mod P) x (global row index mod P + 1), mod P, for the rows
+    of a tensor that start at row `start`: equal sums over any cut of the same rows. A row's
+    sum adds its bytes up as 64-bit words (wrapping: exact in any order, and one vectorised
+    pass, ~40 GB/s on one CPU core), so any changed bit changes it; the row weights catch a
+    row in the wrong place. Rows whose size is not a multiple of 8 bytes add up their
+    elements' bits instead (slower, same guarantee)."""
     if rows.numel() == 0:
         return 0
-    flat = rows.detach().contiguous().view(-1)
-    bits = flat.view(_int_of(flat.dtype)).to(torch.int64) % PRIME
-    per_row = flat.numel() // rows.shape[0] if rows.dim() else 1
-    index = torch.arange(flat.numel(), dtype=torch.int64) + start * per_row
-    return int(((bits * (index % PRIME + 1)) % PRIME).sum() % PRIME)
+    n = rows.shape[0] if rows.dim() else 1
+    flat = rows.detach().contiguous().view(n, -1)
+    try:
+        per_row = flat.view(torch.int64).sum(dim=1)
+    except RuntimeError:   # rows of a size or at an offset that 64-bit words do not fit
+        per_row = flat.view(_int_of(flat.dtype)).to(torch.int64).sum(dim=1)
+    index = torch.arange(start, start + n, dtype=torch.int64)
+    return int(((per_row % PRIME) * (index % PRIME + 1) % PRIME).sum() % PRIME)
 
 
 def _int_of(dtype: torch.dtype) -> torch.dtype:

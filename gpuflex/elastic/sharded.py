@@ -10,7 +10,7 @@ script holds, and the optimizer object stay the same. So a resize here:
 2. `reshard` over the new group (survivors and newcomers; a shrink's leavers too, to send):
    `strip` undoes fully_shard on every module (full-shape meta parameters back in place, the
    FSDP class, hooks and state registrations removed), `apply` shards again over the new
-   mesh, `to_empty` allocates the new local shards, and gpuflex.elastic.reshard.move fills
+   mesh, `to_empty` allocates the new local shards, and gpuflex.elastic.reshard.move_all fills
    them point to point from their old holders, straight into FSDP's own storage. The
    optimizer keeps its identity: its param_groups take the new parameters and its state is
    moved the same way; scalar state (Adam's `step`) and the buffers come from a holder.
@@ -32,6 +32,7 @@ import shutil
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
+import torch._dynamo  # noqa: F401  (fully_shard's first call imports it: 0.4 s, paid here, ahead of a resize)
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import _composable_state
@@ -192,22 +193,22 @@ def reshard_in_place(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     params = list(model.parameters()) if stays else [None] * len(info["rows"])
     sent = received = 0
     new_states: list[dict[str, torch.Tensor]] = []
+    pieces: list[reshard.Piece] = []
     for i, n in enumerate(info["rows"]):
         p = params[i]
         like = torch.empty((0, *info["shapes"][i][1:]), dtype=getattr(torch, info["dtypes"][i]))
-        out = local(p).data if p is not None else None
-        reshard.move(held.params[i] if held else None, n, old, new, rank=rank, group=group, like=like, out=out)
+        pieces.append(reshard.Piece(held.params[i] if held else None, n, like, local(p).data if p is not None else None))
         states: dict[str, torch.Tensor] = {}
         for k in info["state_keys"][i]:
-            buf = torch.zeros_like(p) if p is not None else None
-            reshard.move(held.states[i][k] if held else None, n, old, new, rank=rank, group=group, like=like,
-                         out=local(buf) if buf is not None else None)
-            if buf is not None:
-                states[k] = buf
+            if p is not None:   # every row is filled by the move (the checksum says so)
+                states[k] = torch.empty_like(p)
+            pieces.append(reshard.Piece(held.states[i][k] if held else None, n, like,
+                                        local(states[k]) if p is not None else None))
         new_states.append(states)
         tensors = 1 + len(info["state_keys"][i])
         sent += tensors * _rows_moved(n, old, new, rank, sending=True)
         received += tensors * _rows_moved(n, old, new, rank, sending=False)
+    reshard.move_all(pieces, old, new, rank=rank, group=group)
     _check(info, held, params, new_states, old, new, rank, group)
     _load_buffers(model, held, source, group, stays)
     if not stays:
