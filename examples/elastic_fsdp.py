@@ -98,6 +98,8 @@ def main():
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--no-shard", action="store_true", help="data parallel, unsharded (the reference)")
     ap.add_argument("--report")
+    ap.add_argument("--untracked", action="store_true",
+                    help="no sample tracking (the report's samples empty): the step's vote carries no sample ids")
     add_device_args(ap)
     args = ap.parse_args()
     torch.manual_seed(args.seed)
@@ -111,7 +113,7 @@ def main():
     else:
         opt, shard, sched = make_opt, {"shard": Block}, make_sched
     run = ElasticRun(model=model, optimizer=opt, scheduler=sched, num_samples=N, seed=args.seed, epochs=args.epochs,
-                     global_batch_size=args.global_batch_size, track_samples=args.report is not None, **shard)
+                     global_batch_size=args.global_batch_size, track_samples=args.report is not None and not args.untracked, **shard)
     opt, sched = run.optimizer, run.scheduler
     loader, params = run.loader(TensorDataset(x, y)), None
     for epoch in run.epochs():
@@ -128,7 +130,7 @@ def main():
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     if run.is_primary and args.report:
-        write_report(args.report, params, args, run.step, run.step_log, run.samples)
+        write_report(args.report, params, args, run.step, run.step_log, {} if args.untracked else run.samples)
 
 
 if __name__ == "__main__":

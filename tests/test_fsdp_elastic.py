@@ -266,6 +266,32 @@ def test_on_the_local_pool_1_3_2_4_in_place_ends_as_the_unsharded_run(ej, home, 
     close(r["params"], reference(tmp_path, "--no-shard", *epochs))
 
 
+def test_untracked_the_vote_rides_the_step_barrier_through_a_grow_and_checkpoints(ej, home, tmp_path):
+    """Without sample tracking a sharded step's vote is packed into the boundary's step
+    barrier (agreement.pack, no collective of its own): rank 0's switch to the grown
+    generation and its checkpoint requests (1 s interval) reach every member that way; the
+    job ends as the unsharded run, every step once."""
+    report = home / "r.json"
+    epochs = ["--epochs", "4"]
+    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--untracked",
+                     "--report", str(report)], "--workers", "2:3", "--elastic", "inplace")
+    scale(ej, job["id"], 2)
+    wait_for(ej, job["id"], lambda j: step_of(j) >= 4 and j["world_size"] == 2, "steps at world size 2")
+    scale(ej, job["id"], 3)
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded" and done["restarts"] == 0, done
+    r = json.loads(report.read_text())
+    assert r["samples"] == {}
+    sizes = [ws for _, _, ws in r["step_log"]]
+    assert [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws] == [2, 3]
+    assert [s for s, _, _ in r["step_log"]] == list(range(2 * STEPS))
+    logs = ej.ok("logs", str(job["id"])).stdout
+    assert "resharded 2 -> 3 shards" in logs and "rolling back" not in logs
+    steps = [int(d.name.removeprefix("step-")) for d in home.rglob("dcp/step-*") if d.is_dir()]
+    assert any(s < 2 * STEPS for s in steps), f"no checkpoint before the last step: {steps}"   # asked for in a vote
+    close(r["params"], reference(tmp_path, "--no-shard", *epochs))
+
+
 def resumed_steps(logs: str) -> list[int]:
     """The steps the job's restarts resumed at, from the workers' log lines."""
     return [int(part.split()[0]) for part in logs.split("resumed from checkpoint at step ")[1:]]

@@ -25,6 +25,7 @@ from torch.distributed import TCPStore
 from gpuflex.elastic import keys
 from gpuflex.elastic.auth import Signer
 from gpuflex.elastic.formation import Formation, tensor_paths
+from gpuflex.elastic.keys import vote_key
 from gpuflex.elastic.liveness import (StepBarrier, crash_record, install_crash_hook, outcome_key,
                                       report_crash)
 from gpuflex.elastic.rendezvous import Aborted, Rendezvous
@@ -121,6 +122,30 @@ def test_every_member_passes_each_barrier_and_spent_outcomes_are_deleted(make_jo
     assert job.store.get(outcome_key(G, 5)) == b"ok"
     wait_until(lambda: not any(job.store.check([outcome_key(G, n)]) for n in range(1, 5)),
                "the outcomes nobody reads any more to be deleted")
+
+
+def test_a_voting_barrier_gives_every_member_the_sum_of_the_votes_and_cleans_up(make_job):
+    """The sharded path's boundary: the agreement rides the barrier. Each member reads the
+    same sum, a barrier where nobody votes sums to 0, and spent vote sums are deleted."""
+    job = make_job([0, 1, 2])
+    barriers = [job.worker(w) for w in (0, 1, 2)]
+    votes = {0: [5 << 40, 0, 0], 1: [1, 0, 0], 2: [1 << 20, 0, 7]}   # per worker, per barrier
+    sums: dict[int, list[int]] = {w: [] for w in votes}
+
+    def run(w: int) -> None:
+        for v in votes[w]:
+            assert barriers[w].cross(G, 3, "boundary", vote=v) is None
+            sums[w].append(barriers[w].voted)
+
+    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in votes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND_S)
+        assert not t.is_alive(), "a barrier did not return (bounded wait)"
+    expected = [(5 << 40) + 1 + (1 << 20), 0, 7]
+    assert sums == {0: expected, 1: expected, 2: expected}
+    wait_until(lambda: not any(job.store.check([vote_key(G, n)]) for n in (1, 2)), "the spent vote sums to be deleted")
 
 
 def test_a_busy_member_is_waited_for_without_failing_and_shown_as_waited_for(make_job):

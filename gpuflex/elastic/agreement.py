@@ -1,7 +1,9 @@
 """The step-boundary agreement: a small sum over the members, once per step.
 
-It rides at the end of the gradient all-reduce (gradients.GradPlan.reduce) when it can,
-else it is a collective of its own.
+It rides at the end of the gradient all-reduce (gradients.GradPlan.reduce) when it can.
+A sharded step has no gradient all-reduce of ours (FSDP reduce-scatters): there, unless
+samples are tracked, the vote rides the boundary's step barrier as one integer (`pack`,
+liveness.StepBarrier.cross(vote=)); else it is a collective of its own.
 
 The vector is [switch-to generation (from rank 0), stop, checkpoint, ids+1 of the
 samples each rank processed in the step just done (at their offsets in the global batch),
@@ -22,6 +24,7 @@ from gpuflex.elastic.sampler import Batch
 from gpuflex.elastic.signals import StepSignals
 
 Vote = tuple[int, bool, bool, "list[int] | None"]   # (switch-to generation, stop, checkpoint, sample ids)
+_COUNT_BITS = 20   # a packed vote: stop and checkpoint counts below 2**20 members each
 
 
 class Agreement:
@@ -60,6 +63,23 @@ class Agreement:
             vec[3 + off:3 + off + len(batch_ids)] = batch_ids + 1
             vec[3 + b + off:3 + b + off + len(batch_ids)] = 1
         return vec
+
+    @property
+    def packs(self) -> bool:
+        """The vote fits one integer: no sample ids to carry."""
+        return not self.b
+
+    def pack(self) -> int:
+        """This rank's vote as one non-negative integer, to be summed over the members
+        (`unpack`): stop and checkpoint as counts, rank 0's switch-to generation above them."""
+        assert not self.b, "sample ids do not fit a packed vote"
+        stop, ckpt, switch = self.signals.stop_requested(), self.signals.take_checkpoint(), self.switch_to()
+        return int(stop) + (int(ckpt) << _COUNT_BITS) + (switch << 2 * _COUNT_BITS)
+
+    def unpack(self, total: int) -> Vote:
+        mask = (1 << _COUNT_BITS) - 1
+        self.last_s = 0.0
+        return total >> 2 * _COUNT_BITS, bool(total & mask), bool((total >> _COUNT_BITS) & mask), None
 
     def parse(self, vec: torch.Tensor) -> Vote:
         """(switch-to generation, stop, checkpoint, ids of the samples of the step) from the sum

@@ -165,6 +165,10 @@ def outcome_key(g: int, n: int) -> str:
     return f"barrier/{g}/{n}"
 
 
+def vote_key(g: int, n: int) -> str:
+    return f"barrier/{g}/{n}/vote"
+
+
 def arrival_key(g: int, wid: int) -> str:
     return f"barrier/{g}/at/{wid}"
 

@@ -15,7 +15,10 @@ The hot path is two store round trips: one `add` on a per-generation counter, th
 all but the last arriver, one blocking `get` of the barrier's outcome key (the store
 answers when it is set), and for the last arriver the `compare_set` that sets it.
 The outcome is decided once, by `compare_set` on that key: "ok" from the last arriver, or
-a failure reason from a member that gave up. Every member reads the same outcome, so a
+a failure reason from a member that gave up. A voting barrier (`cross(..., vote=v)`)
+carries a small sum too: a member with a non-zero vote adds it to the barrier's vote key
+before it arrives, so the last arriver reads the whole sum (one more round trip, its own)
+and writes it into the outcome; a member with nothing to say makes no extra call. Every member reads the same outcome, so a
 barrier that failed leaves nobody inside a collective the others will not enter, and a
 member that arrives after the others gave up (a frozen one, resumed) reads the failure.
 Who is missing, the staleness of heartbeats and the `waiting/{wid}` record are the
@@ -25,7 +28,8 @@ the training thread has waited for more than CHECK_AFTER_S.
 Store keys (unsigned: a forged outcome or arrival can only let a member into a collective
 early, where the process-group timeout still fences it as before, or delay it):
 barrier/{g}            the arrivals counter of generation g (n-th barrier done at n x world)
-barrier/{g}/{n}        the n-th barrier's outcome: "ok" or "fail: reason"
+barrier/{g}/{n}        the n-th barrier's outcome: "ok" (a voting barrier: "ok SUM") or "fail: reason"
+barrier/{g}/{n}/vote   a voting barrier's sum of the members' votes, each added before its arrival
 barrier/{g}/at/{wid}   the last barrier a waiting member arrived at (who is missing)
 """
 
@@ -42,7 +46,7 @@ import traceback
 from typing import Any, Callable, Iterator, TypeVar
 
 from gpuflex.elastic import keys
-from gpuflex.elastic.keys import arrival_key, counter_key, outcome_key
+from gpuflex.elastic.keys import arrival_key, counter_key, outcome_key, vote_key
 from gpuflex.elastic.rendezvous import Rendezvous, StoreLost
 
 log = logging.getLogger(__name__)
@@ -78,6 +82,7 @@ class StepBarrier:
         self.g, self.n = -1, 0
         self.waiting_for: list[int] = []   # the members this one waits for now (for status)
         self.crossed = 0                   # barriers passed in this process
+        self.voted = 0                     # the sum of the votes at the last voting barrier crossed
         self._wait: _Wait | None = None
         self._members: dict[int, list[int]] = {}
         self._posted: tuple[int, ...] = ()
@@ -86,20 +91,25 @@ class StepBarrier:
         rdzv.on_beat(self.watch)
 
     # ---- the training thread --------------------------------------------------------------
-    def cross(self, g: int, world: int, phase: str) -> str | None:
+    def cross(self, g: int, world: int, phase: str, vote: int | None = None) -> str | None:
         """Pass the next barrier of generation g (every member calls the same sequence of
         them): None once all `world` members arrived, else why not (a member is dead,
-        crashed or left; the job was aborted). StoreLost when the store is gone."""
+        crashed or left; the job was aborted). StoreLost when the store is gone. With
+        `vote` (every member passes one, 0 for nothing; non-negative) the sum of the
+        members' votes is `self.voted` once crossed."""
         if g != self.g:
             self.g, self.n = g, 0
         self.n += 1
         n, rdzv = self.n, self.rdzv
         done = outcome_key(g, n)
+        if vote:
+            rdzv.add(vote_key(g, n), vote)
         if rdzv.add(counter_key(g), 1) >= n * world:
-            outcome = rdzv.compare_set(done, "", OK.decode())
+            total = rdzv.add(vote_key(g, n), 0) if vote is not None else 0
+            outcome = rdzv.compare_set(done, "", f"{OK.decode()} {total}" if total else OK.decode())
             if n > 1:   # every member arrived here, so each has read barrier n-1's outcome
                 with self._lock:
-                    self._spent.append(outcome_key(g, n - 1))
+                    self._spent += [outcome_key(g, n - 1), vote_key(g, n - 1)]
         else:
             with self._lock:
                 self._wait = _Wait(g, n, phase, time.monotonic(), time.time())
@@ -111,20 +121,22 @@ class StepBarrier:
                 with self._lock:
                     self._wait = None
                     self.waiting_for = []
-        if outcome == OK:
+        word, _, total = outcome.partition(b" ")
+        if word == OK:
             self.crossed += 1
+            self.voted = int(total) if total.isdigit() else 0
             return None
         return outcome.decode(errors="replace").removeprefix("fail: ")
 
-    def cross_noted(self, group: Any, g: int, world: int, phase: str) -> bool:
+    def cross_noted(self, group: Any, g: int, world: int, phase: str, vote: int | None = None) -> bool:
         """`cross` before a step's collectives on `group` (Collectives): False when it
         failed, the reason noted as a failed collective's (`group.failure`), so the runtime
         handles it as one. A lost store is noted the same way (`rdzv.lost` is set: the
-        boundary then exits as for any lost store)."""
+        boundary then exits as for any lost store). `vote`: a voting barrier (`cross`)."""
         if world == 1 or group.failure is not None:
             return group.failure is None
         try:
-            why = self.cross(g, world, phase)
+            why = self.cross(g, world, phase, vote)
         except StoreLost as e:
             why = str(e)
         if why is not None:

@@ -305,7 +305,12 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
             return self._more()
         rode = self._crossed == (self.generation, state.step, "backward") and self._grad_plan.fuse   # the vote
         rode = rode and not self.buffers.needed()   # the buffers' sync is a collective after user code
-        flags = self.agreement.agree(done_step) if rode or self._cross("boundary") else None
+        if not rode and self.sharding is not None and self.agreement.packs and self.barrier is not None \
+                and self.world_size > 1:   # the vote rides the barrier (agreement.py)
+            flags = self.agreement.unpack(self.barrier.voted) if self._cross("boundary", self.agreement.pack()) \
+                else None
+        else:
+            flags = self.agreement.agree(done_step) if rode or self._cross("boundary") else None
         flags = flags if flags is None or self.buffers.sync(share(self.batch)) else None   # failed: a failed vote
         if flags is None:   # the agreement failed, after this rank completed its step
             why = self.group.take_failure()
@@ -346,12 +351,14 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
             return self._more()
         return True
 
-    def _cross(self, phase: str) -> bool:
+    def _cross(self, phase: str, vote: int | None = None) -> bool:
         """The step barrier before this step's collectives: False (noted as a failed collective)
-        when a member it waits for is dead, crashed or gone (see liveness.py)."""
+        when a member it waits for is dead, crashed or gone (see liveness.py). `vote`: a
+        voting barrier (the boundary's agreement riding it)."""
         self._crossed = (self.generation, self.state.step, phase)
         t = time.perf_counter()
-        ok = self.barrier is None or self.barrier.cross_noted(self.group, self.generation, self.world_size, phase)
+        ok = self.barrier is None or self.barrier.cross_noted(self.group, self.generation, self.world_size, phase,
+                                                              vote)
         self._waited += time.perf_counter() - t
         return ok
 
