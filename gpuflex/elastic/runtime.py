@@ -9,8 +9,9 @@ step by step, and what stays exact: docs/converting.md).
 
 Under gpuflex (GPUFLEX_STORE set) the run joins the job's current generation and follows
 resizes and faults in place; without it the same script runs alone. At each step boundary
-the members agree, in one small all-reduce, on the samples of the step just done, on
-stopping, on a checkpoint and on a switch to a newer generation; then the state is
+the members agree, in one small all-reduce (riding the gradients' where it can; a sharded
+step's rides the step barrier), on the samples of the step just done, on stopping, on a
+checkpoint and on a switch to a newer generation (agreement.py); then the state is
 committed in memory. A collective that fails (a dead peer) is noted and handled at the next
 boundary: the survivors report it, the coordinator publishes the next generation, and the
 members continue from the newest state any of them holds (formation.py). Before a step's
@@ -36,11 +37,12 @@ import torch
 from gpuflex.elastic import failpoints, keys
 from gpuflex.elastic.agreement import Agreement
 from gpuflex.elastic.buffers import BufferSync
-from gpuflex.elastic.collectives import Collectives, backward, pick_device
+from gpuflex.elastic.collectives import Collectives, pick_device
 from gpuflex.elastic.commits import TrainingState
+from gpuflex.elastic.data_steps import DataParallelSteps
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.formation import Formation, Formed, ShardsLost
-from gpuflex.elastic.gradients import GradPlan, drop_grads
+from gpuflex.elastic.gradients import GradPlan
 from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.elastic.liveness import StepBarrier, close_after, close_at_exit
 from gpuflex.elastic.loader import ElasticLoader, Prefetcher
@@ -58,7 +60,7 @@ from gpuflex.elastic.worker_control import Progress
 log = logging.getLogger(__name__)
 
 
-class ElasticRun(StartUp, UserCalls, ShardedSteps):
+class ElasticRun(StartUp, UserCalls, DataParallelSteps, ShardedSteps):
     """Drives an elastic data-parallel training loop; see the module docstring.
 
     Its parts: `signals` (stop, checkpoint and poke requests), `state` (the step, the logs,
@@ -67,7 +69,8 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
     `rdzv` (the job store) and `formation` (joining generations), and `split` (the split
     plan: each member's share of a step, by measured speed or even; split_plan.py). The calls
     a script makes inside a step (all_reduce, accumulate, global_mean, register) come from
-    UserCalls; the start and join from StartUp; a sharded run's steps from ShardedSteps."""
+    UserCalls; the start and join from StartUp; `backward` from DataParallelSteps; a sharded
+    run's steps from ShardedSteps."""
 
     barrier: StepBarrier | None = None   # under gpuflex: the step barrier (liveness.py)
     warming_up = False   # a worker's passes through the loop before it says it is ready (no state yet)
@@ -227,49 +230,6 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
             logging.shutdown()
             os._exit(SHARDS_LOST_EXIT)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of this rank's *mean* loss over its share, weighted by the share's part
-        of the global batch, then the gradients summed over the members: exactly the
-        full-batch mean gradient, at any world size (as DDP's average is at a fixed one)."""
-        batch, micro = self.batch, self.micro.take()
-        if self.micro.backward_before_last(loss):   # accumulating: the last micro-batch reduces
-            return
-        if self.sharding is not None and not self.warming_up:   # FSDP reduce-scatters (sums) in backward
-            return self._backward_sharded(loss, batch, micro)
-        if self.warming_up:   # compiles what the first step would; the received state replaces the rest
-            loss.backward()
-            self._overlap, self._last_loss = True, loss.detach()
-            return drop_grads(self.model)
-        overlap, self._overlap = self._overlap, True   # a first backward may compile: not overlapped
-        if self.world_size > 1:   # the large gradients' all-reduces start during backward
-            if self._grad_plan is None:
-                self._grad_plan = self._make_grad_plan()
-            if overlap and self._cross("backward"):
-                self._grad_plan.arm()
-        if batch is not None and len(batch.indices) == 0:   # more ranks than samples this step
-            for p in self.model.parameters():
-                p.grad = torch.zeros_like(p)
-        else:
-            weight = micro.weight if micro is not None else share(batch)
-            backward(loss * weight if weight != 1.0 else loss, self.backend)
-        if batch is not None:   # this rank's compute of the step: to the end of its backward, less barriers
-            self.split.meter.add(time.perf_counter() - self._t_step - self._waited, len(batch.indices))
-        self._last_loss = loss.detach()
-        if failpoints.ARMED and self.world_size > 1: failpoints.hit("steady.collective", **self._where())
-        if self.world_size > 1 and not overlap and self._cross("backward"):   # then reduce
-            self._grad_plan.arm()
-        if self.world_size > 1 and self.group.failure is not None:
-            drop_grads(self.model)
-        elif self.world_size > 1:
-            try:
-                self._grad_plan.reduce()
-            except StoreLost as e:   # raised at the boundary, where the runtime exits cleanly
-                drop_grads(self.model)
-                self._store_lost = e
-
-    def _make_grad_plan(self) -> GradPlan:
-        return GradPlan(self.model, self.group, self.agreement, self.sampler.num_samples)
-
     # ---- start, boundary, switch ---------------------------------------------------------------
     def _switch_to(self) -> int:
         """Rank 0's part of the agreement: a newer generation to switch to, or 0."""
@@ -305,8 +265,7 @@ class ElasticRun(StartUp, UserCalls, ShardedSteps):
             return self._more()
         rode = self._crossed == (self.generation, state.step, "backward") and self._grad_plan.fuse   # the vote
         rode = rode and not self.buffers.needed()   # the buffers' sync is a collective after user code
-        if not rode and self.sharding is not None and self.agreement.packs and self.barrier is not None \
-                and self.world_size > 1:   # the vote rides the barrier (agreement.py)
+        if not rode and self._vote_rides_barrier():
             flags = self.agreement.unpack(self.barrier.voted) if self._cross("boundary", self.agreement.pack()) \
                 else None
         else:

@@ -92,6 +92,12 @@ class ShardedSteps:
         shard_checkpoints.prune(self.checkpoint_dir, set(state.dcp_names))
         return True
 
+    def _vote_rides_barrier(self: Any) -> bool:
+        """A sharded step has no gradient all-reduce of ours to carry the boundary's vote:
+        unless it carries sample ids, it rides the boundary's step barrier (agreement.pack)."""
+        return self.sharding is not None and self.agreement.packs and self.barrier is not None \
+            and self.world_size > 1
+
     def _forward_barrier(self: Any) -> None:
         """Before a sharded step's first forward: the step barrier (a dead member: the end)."""
         at = (self.generation, self.state.step, "forward")
