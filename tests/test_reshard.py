@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from gpuflex.elastic import reshard
+from tests.conftest import exits_without_teardown
 
 
 @pytest.mark.parametrize("n,world", [(7, 3), (3, 3), (2, 4), (0, 2), (10, 1), (9, 4), (1, 5)])
@@ -71,6 +72,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@exits_without_teardown
 def _worker(rank: int, world: int, port: int, cases: list, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

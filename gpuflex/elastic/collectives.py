@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic import keys
+from gpuflex.errors import describe
 
 _SUM = dist.AllreduceOptions()   # read, never changed: the process group copies it into each work
 _SUM.reduceOp = dist.ReduceOp.SUM
@@ -94,7 +95,7 @@ class Collectives:
             fn(*args, **kwargs)
             return True
         except (RuntimeError, ValueError) as e:   # DistBackendError is a RuntimeError
-            self.failure = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            self.failure = describe(e)
             return False
 
     def take_failure(self) -> str | None:

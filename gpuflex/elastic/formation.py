@@ -26,6 +26,7 @@ from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, Superseded
 from gpuflex.elastic.signals import StepSignals
 from gpuflex.elastic.state import FlatState, TensorRef, checksum_tensors, flatten, unflatten
+from gpuflex.errors import describe
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class Formation:
             pass
 
     def _formation_failed(self, g: int, e: Exception) -> None:
-        self.log(f"forming generation {g} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+        self.log(f"forming generation {g} failed: {describe(e)}")
         self.rdzv.report_fail(g, f"formation: {e}")
         self._destroy()
 

@@ -34,6 +34,7 @@ from gpuflex.elastic.collectives import backward
 from gpuflex.elastic.formation import ShardsLost
 from gpuflex.elastic.keys import SHARDS_LOST_EXIT
 from gpuflex.elastic.micro import share
+from gpuflex.errors import describe
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class ShardedSteps:
         def hook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
             if not _from_a_collective(value, tb):
                 return previous(etype, value, tb)
-            why = f"{etype.__name__}: {str(value).splitlines()[0][:200] if str(value) else ''}"
+            why = describe(value)
             from gpuflex.elastic.sharding import ENDS
             log.error("gpuflex: worker %d: a collective of generation %d failed in the script (%s); %s",
                       self.wid, self.generation, why, ENDS)

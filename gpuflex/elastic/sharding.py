@@ -40,6 +40,7 @@ from gpuflex.elastic import sharded
 from gpuflex.elastic.commits import NO_CHECKPOINT_EXIT
 from gpuflex.elastic.shard_checkpoints import UnsafeCheckpoint
 from gpuflex.elastic.formation import ShardsLost, StateMismatch
+from gpuflex.errors import describe
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ class Sharding:
         try:
             dist.all_reduce(vec)
         except RuntimeError as e:
-            raise ShardsLost(f"the switch's shard count failed ({_first_line(e)}); {ENDS}") from None
+            raise ShardsLost(f"the switch's shard count failed ({describe(e)}); {ENDS}") from None
         if all(int(v) for v in vec):
             return
         survivors = [r for _, r in sorted((int(v), r) for r, v in enumerate(vec) if int(v))]
@@ -157,7 +158,7 @@ class Sharding:
             _, stats = sharded.reshard_in_place(self.model, self.optimizer, None, held, old=list(range(world)),
                                                 new=survivors, rank=rank, mesh=mesh, shard=self.shard, slots=self.slots)
         except RuntimeError as e:
-            raise ShardsLost(f"the leaving members' shards could not be moved ({_first_line(e)}); {ENDS}") from None
+            raise ShardsLost(f"the leaving members' shards could not be moved ({describe(e)}); {ENDS}") from None
         self.index = survivors.index(rank) if rank in survivors else None
         self.count = len(survivors)
         _log_move(f"{world} -> {len(survivors)} shards, before {world - len(survivors)} leave", stats)
@@ -214,7 +215,7 @@ class Sharding:
             sharded.load(self.model, self.optimizer, path)
         except (UnsafeCheckpoint, OSError, RuntimeError) as e:   # DCP raises on every rank when one failed
             log.error("gpuflex: the distributed checkpoint %s cannot be read (%s); the job cannot resume and "
-                      "does not start over", path, _first_line(e))
+                      "does not start over", path, describe(e))
             raise SystemExit(NO_CHECKPOINT_EXIT) from None
         log.info("gpuflex: shards restored from %s at %d shard(s)", path, self.count)
 
@@ -229,6 +230,3 @@ def _log_move(what: str, stats: sharded.Stats) -> None:
     log.info("gpuflex: resharded %s: rows sent %d, received %d; old shards %d bytes + new %d = peak extra %d",
              what, stats.sent_rows, stats.received_rows, stats.held_bytes, stats.new_bytes, stats.peak_extra_bytes)
 
-
-def _first_line(e: BaseException) -> str:
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
