@@ -7,7 +7,8 @@ sharded, and keeps it as they are resharded), and a resize moves shards in place
     python examples/elastic_fsdp.py --epochs 2 --no-shard --report /tmp/plain.json  # the unsharded reference
     gpuflex submit --workers 2:4 -- python examples/elastic_fsdp.py --step-sleep 0.05
 
-Options and `--report` are examples/elastic_mlp.py's; the report's `params` are the full
+Options and `--report` are examples/elastic_mlp.py's (`--untracked`: a report without the
+samples, so the step's vote carries no sample ids); the report's `params` are the full
 parameters, gathered by every member in the last step (`run.full_parameters()`, an
 all-gather: under FSDP every forward and that gather are collectives, so no rank runs one
 alone, e.g. an evaluation on rank 0 only).
