@@ -7,13 +7,6 @@ bad config, unknown job) exits 2, any other `GpuflexError` exits 1.
 from __future__ import annotations
 
 
-def describe(e: BaseException, limit: int = 200) -> str:
-    """An exception in one line for a log or a record: its type and the first line of its
-    message, at most `limit` characters of it (torch's errors run to pages)."""
-    text = str(e)
-    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text.strip() else ''}".rstrip()
-
-
 class GpuflexError(Exception):
     """An expected failure with a message fit for a user."""
 

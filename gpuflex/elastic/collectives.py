@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic import keys
-from gpuflex.errors import describe
+from gpuflex.elastic.logs import describe
 
 _SUM = dist.AllreduceOptions()   # read, never changed: the process group copies it into each work
 _SUM.reduceOp = dist.ReduceOp.SUM

@@ -26,7 +26,7 @@ from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, Superseded
 from gpuflex.elastic.signals import StepSignals
 from gpuflex.elastic.state import FlatState, TensorRef, checksum_tensors, flatten, unflatten
-from gpuflex.errors import describe
+from gpuflex.elastic.logs import describe
 
 log = logging.getLogger(__name__)
 

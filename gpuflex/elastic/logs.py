@@ -1,4 +1,4 @@
-"""Where the runtime's and the coordinator's log lines go.
+"""Where the runtime's and the coordinator's log lines go, and an exception in one line.
 
 The library logs through module loggers under "gpuflex" and leaves handlers to whoever
 runs it. A worker or coordinator process started by gpuflex has nobody else to choose: its
@@ -25,3 +25,10 @@ def ensure_handler(stream: TextIO) -> None:
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False   # the script's own root handler would print each line twice
+
+
+def describe(e: BaseException, limit: int = 200) -> str:
+    """An exception in one line for a log or a record: its type and the first line of its
+    message, at most `limit` characters of it (torch's errors run to pages)."""
+    text = str(e)
+    return f"{type(e).__name__}: {text.splitlines()[0][:limit] if text.strip() else ''}".rstrip()

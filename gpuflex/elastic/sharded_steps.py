@@ -34,7 +34,7 @@ from gpuflex.elastic.collectives import backward
 from gpuflex.elastic.formation import ShardsLost
 from gpuflex.elastic.keys import SHARDS_LOST_EXIT
 from gpuflex.elastic.micro import share
-from gpuflex.errors import describe
+from gpuflex.elastic.logs import describe
 
 log = logging.getLogger(__name__)
 

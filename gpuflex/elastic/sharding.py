@@ -40,7 +40,7 @@ from gpuflex.elastic import sharded
 from gpuflex.elastic.commits import NO_CHECKPOINT_EXIT
 from gpuflex.elastic.shard_checkpoints import UnsafeCheckpoint
 from gpuflex.elastic.formation import ShardsLost, StateMismatch
-from gpuflex.errors import describe
+from gpuflex.elastic.logs import describe
 
 log = logging.getLogger(__name__)
 
