@@ -472,3 +472,23 @@ def test_compiled_workers_warm_up_through_the_loop_before_they_are_ready_and_lea
     log = lj("logs", str(job["id"]), "--worker", str(newcomer)).stdout
     assert log.index("warm-up pass as rank 1 of 2") < log.index("rank 1 of 2 at step"), log[-3000:]
     assert_matches(json.loads(report.read_text()), reference(tmp_path_factory, 6, "--compile"))
+
+
+def test_a_failed_collective_of_a_sharded_run_ends_it_as_a_lost_store_once_the_store_is_gone(make_job):
+    """A sharded run cannot undo a step whose collective failed: ShardsLost while the job
+    store answers; StoreLost once the store is gone (a member that saw it die first has
+    exited, which is what failed the others' collective), so every member of a job whose
+    store was killed exits STORE_LOST_EXIT and the job's record says so."""
+    from gpuflex.elastic.formation import ShardsLost
+    from gpuflex.elastic.rendezvous import StoreLost
+    from gpuflex.elastic.sharded_steps import ShardedSteps
+
+    job = make_job([0])
+    job.worker(0)
+    run = ShardedSteps()
+    run.sharding, run.generation, run.rdzv = object(), G, job.rdzvs[0]
+    with pytest.raises(ShardsLost, match="a collective of generation 1 failed \\(peer gone\\)"):
+        run._no_undo("peer gone")
+    job.store = None   # the job store's server goes with its last reference
+    with pytest.raises(StoreLost):
+        run._no_undo("peer gone")

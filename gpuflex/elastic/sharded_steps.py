@@ -29,12 +29,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gpuflex.elastic import shard_checkpoints
+from gpuflex.elastic import keys, shard_checkpoints
 from gpuflex.elastic.collectives import backward
 from gpuflex.elastic.formation import ShardsLost
-from gpuflex.elastic.keys import SHARDS_LOST_EXIT
+from gpuflex.elastic.keys import SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.elastic.micro import share
 from gpuflex.elastic.logs import describe
+from gpuflex.elastic.rendezvous import StoreLost
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +109,27 @@ class ShardedSteps:
             self._no_undo(self.group.take_failure())
 
     def _no_undo(self: Any, why: str | None) -> None:
-        """A sharded run cannot undo a step or restore a dead member's shards: it ends."""
+        """A sharded run cannot undo a step or restore a dead member's shards: it ends (as
+        a lost store when that is why: see `_store_gone`)."""
         if self.sharding is not None:
+            gone = self._store_gone()
+            if gone is not None:
+                raise gone
             from gpuflex.elastic.sharding import ENDS
             raise ShardsLost(f"a collective of generation {self.generation} failed ({why}); {ENDS}")
+
+    def _store_gone(self: Any) -> StoreLost | None:
+        """Whether the job store is gone, asked once (bounded by the store timeout) after a
+        collective failed: a member that saw the store die first has exited, which fails the
+        others' collectives. Those then end as a lost store too, and the job's record says what
+        happened to it (both restart from the last distributed checkpoint)."""
+        if self.rdzv is None:
+            return None
+        try:
+            self.rdzv.has(keys.RUN)
+        except StoreLost as e:
+            return e
+        return None
 
     def _end_on_failed_collective(self: Any) -> None:
         """Chain `sys.excepthook` (outside the crash hook): an exception escaping the script
@@ -123,6 +141,12 @@ class ShardedSteps:
         def hook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
             if not _from_a_collective(value, tb):
                 return previous(etype, value, tb)
+            gone = self._store_gone()
+            if gone is not None:
+                log.info("gpuflex: %s; exiting with %d so the job restarts from its last checkpoint",
+                         gone, STORE_LOST_EXIT)
+                self._close()
+                os._exit(STORE_LOST_EXIT)
             why = describe(value)
             from gpuflex.elastic.sharding import ENDS
             log.error("gpuflex: worker %d: a collective of generation %d failed in the script (%s); %s",
