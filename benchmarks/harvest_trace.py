@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpuflex.config import parse_config  # noqa: E402
 from gpuflex.control.harvest import run_tick  # noqa: E402
 from gpuflex.control.pool import Pool  # noqa: E402
-from gpuflex.control.service import JobService, SubmitRequest  # noqa: E402
+from gpuflex.control.requests import SubmitRequest  # noqa: E402
+from gpuflex.control.service import JobService  # noqa: E402
 from gpuflex.db import queries  # noqa: E402
 from tests.fakes.hosts import FakeHost, World  # noqa: E402
 

@@ -11,7 +11,8 @@ import pytest
 from gpuflex.config import parse_config
 from gpuflex.control import executor, scaling
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.elastic.keys import STORE_LOST_EXIT
 from gpuflex.policy.placement import Assignment
 from gpuflex.states import JobState as J

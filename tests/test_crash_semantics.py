@@ -22,7 +22,8 @@ from gpuflex.cli import render
 from gpuflex.config import parse_config
 from gpuflex.control import launch
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.db.models import Job
 from gpuflex.elastic.keys import STORE_LOST_EXIT
 from gpuflex.states import JobState as J

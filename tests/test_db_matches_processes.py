@@ -16,7 +16,8 @@ import pytest
 from gpuflex.config import parse_config
 from gpuflex.control import executor, lifecycle, scaling
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.db import queries
 from gpuflex.db.locks import database_lock
 from gpuflex.elastic.env import CONTROL

@@ -14,7 +14,8 @@ from gpuflex.cli import render
 from gpuflex.config import parse_config
 from gpuflex.control import journal
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.db.models import Event, Job
 from gpuflex.states import JobState as J
 from tests.fakes.hosts import FakeHost, World

@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 from gpuflex.cli import app
 from gpuflex.config import HostConfig, parse_config
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.db.engine import open_database
 from gpuflex.errors import TransportError
 from gpuflex.hosts.transport import LocalTransport, SpawnSpec

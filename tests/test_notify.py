@@ -12,14 +12,14 @@ import json
 import secrets
 import socket
 import threading
-from pathlib import Path
 
 import pytest
 
 from gpuflex.config import load_config, parse_config
 from gpuflex.control import journal, notify
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.db.models import Job
 from gpuflex.states import JobState
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, py, write_config

@@ -13,7 +13,8 @@ import gpuflex.cli.render as render
 from gpuflex.config import parse_config
 from gpuflex.control.pool import Pool
 from gpuflex.control.queueing import Room
-from gpuflex.control.service import ArrayRef, JobService, SubmitRequest, parse_ref
+from gpuflex.control.requests import ArrayRef, SubmitRequest, parse_ref
+from gpuflex.control.service import JobService
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import format_time, parse_array, parse_time

@@ -18,7 +18,8 @@ import pytest
 from gpuflex.config import parse_config
 from gpuflex.control import access, harvest, harvest_inputs
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.db.models import Event, Job, Worker
 from gpuflex.errors import UsageError
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, write_config

@@ -22,7 +22,8 @@ from gpuflex.config import parse_config
 from gpuflex.control import harvest
 from gpuflex.control.pool import Pool
 from gpuflex.control.restarts import RESTART_KIND
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.errors import UsageError
 from gpuflex.states import JobState as J
 from gpuflex.states import WorkerState as W

@@ -17,7 +17,8 @@ from gpuflex.cli import app
 from gpuflex.config import load_config, parse_config
 from gpuflex.control.pool import Pool
 from gpuflex.control.resume import check_checkpoint_dir
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.elastic.env import RESUME_FROM, WorkerEnv
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import resume_path

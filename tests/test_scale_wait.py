@@ -12,7 +12,8 @@ from gpuflex.cli import app
 from gpuflex.cli.common import Context
 from gpuflex.config import parse_config
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.states import JobState as J
 from tests.fakes.hosts import FakeHost, World
 

@@ -23,7 +23,8 @@ from gpuflex.control import split
 from gpuflex.control.harvest_inputs import shunned, snapshot
 from gpuflex.control.observe import coordinator_status
 from gpuflex.control.pool import Pool
-from gpuflex.control.service import JobService, SubmitRequest
+from gpuflex.control.requests import SubmitRequest
+from gpuflex.control.service import JobService
 from gpuflex.control.views import worker_split
 from gpuflex.errors import JobError, UsageError
 from gpuflex.jobspec import split_mode

@@ -16,7 +16,7 @@ from rich.text import Text
 import gpuflex.cli.render as render
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
 from gpuflex.control import access
-from gpuflex.control.service import SubmitRequest, parse_count, parse_env, parse_ref, parse_workers
+from gpuflex.control.requests import SubmitRequest, parse_count, parse_env, parse_ref, parse_workers
 from gpuflex.errors import JobError, UsageError
 from gpuflex.jobspec import parse_after, parse_array, parse_time
 from gpuflex.policy.lifecycle import LEFT_OUT_KIND
