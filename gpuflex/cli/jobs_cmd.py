@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.text import Text
 
 import gpuflex.cli.render as render
-from gpuflex.cli import scale_cmd
+from gpuflex.cli.scale_cmd import scale
 from gpuflex.cli.common import StopSignals, command, console, obj, print_json, seconds
 from gpuflex.control import access
 from gpuflex.control.requests import SubmitRequest, parse_env, parse_ref, parse_workers
@@ -24,7 +24,7 @@ from gpuflex.states import JobState
 def register(app: typer.Typer) -> None:
     app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(submit)
     app.command()(status)
-    app.command()(scale_cmd.scale)
+    app.command()(scale)
     app.command()(cancel)
     app.command()(logs)
     app.command()(events)
