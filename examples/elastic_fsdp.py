@@ -97,6 +97,9 @@ def main():
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--busy-at", type=int, nargs="*", default=[],
+                    help="steps after whose optimizer step rank 0 is busy (--busy-s), e.g. an evaluation")
+    ap.add_argument("--busy-s", type=float, default=0.0)
     ap.add_argument("--no-shard", action="store_true", help="data parallel, unsharded (the reference)")
     ap.add_argument("--report")
     ap.add_argument("--untracked", action="store_true",
@@ -128,6 +131,8 @@ def main():
             sched.step()
             if args.report and run.step == args.epochs * run.sampler.steps_per_epoch - 1:
                 params = run.full_parameters()   # every member: an all-gather under FSDP
+            if run.is_primary and run.step in args.busy_at:
+                time.sleep(args.busy_s)
             if args.step_sleep:
                 time.sleep(args.step_sleep)
     if run.is_primary and args.report:

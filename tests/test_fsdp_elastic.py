@@ -46,7 +46,7 @@ from gpuflex.elastic.sampler import ElasticSampler
 from gpuflex.elastic.sharding import Sharding
 from gpuflex.hosts.relay import unix_request
 from tests.test_elastic_jobs import ej, live_members, scale, step_of, wait_for  # noqa: F401 (ej: the fixture)
-from tests.conftest import db_rows, exits_without_teardown
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, exits_without_teardown
 from tests.test_runtime_api import DEADLINE_S, ROOT, Job, assert_every_sample_once, free_port
 
 EXAMPLE = ROOT / "examples" / "elastic_fsdp.py"
@@ -269,8 +269,8 @@ def test_on_the_local_pool_1_3_2_4_in_place_ends_as_the_unsharded_run(ej, home, 
 
 
 def test_untracked_the_vote_rides_the_step_barrier_through_a_grow_and_checkpoints(ej, home, tmp_path):
-    """Without sample tracking a sharded step's vote is packed into the boundary's step
-    barrier (agreement.pack, no collective of its own): rank 0's switch to the grown
+    """Without sample tracking a sharded step's vote is packed into the step barrier before
+    its first forward (agreement.pack, no collective of its own): rank 0's switch to the grown
     generation and its checkpoint requests (1 s interval) reach every member that way; the
     job ends as the unsharded run, every step once."""
     report = home / "r.json"
@@ -292,6 +292,43 @@ def test_untracked_the_vote_rides_the_step_barrier_through_a_grow_and_checkpoint
     steps = [int(d.name.removeprefix("step-")) for d in home.rglob("dcp/step-*") if d.is_dir()]
     assert any(s < 2 * STEPS for s in steps), f"no checkpoint before the last step: {steps}"   # asked for in a vote
     close(r["params"], reference(tmp_path, "--no-shard", *epochs))
+
+
+@pytest.fixture
+def ej_pg2(home):
+    """The `ej` pool with pg_timeout_s = 2: a collective waiting longer than that fails."""
+    cfg = home / "g.toml"
+    cfg.write_text(
+        f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
+        "[jobs]\ncancel_grace_s = 10\ncheckpoint_interval_s = 1\nheartbeat_timeout_s = 3\npg_timeout_s = 2\n\n"
+        f'[[hosts]]\nname = "local"\ngpus = "cpu:4"\nworkdir = "{home}/work"\n')
+    cli = GpuflexCLI(home, cfg)
+    yield cli
+    cleanup_jobs(cli, home / "g.db")
+
+
+def test_rank_0_busy_past_the_pg_timeout_before_the_next_forward_and_the_last_checkpoint_is_waited_for(
+        ej_pg2, home, tmp_path):
+    """Untracked, a sharded step's vote rides the barrier before its first forward and the
+    boundary crosses none; rank 0 busy for 5 s (an evaluation, pg_timeout_s = 2) after step
+    10 and after the last step: the other member waits at step 11's forward barrier, then at
+    the fence before the final distributed checkpoint's collectives, as long as rank 0 is
+    alive. No fault or restart, the final checkpoint written whole, every step once, the
+    parameters those of the unsharded run."""
+    report = home / "r.json"
+    job = ej_pg2.submit([sys.executable, str(EXAMPLE), *ARGS, "--untracked", "--busy-at", "10", str(STEPS - 1),
+                         "--busy-s", "5", "--report", str(report)], "--workers", "2", "--elastic", "inplace")
+    done = ej_pg2.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded" and done["restarts"] == 0, done
+    kinds = {e["kind"] for e in ej_pg2.json("events", str(job["id"]))}
+    assert not kinds & {"fault", "rollback", "checkpoint-failed"}, kinds
+    logs = ej_pg2.ok("logs", str(job["id"])).stdout
+    assert "distributed checkpoint at step" not in logs and "Traceback" not in logs, logs[-3000:]
+    (final,) = [d for d in home.rglob(f"dcp/step-{STEPS}") if d.is_dir()]   # renamed in once all wrote
+    assert sorted(p.name for p in final.iterdir()) == ["rank-0", "rank-1"]
+    r = json.loads(report.read_text())
+    assert [s for s, _, _ in r["step_log"]] == list(range(STEPS)) and {w for _, _, w in r["step_log"]} == {2}
+    close(r["params"], reference(tmp_path, "--no-shard"))
 
 
 def resumed_steps(logs: str) -> list[int]:

@@ -2,8 +2,9 @@
 
 It rides at the end of the gradient all-reduce (gradients.GradPlan.reduce) when it can.
 A sharded step has no gradient all-reduce of ours (FSDP reduce-scatters): there, unless
-samples are tracked, the vote rides the boundary's step barrier as one integer (`pack`,
-liveness.StepBarrier.cross(vote=)); else it is a collective of its own.
+samples are tracked, the vote rides the step barrier before the step's first forward as
+one integer (`pack`, `carried`, liveness.StepBarrier.cross(vote=)), or the boundary's
+when that barrier was not crossed; else it is a collective of its own.
 
 The vector is [switch-to generation (from rank 0), stop, checkpoint, ids+1 of the
 samples each rank processed in the step just done (at their offsets in the global batch),
@@ -46,6 +47,7 @@ class Agreement:
         """The samples this rank processes in the step now starting (voted on at its end)."""
         self._ids = batch.indices if self.b else None
         self._offset = batch.offset
+        self._vote = None   # one the last step's boundary did not take (it failed before) is void
 
     def build(self, done_step: bool) -> torch.Tensor:
         """This rank's contribution: [switch generation (rank 0), stop, checkpoint, ids+1..., counts...]."""
@@ -95,14 +97,23 @@ class Agreement:
         ids = (vec[3:3 + b][counts == 1] - 1).tolist()
         return int(vec[0]), bool(vec[1]), bool(vec[2]), ids
 
+    @property
+    def held(self) -> bool:
+        """A vote of this step arrived before the boundary (on the gradients or a barrier)."""
+        return self._vote is not None
+
+    def carried(self, total: int) -> None:
+        """The packed sum arrived with a step barrier before the boundary: keep its vote."""
+        self._vote = self.unpack(total)
+
     def summed(self, vec: torch.Tensor) -> None:
         """The sum arrived with the gradients: keep its vote for the boundary."""
         self._vote = self.parse(vec)
         self.last_s = 0.0
 
     def agree(self, done_step: bool) -> Vote | None:
-        """The vote: the one that rode on the gradients, else one collective of its own (a
-        step without run.backward, world 1). None if that collective failed."""
+        """The vote: the one that rode on the gradients or a barrier, else one collective of
+        its own (a step without run.backward, world 1). None if that collective failed."""
         vote, self._vote = self._vote, None
         if vote is not None:
             return vote

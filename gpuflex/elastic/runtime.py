@@ -264,12 +264,15 @@ class ElasticRun(StartUp, UserCalls, DataParallelSteps, ShardedSteps):
             self._joined(self.formation.recover(self.generation, why))
             return self._more()
         rode = self._crossed == (self.generation, state.step, "backward") and self._grad_plan.fuse   # the vote
-        rode = rode and not self.buffers.needed()   # the buffers' sync is a collective after user code
-        if not rode and self._vote_rides_barrier():
+        rode = rode or self._crossed == (self.generation, state.step, "forward") and self.agreement.held
+        fence = self.buffers.needed()   # the buffers' sync is a collective after user code: a barrier first
+        if rode:
+            flags = self.agreement.agree(done_step) if not fence or self._cross("boundary") else None
+        elif self._vote_rides_barrier():
             flags = self.agreement.unpack(self.barrier.voted) if self._cross("boundary", self.agreement.pack()) \
                 else None
         else:
-            flags = self.agreement.agree(done_step) if rode or self._cross("boundary") else None
+            flags = self.agreement.agree(done_step) if self._cross("boundary") else None
         flags = flags if flags is None or self.buffers.sync(share(self.batch)) else None   # failed: a failed vote
         if flags is None:   # the agreement failed, after this rank completed its step
             why = self.group.take_failure()

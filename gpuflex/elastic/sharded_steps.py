@@ -80,6 +80,7 @@ class ShardedSteps:
         if not agreed:
             self.signals.request_checkpoint()
             return True
+        self._fence()
         name = shard_checkpoints.step_name(state.step)
         from gpuflex.elastic import sharded
         try:
@@ -96,17 +97,34 @@ class ShardedSteps:
 
     def _vote_rides_barrier(self: Any) -> bool:
         """A sharded step has no gradient all-reduce of ours to carry the boundary's vote:
-        unless it carries sample ids, it rides the boundary's step barrier (agreement.pack)."""
+        unless it carries sample ids, it rides a step barrier (agreement.pack): the one
+        before the step's first forward, else the boundary's."""
         return self.sharding is not None and self.agreement.packs and self.barrier is not None \
             and self.world_size > 1
 
     def _forward_barrier(self: Any) -> None:
-        """Before a sharded step's first forward: the step barrier (a dead member: the end)."""
+        """Before a sharded step's first forward: the step barrier (a dead member: the end),
+        carrying the step's vote, so the boundary needs no barrier of its own (one store
+        barrier a step; `_fence` guards the collectives a boundary may make)."""
         at = (self.generation, self.state.step, "forward")
-        if self.warming_up or self.batch is None or self._crossed == at or self._cross("forward"):
+        if self.warming_up or self.batch is None or self._crossed == at:
+            return
+        vote = self.agreement.pack() if self._vote_rides_barrier() else None
+        if self._cross("forward", vote):
+            if vote is not None:
+                self.agreement.carried(self.barrier.voted)
             return
         with self._guard():
             self._no_undo(self.group.take_failure())
+
+    def _fence(self: Any) -> None:
+        """Before a boundary's collectives (a distributed checkpoint): the step barrier, unless
+        the boundary crossed one already. A member still busy after its step (an evaluation
+        on rank 0 before the loop comes back) is waited for while it is alive; a dead one
+        ends the run."""
+        if self._crossed[-1:] == ("boundary",) or self._cross("checkpoint"):
+            return
+        self._no_undo(self.group.take_failure())
 
     def _no_undo(self: Any, why: str | None) -> None:
         """A sharded run cannot undo a step or restore a dead member's shards: it ends (as
