@@ -7,7 +7,9 @@ run that shards.
 - Backward weights the loss by the rank's share of the global batch; FSDP's reduce-scatter,
   made a plain sum, adds the shares up: the exact weighted-mean gradient.
 - The step barrier is crossed before the step's first forward, ahead of FSDP's all-gathers
-  (the data-parallel path crosses it before backward's all-reduce).
+  (the data-parallel path crosses it before backward's all-reduce), carrying the step's
+  vote when it packs; the boundary then crosses none, and its collectives (a distributed
+  checkpoint) are fenced by one of their own (`_fence`).
 - A failed collective or a dead member ends the run (`ShardsLost`, SHARDS_LOST_EXIT):
   without a copy of the shards a step cannot be undone nor a lost shard restored here; the
   job restarts from its last distributed checkpoint. Where FSDP's own collective fails
