@@ -51,9 +51,7 @@ class Agreement:
 
     def build(self, done_step: bool) -> torch.Tensor:
         """This rank's contribution: [switch generation (rank 0), stop, checkpoint, ids+1..., counts...]."""
-        stop = self.signals.stop_requested()
-        ckpt = self.signals.take_checkpoint()
-        switch = self.switch_to()
+        switch, stop, ckpt = self._decisions()
         b = self.b
         if not b:
             return torch.tensor([switch, int(stop), int(ckpt)], dtype=torch.int64)
@@ -75,8 +73,13 @@ class Agreement:
         """This rank's vote as one non-negative integer, to be summed over the members
         (`unpack`): stop and checkpoint as counts, rank 0's switch-to generation above them."""
         assert not self.b, "sample ids do not fit a packed vote"
-        stop, ckpt, switch = self.signals.stop_requested(), self.signals.take_checkpoint(), self.switch_to()
+        switch, stop, ckpt = self._decisions()
         return int(stop) + (int(ckpt) << _COUNT_BITS) + (switch << 2 * _COUNT_BITS)
+
+    def _decisions(self) -> tuple[int, bool, bool]:
+        """What this rank votes for: (switch-to generation, stop, checkpoint); a checkpoint
+        request is taken (cleared) by the vote that carries it."""
+        return self.switch_to(), self.signals.stop_requested(), self.signals.take_checkpoint()
 
     def unpack(self, total: int) -> Vote:
         mask = (1 << _COUNT_BITS) - 1

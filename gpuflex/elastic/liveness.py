@@ -18,9 +18,10 @@ The outcome is decided once, by `compare_set` on that key: "ok" from the last ar
 a failure reason from a member that gave up. A voting barrier (`cross(..., vote=v)`)
 carries a small sum too: a member with a non-zero vote adds it to the barrier's vote key
 before it arrives, so the last arriver reads the whole sum (one more round trip, its own)
-and writes it into the outcome; a member with nothing to say makes no extra call. Every member reads the same outcome, so a
-barrier that failed leaves nobody inside a collective the others will not enter, and a
-member that arrives after the others gave up (a frozen one, resumed) reads the failure.
+and writes it into the outcome; a member with nothing to say makes no extra call. Every
+member reads the same outcome, so a barrier that failed leaves nobody inside a collective
+the others will not enter, and a member that arrives after the others gave up (a frozen
+one, resumed) reads the failure.
 Who is missing, the staleness of heartbeats and the `waiting/{wid}` record are the
 heartbeat thread's work, on its own connection (`Rendezvous.on_beat`), and only while
 the training thread has waited for more than CHECK_AFTER_S.
