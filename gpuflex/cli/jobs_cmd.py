@@ -12,8 +12,8 @@ from rich.live import Live
 from rich.text import Text
 
 import gpuflex.cli.render as render
-from gpuflex.cli.scale_cmd import scale
 from gpuflex.cli.common import StopSignals, command, console, obj, print_json, seconds
+from gpuflex.cli.scale_cmd import scale
 from gpuflex.control import access
 from gpuflex.control.requests import SubmitRequest, parse_env, parse_ref, parse_workers
 from gpuflex.errors import UsageError

@@ -34,7 +34,6 @@ import torch.distributed as dist
 from gpuflex.elastic import keys, shard_checkpoints
 from gpuflex.elastic.collectives import backward
 from gpuflex.elastic.formation import ShardsLost
-from gpuflex.elastic.keys import SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.elastic.micro import share
 from gpuflex.elastic.logs import describe
 from gpuflex.elastic.rendezvous import StoreLost
@@ -161,19 +160,8 @@ class ShardedSteps:
         def hook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
             if not _from_a_collective(value, tb):
                 return previous(etype, value, tb)
-            gone = self._store_gone()
-            if gone is not None:
-                log.info("gpuflex: %s; exiting with %d so the job restarts from its last checkpoint",
-                         gone, STORE_LOST_EXIT)
-                self._close()
-                os._exit(STORE_LOST_EXIT)
-            why = describe(value)
-            from gpuflex.elastic.sharding import ENDS
-            log.error("gpuflex: worker %d: a collective of generation %d failed in the script (%s); %s",
-                      self.wid, self.generation, why, ENDS)
-            self._close(done=False)
-            logging.shutdown()
-            os._exit(SHARDS_LOST_EXIT)
+            with self._guard():   # exits as ShardsLost (or a lost store) does anywhere else
+                self._no_undo(f"in the script: {describe(value)}")
 
         sys.excepthook = hook
 
