@@ -24,7 +24,8 @@ from torch.distributed import TCPStore
 
 from gpuflex.elastic import keys
 from gpuflex.elastic.auth import Signer
-from gpuflex.elastic.formation import Formation, tensor_paths
+from gpuflex.elastic.formation import Formation
+from gpuflex.elastic.state_copy import tensor_paths
 from gpuflex.elastic.keys import vote_key
 from gpuflex.elastic.liveness import (StepBarrier, crash_record, install_crash_hook, outcome_key,
                                       report_crash)
@@ -275,7 +276,7 @@ def contributions(state: FakeState, rank: int, world: int, differing: int = 2) -
     """What `state` held on `rank` adds to each of the verify's collectives (the first
     tensor of each is recomputed by the formation for rank 0 itself); `differing`: the
     index of the part that differs (2: bn1.running_mean, after weight and bias)."""
-    from gpuflex.elastic.formation import skeleton_crc
+    from gpuflex.elastic.state_copy import skeleton_crc
     from gpuflex.elastic.state import checksum_tensors
     skeleton, tensors = flatten(state.capture()["objects"])
     crc = checksum_tensors(tensors) ^ skeleton_crc(skeleton)
@@ -290,7 +291,7 @@ def contributions(state: FakeState, rank: int, world: int, differing: int = 2) -
 def test_a_registered_scalar_that_differs_is_a_mismatch_named_as_such():
     """Registered state must be equal on every member: a scalar only rank 0 updated (a
     best_val_loss) is caught by the checksum, not carried silently."""
-    from gpuflex.elastic.formation import NON_TENSOR
+    from gpuflex.elastic.state_copy import NON_TENSOR
     mine, theirs = model_state(0.0), model_state(0.0)
     mine["extra.best"], theirs["extra.best"] = {"val_loss": 1.5}, {"val_loss": 1e9}
     verdicts: dict[str, str] = {}

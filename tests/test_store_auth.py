@@ -20,7 +20,7 @@ from gpuflex.elastic import keys
 from gpuflex.elastic.auth import Forged, Signer, sign, verify
 from gpuflex.elastic.collectives import Collectives
 from gpuflex.elastic.coordinator import serve_store
-from gpuflex.elastic.formation import header_text, read_header
+from gpuflex.elastic.state_copy import header_text, read_header
 from gpuflex.elastic.generations import Generations
 from gpuflex.elastic.rendezvous import Rendezvous, StoreLost
 from gpuflex.elastic.state import TensorRef, flatten

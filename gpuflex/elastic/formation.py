@@ -14,7 +14,6 @@ import dataclasses
 import json
 import logging
 import time
-import zlib
 from typing import Any, Protocol
 
 import torch
@@ -25,7 +24,9 @@ from gpuflex.elastic.collectives import Collectives
 from gpuflex.elastic.commits import TrainingState
 from gpuflex.elastic.rendezvous import Evicted, Leaving, Rendezvous, Superseded
 from gpuflex.elastic.signals import StepSignals
-from gpuflex.elastic.state import FlatState, TensorRef, checksum_tensors, flatten, unflatten
+from gpuflex.elastic.state import FlatState, checksum_tensors, flatten, unflatten
+from gpuflex.elastic.state_copy import (MAX_HEADER_BYTES, NON_TENSOR, header_text, model_refs, model_targets,
+                                        read_header, skeleton_crc, tensor_paths)
 from gpuflex.elastic.logs import describe
 
 log = logging.getLogger(__name__)
@@ -249,7 +250,7 @@ class Formation:
         # optimizer state, RNG) into one fresh buffer per dtype. A member that holds an
         # older state keeps it intact until the transfer is complete.
         layout = h["layout"]
-        in_place = {} if state.has_state else _model_targets(state.model, h["skeleton"], layout)
+        in_place = {} if state.has_state else model_targets(state.model, h["skeleton"], layout)
         rest = [i for i in range(len(layout)) if i not in in_place]
         flat = FlatState(tuple(layout[i] for i in rest))
         views: list[torch.Tensor] = [torch.empty(0)] * len(layout)
@@ -260,7 +261,7 @@ class Formation:
         self.marks.append(("alloc", time.time()))
         group.recv([v for v in views if v.numel()], src)
         self.marks.append(("recv", time.time()))
-        model_done = bool(in_place) and len(in_place) == len(_model_refs(h["skeleton"]))
+        model_done = bool(in_place) and len(in_place) == len(model_refs(h["skeleton"]))
         state.apply_tree(unflatten(h["skeleton"], views), skip=("model",) if model_done else ())
         self.marks.append(("apply", time.time()))
         state.load_logs(h["logs"])
@@ -331,82 +332,3 @@ class Formation:
 # recovery's, a rollback's).
 RESIZE_POINTS = ("resize.rebuild", "resize.copy", "resize.verify")
 FORMATION_POINTS = ("formation.join", "formation.group", "formation.verify")
-
-NON_TENSOR = "a non-tensor value (a registered scalar, an optimizer or scheduler setting)"
-
-
-def skeleton_crc(skeleton: Any) -> int:
-    """A checksum of the state's non-tensor values (registered scalars, optimizer and
-    scheduler settings): they must be equal on every member too. 0 where the codec cannot
-    encode them (such state cannot be copied to a newcomer either; that copy says why)."""
-    try:
-        return zlib.crc32(codec.encode(skeleton, TensorRef).encode())
-    except codec.CodecError:
-        return 0
-
-
-def tensor_paths(skeleton: Any, prefix: str) -> list[str]:
-    """The dotted path of each tensor of a flattened tree, by its index
-    ("objects.model.bn1.running_mean", "objects.optimizer.state.0.momentum_buffer")."""
-    out: dict[int, str] = {}
-
-    def walk(node: Any, path: str) -> None:
-        if isinstance(node, TensorRef):
-            out[node.i] = path
-        elif isinstance(node, dict):
-            for k, v in node.items():
-                walk(v, f"{path}.{k}")
-        elif isinstance(node, (list, tuple)):
-            for k, v in enumerate(node):
-                walk(v, f"{path}.{k}")
-
-    walk(skeleton, prefix)
-    return [out.get(i, f"{prefix}[{i}]") for i in range(len(out))]
-
-
-MAX_HEADER_BYTES = 1 << 30
-
-
-def header_text(src: int, skeleton: Any, tensors: list[torch.Tensor], logs: dict[str, Any]) -> str:
-    """The state header as JSON: the skeleton (codec), each tensor's dtype, device and
-    shape, the logs, and the sending rank."""
-    layout = [[str(t.dtype).removeprefix("torch."), str(t.device), list(t.shape)] for t in tensors]
-    return json.dumps({"src": src, "skeleton": codec.encode(skeleton, TensorRef), "layout": layout,
-                       "logs": logs}, separators=(",", ":"))
-
-
-def read_header(text: str, src: int) -> dict[str, Any]:
-    """`header_text`'s header back, with the skeleton and the layout as `_sync_state` uses
-    them; ValueError (CodecError) for anything else."""
-    h = json.loads(text)
-    if not isinstance(h, dict) or h.get("src") != src or not isinstance(h.get("layout"), list) \
-            or not isinstance(h.get("logs"), dict) or not isinstance(h.get("skeleton"), str):
-        raise ValueError("not a state header")
-    layout = []
-    for entry in h["layout"]:
-        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[2], list)
-                and all(isinstance(d, int) and d >= 0 for d in entry[2])):
-            raise ValueError(f"bad tensor layout {entry!r}")
-        dtype = getattr(torch, str(entry[0]), None)
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"unknown dtype {entry[0]!r}")
-        layout.append((dtype, torch.device(str(entry[1])), tuple(entry[2])))
-    return {"skeleton": codec.decode(h["skeleton"], TensorRef), "layout": tuple(layout), "logs": h["logs"]}
-
-
-def _model_refs(skeleton: Any) -> dict[str, Any]:
-    refs = skeleton.get("objects", {}).get("model", {})
-    return refs if isinstance(refs, dict) else {}
-
-
-def _model_targets(model: torch.nn.Module, skeleton: Any, layout: tuple) -> dict[int, torch.Tensor]:
-    """{index in the sent tensor list: the newcomer's own tensor that entry can land in}:
-    the model's parameters and buffers, where name, dtype, device and shape agree."""
-    own = model.state_dict()
-    out = {}
-    for name, ref in _model_refs(skeleton).items():
-        t = own.get(name)
-        if (isinstance(ref, TensorRef) and t is not None and t.is_contiguous()
-                and (t.dtype, t.device, tuple(t.shape)) == tuple(layout[ref.i])):
-            out[ref.i] = t
-    return out
