@@ -58,15 +58,21 @@ def assert_matches_reference(report: dict, ref: dict) -> None:
     assert steps == list(range(ref["steps"])), "a step was lost or repeated in the log"
 
 
-@pytest.fixture
-def ej(home):
-    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints."""
+def elastic_cli(home: Path, jobs: str = "") -> GpuflexCLI:
+    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints; `jobs`: more
+    [jobs] lines."""
     cfg = home / "g.toml"
     cfg.write_text(
         f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
-        "[jobs]\ncancel_grace_s = 10\ncheckpoint_interval_s = 1\nheartbeat_timeout_s = 3\n\n"
+        f"[jobs]\ncancel_grace_s = 10\ncheckpoint_interval_s = 1\nheartbeat_timeout_s = 3\n{jobs}\n"
         f'[[hosts]]\nname = "local"\ngpus = "cpu:4"\nworkdir = "{home}/work"\n')
-    cli = GpuflexCLI(home, cfg)
+    return GpuflexCLI(home, cfg)
+
+
+@pytest.fixture
+def ej(home):
+    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints."""
+    cli = elastic_cli(home)
     yield cli
     cleanup_jobs(cli, home / "g.db")
 

@@ -45,8 +45,8 @@ from gpuflex.elastic.runtime import ElasticRun
 from gpuflex.elastic.sampler import ElasticSampler
 from gpuflex.elastic.sharding import Sharding
 from gpuflex.hosts.relay import unix_request
-from tests.test_elastic_jobs import ej, live_members, scale, step_of, wait_for  # noqa: F401 (ej: the fixture)
-from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, exits_without_teardown
+from tests.test_elastic_jobs import ej, elastic_cli, live_members, scale, step_of, wait_for  # noqa: F401 (ej: the fixture)
+from tests.conftest import cleanup_jobs, db_rows, exits_without_teardown
 from tests.test_runtime_api import DEADLINE_S, ROOT, Job, assert_every_sample_once, free_port
 
 EXAMPLE = ROOT / "examples" / "elastic_fsdp.py"
@@ -297,12 +297,7 @@ def test_untracked_the_vote_rides_the_step_barrier_through_a_grow_and_checkpoint
 @pytest.fixture
 def ej_pg2(home):
     """The `ej` pool with pg_timeout_s = 2: a collective waiting longer than that fails."""
-    cfg = home / "g.toml"
-    cfg.write_text(
-        f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
-        "[jobs]\ncancel_grace_s = 10\ncheckpoint_interval_s = 1\nheartbeat_timeout_s = 3\npg_timeout_s = 2\n\n"
-        f'[[hosts]]\nname = "local"\ngpus = "cpu:4"\nworkdir = "{home}/work"\n')
-    cli = GpuflexCLI(home, cfg)
+    cli = elastic_cli(home, "pg_timeout_s = 2\n")
     yield cli
     cleanup_jobs(cli, home / "g.db")
 
