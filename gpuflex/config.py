@@ -143,6 +143,7 @@ class JobSettings:
     max_same_failures: StrictInt = Field(3, ge=1, le=1000)  # the same rollback/formation failure this often ends the job
     orphan_timeout_s: Number = Field(120, gt=0, le=DAY_S)          # a coordinator without heartbeats or commands this long ends itself
     formation_timeout_s: Number = Field(60, ge=1, le=DAY_S)        # a worker not ready/joined this long is formed without
+    refresh_s: Number = Field(5, ge=0, le=DAY_S)    # `gpuflex watch` reconciles the jobs this often between ticks (0: at ticks)
     # a run's time limit when submit gives no --time (same spellings: 90s, 4h, 1-12:00:00)
     default_time: Optional[Annotated[StrictStr, AfterValidator(_time_limit)]] = None
     # issue 12: a worker slower than its job's median by this factor for this long, in a job

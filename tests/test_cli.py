@@ -246,3 +246,40 @@ def test_user_text_that_looks_like_markup_is_printed_as_itself(gf):
     one = gf.ok("status", job).stdout
     assert "[/x]" in one, one                                     # in the launch failure's reason
     assert "[/x]" in gf.ok("events", job).stdout
+
+
+def test_watch_refreshes_the_jobs_between_its_ticks(home, config_path, db_path, busy_slots):
+    """`watch --interval 1d --refresh 0.3`: after its first tick (job 2 queued behind the busy
+    job), the busy job's workers are killed and no other command runs; only the refresh
+    between ticks can notice it ended and start job 2 in its slots."""
+    import os
+    import signal
+    import time
+
+    g = GpuflexCLI(home, config_path)
+    queued = json.loads(g.ok("submit", "--json", "--name", "w", "--workers", "2", "--", "sleep", "600").stdout)
+    assert queued["state"] == "queued"
+    p = subprocess.Popen([g.script, "watch", "--interval", "1d", "--refresh", "0.3", "--json"],
+                         env=g.env(), cwd=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(p.stdout.readline())   # the first tick is done: job 2 still waits
+        assert first["skipped"] is None
+        assert db_rows(db_path, "SELECT state FROM jobs WHERE id = 2") == [("queued",)]
+        for w in busy_slots["workers"]:
+            os.killpg(os.getpgid(w["pid"]), signal.SIGKILL)
+        end = time.monotonic() + 60   # a guard against a hang, not a timing
+        while db_rows(db_path, "SELECT state FROM jobs WHERE id = 2") == [("queued",)] and time.monotonic() < end:
+            time.sleep(0.2)
+        states = dict(db_rows(db_path, "SELECT id, state FROM jobs"))
+    finally:
+        p.send_signal(signal.SIGINT)
+        rest, err = p.communicate(timeout=60)
+    assert states == {1: "failed", 2: "running"}, (states, err)
+    assert p.returncode == 0 and rest == "" and "stopped after 1 tick(s)" in err, (rest, err)
+
+
+@pytest.mark.parametrize("value, fragment", [("-1", "expected a duration above 0"), ("soon", "'soon'"),
+                                             ("2d", "give seconds from 0 to 86400")])
+def test_watch_refresh_bad_input_exits_2(cli_fast, value, fragment):
+    r = cli_fast("watch", "--refresh", value, "--ticks", "1")
+    assert r.code == 2 and fragment in r.stdout + r.stderr, (r.stdout, r.stderr)

@@ -7,7 +7,7 @@ import json
 import math
 import sys
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 from rich.table import Table
@@ -145,13 +145,19 @@ def watch(
     interval: Optional[str] = typer.Option(None, "--interval", help="Seconds between tick starts "
                                            "(30, 30s, 2m; default: interval_s of the harvest settings)."),
     ticks: Optional[int] = typer.Option(None, "--ticks", help="Stop after this many ticks (default: run until stopped)."),
+    refresh: Optional[str] = typer.Option(None, "--refresh", help="Seconds between refreshes of the jobs "
+                                          "between ticks (5, 5s, 1m; 0: only at ticks; default: refresh_s "
+                                          "of the jobs settings)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per tick (JSON lines)."),
 ) -> None:
     """Run harvest ticks in the foreground, for a systemd service or a terminal.
 
+    Between ticks the jobs are refreshed (as every command does first): ended runs noticed,
+    restarts and requeues made, queued jobs that now fit started.
+
     Ctrl-C (or SIGTERM) lets the running tick finish, then stops; a second Ctrl-C aborts it.
 
-    Example: gpuflex watch --interval 60
+    Example: gpuflex watch --interval 60 --refresh 5
     """
     from gpuflex.control.harvest import run_tick
     from gpuflex.control.report import parse_duration
@@ -159,6 +165,11 @@ def watch(
     cfg = obj(ctx).config()
     every = seconds("--interval", parse_duration(interval, "--interval"), 0.0) if interval is not None \
         else cfg.harvest.interval_s
+    if refresh is None:
+        refresh_s = cfg.jobs.refresh_s
+    else:
+        refresh_s = 0.0 if refresh.strip() in ("0", "0s") else parse_duration(refresh, "--refresh")
+        seconds("--refresh", refresh_s, 0.0)
     if ticks is not None and not 1 <= ticks <= MAX_TICKS:
         raise UsageError(f"--ticks {ticks}: must be 1 or more (at most {MAX_TICKS}).")
     svc = obj(ctx).service()
@@ -174,12 +185,29 @@ def watch(
                 done += 1
                 if ticks is not None and done >= ticks:
                     break
-                if stop.sleep(max(0.0, every - (time.monotonic() - began))):
+                if _refresh_until(svc, stop, began + every, refresh_s):
                     break
         except KeyboardInterrupt:
             err_console.print("aborted")
             raise typer.Exit(130)
     err_console.print(f"stopped after {done} tick(s)")
+
+
+def _refresh_until(svc: Any, stop: StopSignals, deadline: float, every: float) -> bool:
+    """Until `deadline` (time.monotonic()): the jobs refreshed every `every` seconds (0: not
+    at all). True: told to stop. A refresh that fails is shown and the next one tried."""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        if every <= 0 or every >= left:
+            return stop.sleep(left)
+        if stop.sleep(every):
+            return True
+        try:
+            svc.refresh()
+        except GpuflexError as e:
+            err_console.print(Text(f"error: {e}", style="red"))
 
 
 @command
