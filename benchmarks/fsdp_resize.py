@@ -4,9 +4,12 @@ side in one run, for a model whose parameters + AdamW state take each of --sizes
 Both start from 2 processes that trained a few steps with FSDP2 (fully_shard per layer) on
 gloo, and end with 3 processes holding the same state, sharded 3 ways:
 - in place (gpuflex.elastic.sharded): the newcomer is already running (gpuflex warms
-  newcomers up beside the job); the survivors' stall is from the moment they stop training
-  to the moment all three hold their new shards: a new process group, fully_shard undone and
-  reapplied, every shard moved point to point, the checksum agreed;
+  newcomers up beside the job) and has reserved the memory its shards will fill
+  (gpuflex.elastic.pages, as `Sharding.prepare` does when it learns its generation); the
+  survivors' stall is from the moment they stop training to the moment all three hold their
+  new shards: a new process group, fully_shard undone and reapplied, every shard moved point
+  to point, the checksum agreed. Side by side, the same without the reservation ("cold":
+  the newcomer's new pages fault as the move first writes them);
 - restart (what torchrun, DeepSpeed and torchtitan do): a DCP save by the 2, the 2 exit,
   3 fresh interpreters start (import torch, the process group, the model on the meta
   device, fully_shard), then the DCP load; the stall is from the save's start to the end
@@ -56,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from gpuflex.elastic import sharded
+    from gpuflex.elastic import pages, sharded
 
     torch.set_num_threads(1)
     rank, out = args.rank, Path(args.out)
@@ -115,6 +118,8 @@ def worker(args: argparse.Namespace) -> None:
     else:   # the newcomer, warmed up: its model on the meta device
         with torch.device("meta"):
             model = build()
+        if args.phase != "cold":   # its share of the state (Sharding.prepare), while the others train
+            pages.reserve(args.layers * (args.hidden * args.hidden + args.hidden) * BYTES_PER_PARAM // 3)
         opt, held, stop, rss0 = None, None, None, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     group("resize", [0, 1, 2])
     opt, stats = sharded.reshard_in_place(model, opt, make_opt, held, old=[0, 1], new=[0, 1, 2], rank=rank,
@@ -122,6 +127,7 @@ def worker(args: argparse.Namespace) -> None:
     del held
     dist.barrier()
     done = time.time()
+    pages.settle()
     record(stopped=stop, done=done, held_bytes=stats.held_bytes, new_bytes=stats.new_bytes,
            rss_rise_kib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0, checksum=checksum(model))
     dist.destroy_process_group()
@@ -147,14 +153,17 @@ def launch(tmp: Path, mode: str, phase: str, ranks: list[int], layers: int, hidd
             raise SystemExit(f"{mode}/{phase} rank {procs.index(p)} exited {p.returncode}")
 
 
-def one_size(size: float, hidden: int) -> dict:
+def one_size(size: float, hidden: int, cold_first: bool) -> dict:
     layers = layers_for(size, hidden)
     state = layers * (hidden * hidden + hidden) * BYTES_PER_PARAM
     with tempfile.TemporaryDirectory(prefix="fsdp-resize-") as d:
         tmp = Path(d)
-        launch(tmp, "inplace", "resize", [0, 1, 2], layers, hidden)
+        stalls = {}
+        for phase in (["cold", "resize"] if cold_first else ["resize", "cold"]):
+            launch(tmp, "inplace", phase, [0, 1, 2], layers, hidden)
+            rows = [json.loads((tmp / f"inplace-{phase}-{r}.json").read_text()) for r in range(3)]
+            stalls[phase] = max(r["done"] for r in rows) - max(r["stopped"] for r in rows if r["stopped"])
         rows = [json.loads((tmp / f"inplace-resize-{r}.json").read_text()) for r in range(3)]
-        stall_inplace = max(r["done"] for r in rows) - max(r["stopped"] for r in rows if r["stopped"])
         peak = max(r["held_bytes"] + r["new_bytes"] for r in rows)
         rss = max(r["rss_rise_kib"] for r in rows) * 1024
         launch(tmp, "restart", "before", [0, 1], layers, hidden)
@@ -163,7 +172,8 @@ def one_size(size: float, hidden: int) -> dict:
         after = [json.loads((tmp / f"restart-after-{r}.json").read_text()) for r in range(3)]
         stall_restart = max(r["loaded"] for r in after) - stop
         same = abs(rows[0]["checksum"] - after[0]["checksum"]) <= 1e-6 * max(1.0, abs(rows[0]["checksum"]))
-    return {"state_bytes": state, "layers": layers, "inplace_s": stall_inplace, "restart_s": stall_restart,
+    return {"state_bytes": state, "layers": layers, "inplace_s": stalls["resize"], "cold_s": stalls["cold"],
+            "restart_s": stall_restart,
             "peak_extra_bytes": peak, "rss_rise_bytes": rss, "shard_bytes_after": state / 3, "same_state": same}
 
 
@@ -184,16 +194,18 @@ def main() -> None:
         raise SystemExit("--repeat must be at least 1")
     print(f"FSDP2 state resharded 2 -> 3 processes (gloo, CPU, {os.cpu_count()} cores): in place vs "
           f"DCP save + restart + load; medians of {args.repeat} pairs (min-max)")
-    print(f"{'state':>8} {'in place s':>18} {'restart s':>18} {'ratio':>6} {'peak extra/rank':>16} "
-          f"{'RSS rise':>9} {'new shard':>10} {'same':>5}")
+    print(f"{'state':>8} {'in place s':>18} {'restart s':>18} {'ratio':>6} {'cold in place s':>18} {'ratio':>6} "
+          f"{'peak extra/rank':>16} {'RSS rise':>9} {'new shard':>10} {'same':>5}")
     for size in (float(s) for s in args.sizes.split(",")):
-        runs = [one_size(size, args.hidden) for _ in range(args.repeat)]
+        runs = [one_size(size, args.hidden, cold_first=i % 2 == 0) for i in range(args.repeat)]
         r = runs[0]
         inplace = sorted(x["inplace_s"] for x in runs)
+        cold = sorted(x["cold_s"] for x in runs)
         restart = sorted(x["restart_s"] for x in runs)
-        mid_in, mid_re = statistics.median(inplace), statistics.median(restart)
+        mid_in, mid_cold, mid_re = statistics.median(inplace), statistics.median(cold), statistics.median(restart)
         print(f"{r['state_bytes'] / 1e6:>6.0f}MB {mid_in:>6.2f} ({inplace[0]:.2f}-{inplace[-1]:.2f}) "
               f"{mid_re:>6.2f} ({restart[0]:.2f}-{restart[-1]:.2f}) {mid_re / mid_in:>5.1f}x "
+              f"{mid_cold:>6.2f} ({cold[0]:.2f}-{cold[-1]:.2f}) {mid_re / mid_cold:>5.1f}x "
               f"{max(x['peak_extra_bytes'] for x in runs) / 1e6:>14.0f}MB "
               f"{max(x['rss_rise_bytes'] for x in runs) / 1e6:>7.0f}MB {r['shard_bytes_after'] / 1e6:>8.0f}MB "
               f"{str(all(x['same_state'] for x in runs)):>5}")

@@ -36,7 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gpuflex.elastic import reshard
+from gpuflex.elastic import pages, reshard
 from gpuflex.elastic.collectives import backward
 from gpuflex.elastic.formation import StateMismatch
 from gpuflex.elastic.keys import SHARDS_LOST_EXIT, STORE_LOST_EXIT
@@ -171,6 +171,38 @@ def test_a_resize_2_3_2_in_place_equals_a_fixed_size_run_and_the_unsharded_one(j
     close(r["params"], fixed[0]["params"])
     close(r["params"], plain)
     assert "rolling back" not in j.logs()
+
+
+def test_a_newcomer_reserves_its_share_before_it_meets_the_others_and_a_holder_does_not(caplog):
+    """Sharding.prepare, as a resize's formation calls it before the barrier: a CPU newcomer
+    (never sharded) asks rank 0's count of the state and reserves its share (pages.py; at
+    most 4x its own model); a member holding shards does not even ask; a share under
+    pages.MIN_BYTES is not worth it."""
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(6)])   # 25 MB of parameters
+    own = sum(p.numel() * p.element_size() for p in model.parameters())
+    s = Sharding(model, lambda params: torch.optim.AdamW(params), nn.Linear, torch.device("cpu"))
+    asked: list[int] = []
+
+    def total() -> int:
+        asked.append(1)
+        return 3 * own   # parameters and AdamW's two moments
+
+    caplog.set_level("INFO", logger="gpuflex.elastic.sharding")
+    s.prepare(3, total)
+    assert asked == [1]
+    if pages._glibc() is not None:
+        (line,) = [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()]
+        assert line.startswith(f"gpuflex: {(-(-own // pages.BLOCK) + pages.MARGIN) * pages.BLOCK} bytes reserved")
+    caplog.clear()
+    s.prepare(3, lambda: 10 ** 15)   # a count far above the model: capped at 4x its own bytes
+    if pages._glibc() is not None:
+        (line,) = [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()]
+        assert int(line.split()[1]) == (-(-(4 * own // 3) // pages.BLOCK) + pages.MARGIN) * pages.BLOCK
+    caplog.clear()
+    s.prepare(3, lambda: pages.MIN_BYTES)   # a share too small to matter
+    s.started = True                       # a holder of shards
+    s.prepare(3, total)
+    assert asked == [1] and not [r for r in caplog.records if "reserved" in r.getMessage()]
 
 
 def test_a_member_killed_ends_the_survivor_with_the_shards_lost_exit(jobs):

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,8 @@ class Shards(Protocol):
     def before_switch(self, members: list[int], wid: int, rank: int, world: int) -> None: ...
 
     def form(self, rank: int, world: int) -> int: ...
+
+    def prepare(self, world: int, total: Callable[[], int | None]) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +160,8 @@ class Formation:
         g, members = info["generation"], info["members"]
         rank, world = members.index(self.wid), len(members)
         t0 = time.time()
+        if self.shards is not None and info["kind"] == "resize":   # before the others stop to meet it
+            self.shards.prepare(world, self._shard_bytes)
         self.rdzv.barrier(g, members, timeout_s=2 * self.timeout_s)
         tb = time.time()
         points = RESIZE_POINTS if info["kind"] == "resize" else FORMATION_POINTS
@@ -274,7 +278,10 @@ class Formation:
         new shards). Their checksums disagreeing is a state mismatch: rolled back as one (the
         old holders keep their old shards for the rollback generation)."""
         try:
-            return self.shards.form(rank, world)
+            new_bytes = self.shards.form(rank, world)
+            if rank == 0:   # for a newcomer of a later resize (keys.SHARD_BYTES)
+                self.rdzv.set(keys.SHARD_BYTES, json.dumps(new_bytes * world))
+            return new_bytes
         except StateMismatch as e:
             reason = f"sharded state checksum mismatch in {kind}: {e.args[2]}"
             if rank == 0:
@@ -282,6 +289,11 @@ class Formation:
             self.log(f"generation {g}: {reason}; rolling back")
             self._destroy()
             raise
+
+    def _shard_bytes(self) -> int | None:
+        """The sharded state's size rank 0 wrote at its last formation (None: none yet)."""
+        n = self.rdzv.get_json(keys.SHARD_BYTES)
+        return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
     def _verify(self, g: int, rank: int, received: bool, kind: str, members: list[int]) -> None:
         """All members compare a checksum of their live state, step and data position; on a

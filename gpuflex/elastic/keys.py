@@ -71,6 +71,10 @@ pg/{g}/...       torch's own rendezvous of generation g's process group (unsigne
                  writes it); only the members of a signed members/{g} join, and what they
                  send each other is checked (the state header is signed, see `state`, and
                  the copied state's checksum is compared across members)
+shards/bytes     signed JSON: a sharded job's state (parameters and optimizer state, all
+                 shards) in bytes, written by rank 0 after each formation; a newcomer
+                 reserves its share of memory before a resize (pages.py), at most 4x the
+                 bytes of its own model
 state/{g}        not a store key: the name the state header a member broadcasts while forming
                  generation g is signed under (the header itself travels over the process
                  group, as JSON, never pickle)
@@ -187,6 +191,7 @@ DESIRED = "desired"
 DESIRED_REQUEST = "desired_request"
 REQUEST_SEQ = "request_seq"
 PROGRESS = "progress"
+SHARD_BYTES = "shards/bytes"
 FINISHED = "finished"
 EVENTS = "events"
 ABORT = "abort"

@@ -28,6 +28,7 @@ rolled back like the data-parallel state copy's: the old holders keep their old 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
-from gpuflex.elastic import sharded
+from gpuflex.elastic import pages, sharded
 from gpuflex.elastic.commits import NO_CHECKPOINT_EXIT
 from gpuflex.elastic.shard_checkpoints import UnsafeCheckpoint
 from gpuflex.elastic.formation import ShardsLost, StateMismatch
@@ -100,6 +101,7 @@ class Sharding:
         self.stats: sharded.Stats | None = None
         self.on_forward: Callable[[], None] | None = None
         self._hook: Any = None
+        self._reserved = False
 
     # ---- formations -------------------------------------------------------------------
     def start_alone(self) -> None:
@@ -130,10 +132,32 @@ class Sharding:
                 raise StateMismatch(None, False, str(e)) from None
             raise
         assert optimizer is self.optimizer
+        if self._reserved:   # used by the move: frees hand memory back again
+            pages.settle()
+            self._reserved = False
         self.index, self.count, self.held, self.started, self.stats = rank, world, None, True, stats
         _log_move(f"{len(old)} -> {world} shards", stats)
         self._configure()
         return stats.new_bytes
+
+    def prepare(self, world: int, total: Callable[[], int | None]) -> None:
+        """A newcomer told it joins a resize of `world` members, before it meets them (the
+        others finish their step meanwhile): the memory its shards will fill is touched now
+        (pages.reserve), not page by page inside the survivors' stall. `total()`: the sharded
+        state's bytes rank 0 counted (keys.SHARD_BYTES; None: unknown), capped by 4x this
+        process's own model; asked only here. A member that holds shards, or a GPU's,
+        reserves nothing."""
+        if self.started or self.device.type != "cpu" or world < 1:
+            return
+        size = total()
+        if not size:
+            return
+        own = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        t = time.perf_counter()
+        got = pages.reserve(min(size, 4 * own) // world)
+        self._reserved = got > 0
+        if got:
+            log.info("gpuflex: %d bytes reserved for this newcomer's shards (%.3fs)", got, time.perf_counter() - t)
 
     def before_switch(self, members: list[int], wid: int, rank: int, world: int) -> None:
         """At an agreed switch, over the old group (every old member calls it): when some
