@@ -13,7 +13,7 @@ taken from the job's own step log (the first steps after a resume left out); eac
 adjacent windows gives one ratio, and the pairs alternate which job goes first.
 
 Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700,3535] [--pairs 20]
-     .venv/bin/python benchmarks/steady_overhead.py --fsdp [--hidden 64,256]
+     .venv/bin/python benchmarks/steady_overhead.py --fsdp [--hidden 64,256] [--window 8] [--checkpoint-s 600]
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from common import EXAMPLE, ROOT, Gpuflex, process_groups, state_bytes  # noqa: 
 WORLD = 2
 SKIP = 20        # steps before the measurement starts (start-up, first allocations)
 RESUMED = 3      # steps of each window left out: the first ones after SIGCONT
+NO_CHECKPOINT = 36000.0   # s: the gpuflex job's checkpoint interval, beyond any run of this benchmark
 EPOCHS = 100000  # both jobs run until the measurement is over, then they are stopped
 # the step log never gets near this: runs end when the windows are done
 
@@ -105,9 +106,10 @@ def start_ddp(tmp: Path, hidden: int, fsdp: bool) -> tuple[Job, subprocess.Popen
     return Job("DDP", process_groups(proc.pid)), proc, log
 
 
-def start_gpuflex(tmp: Path, hidden: int, fsdp: bool) -> tuple[Job, Gpuflex, str]:
+def start_gpuflex(tmp: Path, hidden: int, fsdp: bool, checkpoint_s: float) -> tuple[Job, Gpuflex, str]:
     # held for a second at a time: timeouts well above the windows
-    gf = Gpuflex(tmp / "gf", slots=WORLD, jobs="pg_timeout_s = 120\nheartbeat_timeout_s = 120\n")
+    gf = Gpuflex(tmp / "gf", slots=WORLD, jobs="pg_timeout_s = 120\nheartbeat_timeout_s = 120\n",
+                 checkpoint_interval_s=checkpoint_s)
     script = [str(ROOT / "examples" / "elastic_fsdp.py"), "--global-batch-size", str(FSDP_BATCH),
               "--micro-batch-size", str(FSDP_BATCH // WORLD)] if fsdp else [str(EXAMPLE)]
     job = str(json.loads(gf("submit", "--workers", str(WORLD), "--elastic", "inplace", "--split", "even",
@@ -121,15 +123,15 @@ def start_gpuflex(tmp: Path, hidden: int, fsdp: bool) -> tuple[Job, Gpuflex, str
     return Job("gpuflex", gf.pgids(job)), gf, job
 
 
-def measure(hidden: int, pairs: int, window: float, fsdp: bool) -> tuple[list[tuple[int, float]],
-                                                                         list[tuple[int, float]]]:
+def measure(hidden: int, pairs: int, window: float, fsdp: bool,
+            checkpoint_s: float) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
     with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
         tmp = Path(t)
         ddp, proc, ddp_log = start_ddp(tmp, hidden, fsdp)
         ddp.signal(signal.SIGSTOP)
         ours = gf = None
         try:
-            ours, gf, job = start_gpuflex(tmp, hidden, fsdp)
+            ours, gf, job = start_gpuflex(tmp, hidden, fsdp, checkpoint_s)
             ours.signal(signal.SIGSTOP)
             for i in range(pairs):
                 first, second = (ddp, ours) if i % 2 == 0 else (ours, ddp)
@@ -163,15 +165,20 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=20, help="window pairs per size")
     ap.add_argument("--window", type=float, default=0.0,
                     help="seconds per window (default: 1 s, or ~25 steps at large sizes)")
+    ap.add_argument("--checkpoint-s", type=float, default=NO_CHECKPOINT,
+                    help="the gpuflex job's checkpoint_interval_s (default: none inside the measurement, as "
+                    "the torchrun workers write none; 600 is the config's default)")
     args = ap.parse_args()
     base = "FSDP2" if args.fsdp else "DDP"
+    ck = "none while measured" if args.checkpoint_s >= NO_CHECKPOINT else f"every {args.checkpoint_s:g} s"
     print(f"world size {WORLD}, gloo on CPU, {base} under torchrun against gpuflex"
-          f"{' (ElasticRun(shard=))' if args.fsdp else ''}; the jobs take turns in windows, {args.pairs} pairs per size")
+          f"{' (ElasticRun(shard=))' if args.fsdp else ''}; the jobs take turns in windows, {args.pairs} pairs per size;"
+          f" gpuflex's checkpoints: {ck}")
     rows, size = [], lm_state_bytes if args.fsdp else state_bytes
     for hidden in [int(h) for h in (args.hidden or ("64,256" if args.fsdp else "64,700,3535")).split(",")]:
         # ~25 steps of the 100 MB model take ~3 s on 2 cores
         window = args.window or max(1.0, 3.0 * (hidden / 3535) ** 2)
-        d, o = measure(hidden, args.pairs, window, args.fsdp)
+        d, o = measure(hidden, args.pairs, window, args.fsdp, args.checkpoint_s)
         ratios = [ro / rd for (_, rd), (_, ro) in zip(d, o) if rd == rd and ro == ro]
         pooled_d = sum(n for n, _ in d) / sum(n / r for n, r in d if n)
         pooled_o = sum(n for n, _ in o) / sum(n / r for n, r in o if n)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,7 @@ from tests.test_runtime_api import DEADLINE_S, ROOT, Job, assert_every_sample_on
 EXAMPLE = ROOT / "examples" / "elastic_fsdp.py"
 ARGS = ["--global-batch-size", "25", "--micro-batch-size", "8"]   # shares of 13/12 and 9/8/8; 16 steps an epoch
 STEPS, N, B = 32, 384, 25
+SHARE_LINE = re.compile(r"newcomer's share of the sharded state is (\d+) bytes; (\d+) bytes reserved")
 
 
 class FsdpJob(Job):
@@ -171,6 +173,9 @@ def test_a_resize_2_3_2_in_place_equals_a_fixed_size_run_and_the_unsharded_one(j
     close(r["params"], fixed[0]["params"])
     close(r["params"], plain)
     assert "rolling back" not in j.logs()
+    # the newcomer learned the sharded state's size from rank 0's count (too small to reserve)
+    (share,) = [int(m.group(1)) for m in SHARE_LINE.finditer((j.tmp / "worker-2.log").read_text())]
+    assert share > 0
 
 
 def test_a_newcomer_reserves_its_share_before_it_meets_the_others_and_a_holder_does_not(caplog):
@@ -188,21 +193,26 @@ def test_a_newcomer_reserves_its_share_before_it_meets_the_others_and_a_holder_d
         return 3 * own   # parameters and AdamW's two moments
 
     caplog.set_level("INFO", logger="gpuflex.elastic.sharding")
+    glibc = pages._glibc() is not None
+
+    def reserved() -> list[tuple[int, int]]:
+        """(share, bytes reserved) of each newcomer's line logged since the last call."""
+        got = [tuple(map(int, m.groups())) for r in caplog.records
+               if (m := SHARE_LINE.search(r.getMessage()))]
+        caplog.clear()
+        return got
+
     s.prepare(3, total)
     assert asked == [1]
-    if pages._glibc() is not None:
-        (line,) = [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()]
-        assert line.startswith(f"gpuflex: {(-(-own // pages.BLOCK) + pages.MARGIN) * pages.BLOCK} bytes reserved")
-    caplog.clear()
+    assert reserved() == [(own, (-(-own // pages.BLOCK) + pages.MARGIN) * pages.BLOCK if glibc else 0)]
     s.prepare(3, lambda: 10 ** 15)   # a count far above the model: capped at 4x its own bytes
-    if pages._glibc() is not None:
-        (line,) = [r.getMessage() for r in caplog.records if "reserved" in r.getMessage()]
-        assert int(line.split()[1]) == (-(-(4 * own // 3) // pages.BLOCK) + pages.MARGIN) * pages.BLOCK
-    caplog.clear()
+    share = 4 * own // 3
+    assert reserved() == [(share, (-(-share // pages.BLOCK) + pages.MARGIN) * pages.BLOCK if glibc else 0)]
     s.prepare(3, lambda: pages.MIN_BYTES)   # a share too small to matter
+    assert reserved() == [(pages.MIN_BYTES // 3, 0)]
     s.started = True                       # a holder of shards
     s.prepare(3, total)
-    assert asked == [1] and not [r for r in caplog.records if "reserved" in r.getMessage()]
+    assert asked == [1] and reserved() == []
 
 
 def test_a_member_killed_ends_the_survivor_with_the_shards_lost_exit(jobs):

@@ -78,6 +78,7 @@ class Formation:
         self.signals, self.timeout_s = signals, timeout_s
         self.marks: list[tuple[str, float]] = []   # when each part of the last state copy ended
         self.checksum_s = 0.0
+        self._shard_total: int | None = None   # keys.SHARD_BYTES as this worker last wrote it (rank 0)
 
     def log(self, msg: str) -> None:
         log.info("gpuflex[w%d]: %s", self.wid, msg)
@@ -174,9 +175,11 @@ class Formation:
         if failpoints.ARMED: failpoints.hit(points[1], **where)
         copied = self._sync_state(g, rank, world)
         state.align_buffers()   # a boundary that failed after the forwards left each member's own
+        sharded = None
         if self.shards is not None:
             try:
-                copied += self._reshard(g, rank, world, info["kind"])
+                sharded = self._reshard(g, rank, world, info["kind"])
+                copied += sharded
                 if self.fresh:   # a (re)start: the shards of the checkpoint rank 0 resumed from
                     self.shards.restore(self.group, state.resume_dcp)
             except BaseException:   # not restored: the next formation is a (re)start again
@@ -193,6 +196,9 @@ class Formation:
         timings = None
         if rank == 0:
             self.rdzv.set(keys.verdict(g), '{"ok": true}')
+            if sharded is not None and sharded * world != self._shard_total:   # for a later newcomer
+                self._shard_total = sharded * world
+                self.rdzv.set(keys.SHARD_BYTES, json.dumps(self._shard_total))
             start = agreed_at if agreed_at is not None else t0
             timings = {
                 "generation": g, "kind": info["kind"], "world_size": world,
@@ -278,10 +284,7 @@ class Formation:
         new shards). Their checksums disagreeing is a state mismatch: rolled back as one (the
         old holders keep their old shards for the rollback generation)."""
         try:
-            new_bytes = self.shards.form(rank, world)
-            if rank == 0:   # for a newcomer of a later resize (keys.SHARD_BYTES)
-                self.rdzv.set(keys.SHARD_BYTES, json.dumps(new_bytes * world))
-            return new_bytes
+            return self.shards.form(rank, world)
         except StateMismatch as e:
             reason = f"sharded state checksum mismatch in {kind}: {e.args[2]}"
             if rank == 0:

@@ -147,17 +147,18 @@ class Sharding:
         state's bytes rank 0 counted (keys.SHARD_BYTES; None: unknown), capped by 4x this
         process's own model; asked only here. A member that holds shards, or a GPU's,
         reserves nothing."""
-        if self.started or self.device.type != "cpu" or world < 1:
+        if self.started or self.device.type != "cpu":
             return
         size = total()
         if not size:
             return
         own = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        share = min(size, 4 * own) // world
         t = time.perf_counter()
-        got = pages.reserve(min(size, 4 * own) // world)
+        got = pages.reserve(share)
         self._reserved = got > 0
-        if got:
-            log.info("gpuflex: %d bytes reserved for this newcomer's shards (%.3fs)", got, time.perf_counter() - t)
+        log.info("gpuflex: this newcomer's share of the sharded state is %d bytes; %d bytes reserved (%.3fs)",
+                 share, got, time.perf_counter() - t)
 
     def before_switch(self, members: list[int], wid: int, rank: int, world: int) -> None:
         """At an agreed switch, over the old group (every old member calls it): when some
