@@ -19,103 +19,30 @@ cannot be expanded when the file is read.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
-import re
 import sys
-import urllib.parse
 from pathlib import Path
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any, Optional
 
-from pydantic import (AfterValidator, BeforeValidator, ConfigDict, Field, PlainValidator, StrictBool, StrictInt,
-                      StrictStr, TypeAdapter, ValidationError, field_validator)
+from pydantic import ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
-from pydantic_core import PydanticCustomError
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
-from gpuflex.errors import ConfigError, UsageError
+from gpuflex.config_fields import (MESSAGE, DatabaseUrl, Gpus, HostName, Number, NotifyEvents, Text, TimeLimit,
+                                   UserOrGroup, WebhookUrl, invalid)
+from gpuflex.errors import ConfigError
 
 BUILTIN = "<built-in default>"
-MAX_CPU_SLOTS = 4096  # each slot is a DB row: a typo like cpu:40000000 must not hang every command
 DEFAULT_DB_URL = "sqlite:///~/.local/state/gpuflex/gpuflex.db"
 REMOTE_DEFAULTS = {"python": "python3", "workdir": "~/gpuflex"}  # a host whose address is not "local"
 
 # One TOML table per model: every key it does not declare is an error. Types are strict
 # per field (StrictStr, StrictInt, Number): TOML's "22" is not a port, true is not 1.
 _TABLE = ConfigDict(extra="forbid")
-_MESSAGE = "gpuflex_config"  # our own errors carry the whole message (see _config_error)
-
-
-def _invalid(message: str) -> PydanticCustomError:
-    return PydanticCustomError(_MESSAGE, "{message}", {"message": message})
-
-
-def _number(value: Any) -> Any:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise _invalid(f"expected int or float, got {value!r}.")
-    if not math.isfinite(value):  # TOML allows inf and nan
-        raise _invalid(f"must be a finite number, got {value!r}.")
-    return value
-
-
-def _host_name(value: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", value):
-        raise _invalid(f"invalid host name {value!r} (letters, digits, . _ -).")
-    return value
-
-
-def _gpus(value: Any) -> Any:
-    if isinstance(value, str):
-        if value != "all" and not re.fullmatch(r"cpu:[1-9][0-9]*", value):
-            raise _invalid(f'expected "all", "cpu:N" or a list of GPU indices, got {value!r}.')
-        if value != "all" and (len(value) > 12 or int(value[4:]) > MAX_CPU_SLOTS):
-            raise _invalid(f"at most cpu:{MAX_CPU_SLOTS} slots, got {value!r}.")
-        return value
-    if not isinstance(value, list):
-        raise _invalid(f"expected str or list, got {value!r}.")
-    if not value or not all(isinstance(g, int) and not isinstance(g, bool) and 0 <= g < MAX_CPU_SLOTS
-                            for g in value) or len(set(value)) != len(value):
-        raise _invalid(f"expected distinct GPU indices from 0 to {MAX_CPU_SLOTS - 1}, got {value!r}.")
-    return value
-
-
-def _text(value: str) -> str:
-    """A path, command or address: never blank (an empty `workdir` or `python` would fail
-    on the host at the first launch, long after the mistake), never a NUL byte."""
-    if not value.strip():
-        raise _invalid(f"must not be empty, got {value!r}.")
-    if "\0" in value:
-        raise _invalid(f"must not hold a NUL byte, got {value!r}.")
-    return value
-
-
-def _time_limit(value: str) -> str:
-    """A `--time` spelling (gpuflex.jobspec.parse_time), kept as written."""
-    from gpuflex.errors import UsageError
-    from gpuflex.jobspec import parse_time
-
-    try:
-        parse_time(value, "default_time")
-    except UsageError as e:
-        raise _invalid(str(e)) from None
-    return value
-
-
-def _database_url(value: str) -> str:
-    if "://" not in value or "\0" in value:
-        raise _invalid(f"not a database URL: {value!r} (e.g. sqlite:///path/gpuflex.db).")
-    return value
-
-
-# int or float as written (an int stays an int), finite; never a bool
-Number = Annotated[Union[int, float], BeforeValidator(_number)]
-HostName = Annotated[StrictStr, AfterValidator(_host_name)]
-Text = Annotated[StrictStr, AfterValidator(_text)]
-Gpus = Annotated[Union[str, list[int]], PlainValidator(_gpus)]  # "all", "cpu:N" or [indices]
 
 
 # Upper bounds on every number: a typo such as 1e10 seconds must be refused here, not
@@ -145,48 +72,11 @@ class JobSettings:
     formation_timeout_s: Number = Field(60, ge=1, le=DAY_S)        # a worker not ready/joined this long is formed without
     refresh_s: Number = Field(5, ge=0, le=DAY_S)    # `gpuflex watch` reconciles the jobs this often between ticks (0: at ticks)
     # a run's time limit when submit gives no --time (same spellings: 90s, 4h, 1-12:00:00)
-    default_time: Optional[Annotated[StrictStr, AfterValidator(_time_limit)]] = None
+    default_time: Optional[TimeLimit] = None
     # issue 12: a worker slower than its job's median by this factor for this long, in a job
     # above its MIN, is released (shrunk away in place)
     straggler_factor: Number = Field(3, ge=1.1, le=1000)
     straggler_s: Number = Field(300, ge=1, le=DAY_S)
-
-
-# what a job's owner can hear of by webhook (gpuflex.control.notify); `[notify] events`
-NOTIFY_EVENTS = ("succeeded", "failed", "timeout", "preempted", "cancelled")
-MAX_URL = 2048
-
-
-def check_webhook_url(url: str, option: str = "--notify") -> str:
-    """`url` if it is an http(s) URL with a host and no spaces or control characters;
-    UsageError naming the option and the URL otherwise (checked before anything is written)."""
-    shown = url if len(url) <= 80 else url[:77] + "..."
-    if len(url) > MAX_URL or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in url):
-        raise UsageError(f"{option} {shown!r}: a URL holds no spaces or control characters (at most "
-                         f"{MAX_URL} characters); e.g. https://hooks.example.org/gpuflex.")
-    try:
-        parts = urllib.parse.urlsplit(url)
-        parts.port   # raises ValueError for a port that is no number or out of range
-    except ValueError as e:
-        raise UsageError(f"{option} {shown!r}: not a URL ({e}).") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError(f"{option} {shown!r}: give an http:// or https:// URL with a host, "
-                         "e.g. https://hooks.example.org/gpuflex.")
-    return url
-
-
-def _notify_url(value: str) -> str:
-    try:
-        return check_webhook_url(value, "")
-    except UsageError as e:
-        raise _invalid(str(e).lstrip()) from None
-
-
-def _notify_events(value: tuple[str, ...]) -> tuple[str, ...]:
-    for name in value:
-        if name not in NOTIFY_EVENTS:
-            raise _invalid(f"unknown event {name!r} (known: {', '.join(NOTIFY_EVENTS)}).")
-    return value
 
 
 @dataclass(frozen=True, config=_TABLE)
@@ -194,18 +84,9 @@ class NotifySettings:
     """Webhooks (gpuflex.control.notify): the URL a job gets unless `submit --notify`
     names one (stored with the job at submit), and which of its moves are posted."""
 
-    url: Optional[Annotated[StrictStr, AfterValidator(_notify_url)]] = None
-    events: Annotated[tuple[StrictStr, ...], AfterValidator(_notify_events)] = \
+    url: Optional[WebhookUrl] = None
+    events: NotifyEvents = \
         ("succeeded", "failed", "timeout", "preempted")
-
-
-def _user_or_group(value: str) -> str:
-    if not re.fullmatch(r"@?[A-Za-z_][A-Za-z0-9_.-]{0,63}\$?", value):
-        raise _invalid(f"not a user or @group name: {value!r}.")
-    return value
-
-
-UserOrGroup = Annotated[StrictStr, AfterValidator(_user_or_group)]
 
 
 @dataclass(frozen=True, config=_TABLE)
@@ -222,7 +103,7 @@ class QuotaSettings:
     half-life of the decayed GPU-hours that order equal-priority queued jobs and harvest."""
 
     default_gpus: Optional[StrictInt] = Field(None, ge=0, le=1 << 20)
-    users: dict[Annotated[StrictStr, AfterValidator(_user_or_group)], Annotated[int, Field(ge=0, le=1 << 20)]] = \
+    users: dict[UserOrGroup, Annotated[int, Field(ge=0, le=1 << 20)]] = \
         Field(default_factory=dict)
     admins_exempt: StrictBool = True
     half_life_h: Number = Field(24, gt=0, le=24 * 365)
@@ -293,7 +174,7 @@ class Config:
 
 @dataclass(frozen=True, config=_TABLE)
 class _Database:
-    url: Annotated[StrictStr, AfterValidator(_database_url)] = DEFAULT_DB_URL
+    url: DatabaseUrl = DEFAULT_DB_URL
 
 
 def _local_host() -> tuple[HostConfig, ...]:
@@ -316,7 +197,7 @@ class _File:
     @classmethod
     def _remote_defaults(cls, hosts: Any) -> Any:
         if not isinstance(hosts, list) or not hosts:
-            raise _invalid("must be a non-empty array of tables ([[hosts]]).")
+            raise invalid("must be a non-empty array of tables ([[hosts]]).")
         return [{**REMOTE_DEFAULTS, **h} if isinstance(h, dict) and h.get("address", "local") != "local" else h
                 for h in hosts]
 
@@ -326,7 +207,7 @@ class _File:
         seen: set[str] = set()
         for h in hosts:
             if h.name in seen:
-                raise _invalid(f"duplicate host name {h.name!r}.")
+                raise invalid(f"duplicate host name {h.name!r}.")
             seen.add(h.name)
         return hosts
 
@@ -391,7 +272,7 @@ def _config_error(path: str, error: ValidationError) -> ConfigError:
     if kind in _UNKNOWN:
         table = _TABLES[str(loc[0]) if len(loc) > 1 else ""]
         message = f"unknown key (known: {', '.join(sorted(f.name for f in dataclasses.fields(table)))})."
-    elif kind == _MESSAGE:
+    elif kind == MESSAGE:
         message = ctx["message"]
     elif kind in ("missing", "missing_argument"):
         message = "missing."

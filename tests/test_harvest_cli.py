@@ -18,7 +18,8 @@ from typer.testing import CliRunner
 
 from gpuflex.cli import app
 from gpuflex.config import load_config
-from gpuflex.control.harvest import SHRINK_SHARE, run_tick, tick_lock
+from gpuflex.control.harvest import tick_lock
+from gpuflex.control.reclaim import SHRINK_SHARE
 from gpuflex.control.service import JobService
 from gpuflex.db.models import Event, Host, Job, Worker
 from gpuflex.hosts import hostops

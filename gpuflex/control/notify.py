@@ -3,7 +3,7 @@
 Where a note comes from: `journal.set_state` is the one place a job's state changes, so it
 hands every move to `collect`, which keeps a `Note` in the session (`session.info`) when
 the job has a URL (`submit --notify`, else `[notify] url`, stored per job at submit) and
-the move is one a user hears of (`gpuflex.config.NOTIFY_EVENTS`). Nothing is sent there: the transaction may
+the move is one a user hears of (`gpuflex.config_fields.NOTIFY_EVENTS`). Nothing is sent there: the transaction may
 still be rolled back (a refused command, an error), and a lock is held.
 
 When it is sent: an `Outbox` listens on the service's sessionmaker; a commit moves the
@@ -50,7 +50,7 @@ _PENDING = "gpuflex.notify.pending"
 
 
 def event_of(target: JobState, cause: str | None) -> str | None:
-    """The name (gpuflex.config.NOTIFY_EVENTS) of a move to `target`, a requeue's `cause`
+    """The name (gpuflex.config_fields.NOTIFY_EVENTS) of a move to `target`, a requeue's `cause`
     telling a preemption; None for a move nobody is told of (started, scaling, a requeue
     after a fault or for a resize)."""
     if target.final:

@@ -11,7 +11,7 @@ import os
 import re
 from typing import Mapping
 
-from gpuflex.config import check_webhook_url
+from gpuflex.config_fields import check_webhook_url
 from gpuflex.errors import UnknownJobError, UsageError
 from gpuflex.jobspec import ArraySpec, check_torchrun, elastic_mode, split_mode
 
@@ -24,7 +24,7 @@ MAX_RETRIES = 1000
 # 64 in SQLite): bounds at the edge so a typo is a clear refusal, never an OverflowError.
 INT_MAX = 2**31 - 1
 MAX_WORKERS = 65536
-MAX_GPUS_PER_WORKER = 4096   # config.MAX_CPU_SLOTS: no host holds more devices
+MAX_GPUS_PER_WORKER = 4096   # config_fields.MAX_CPU_SLOTS: no host holds more devices
 
 
 def parse_count(option: str, value: int, low: int, high: int = INT_MAX) -> int:

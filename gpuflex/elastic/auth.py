@@ -162,3 +162,33 @@ class SignedRecords:
         except ValueError:
             self.forged.note(key, value, "not JSON")
             return None
+
+
+class KeptRecords:
+    """The records only the coordinator writes (the run, the newest generation, an abort),
+    kept as it wrote them: `enforce` puts back one changed by anyone else, deletes one of
+    `unwritten` that someone wrote (a generation published ahead of it, an abort), and
+    counts each in `forged`. `store`: the job's store (its check/get/set/delete_key)."""
+
+    def __init__(self, store: Any, forged: ForgeryLog) -> None:
+        self.store, self.forged = store, forged
+        self.texts: dict[str, str] = {}
+
+    def put(self, key: str, text: str) -> None:
+        self.texts[key] = text
+        self.store.set(key, text)
+
+    def forget(self, key: str) -> None:   # written once, no longer kept
+        self.texts.pop(key, None)
+
+    def enforce(self, unwritten: list[str]) -> None:
+        for key, text in self.texts.items():
+            have = self.store.get(key) if self.store.check([key]) else None
+            if have is None or have.decode(errors="replace") != text:
+                if have is not None:
+                    self.forged.note(key, have, "overwritten")
+                self.store.set(key, text)
+        for key in unwritten:
+            if key not in self.texts and self.store.check([key]):
+                self.forged.note(key, self.store.get(key), "not written by the coordinator")
+                self.store.delete_key(key)

@@ -48,7 +48,7 @@ import time
 from typing import Any, Callable, Protocol
 
 from gpuflex.elastic import failpoints, keys
-from gpuflex.elastic.auth import ForgeryLog, SignedRecords, Signer
+from gpuflex.elastic.auth import ForgeryLog, KeptRecords, SignedRecords, Signer
 from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, printable
 from gpuflex.elastic.forming import FormationWatch, Outcome
 from gpuflex.elastic.progress_view import ProgressView
@@ -89,12 +89,11 @@ class Generations:
             raise ValueError(f"min workers must be at least 1, not {min_workers}")
         self.store = store
         run = secrets.token_hex(8)   # binds this store's records to this run of the job
-        self._run_text = Signer(secret).sign(keys.RUN, run)
         self.signer = Signer(secret, run)
         self.forged = ForgeryLog("coordinator")
         self.records = SignedRecords(self.has, store.get, self.signer, self.forged)
         self.requests = Requests(self.forged)
-        self._own: dict[str, str] = {keys.RUN: self._run_text}   # records it wrote and keeps
+        self.kept = KeptRecords(store, self.forged)   # records it wrote and keeps
         self.min_workers = min_workers
         self.streak = FailureStreak(max_failures)
         self.clock, self.wall = clock, wall
@@ -119,7 +118,7 @@ class Generations:
         self._verdict_reason = ""
         self._events, self._last_full = -1, 0.0
         self._busy = True          # something is pending: read everything every tick
-        store.set(keys.RUN, self._run_text)
+        self.kept.put(keys.RUN, Signer(secret).sign(keys.RUN, run))
         store.set(keys.DESIRED, json.dumps(self.desired))
 
     # ---- store helpers -------------------------------------------------------------
@@ -137,8 +136,7 @@ class Generations:
         self.store.set(key, self.signer.sign(key, value))
 
     def keep(self, key: str, value: str) -> None:   # a record put back if changed
-        self._own[key] = text = self.signer.sign(key, value)
-        self.store.set(key, text)
+        self.kept.put(key, self.signer.sign(key, value))
 
     def gone(self, wid: int) -> bool:
         return self.valid(keys.done(wid)) or self.valid(keys.left(wid))
@@ -160,10 +158,9 @@ class Generations:
         if failpoints.ARMED: failpoints.hit("coordinator.publish", gen=g, kind=kind, members=members)
         rec = {"generation": g, "kind": kind, "members": members, "prev": self.members,
                "created": self.wall(), "message": message}
-        self._own.pop(keys.members(self.generation), None)
+        self.kept.forget(keys.members(self.generation))
         self.keep(keys.members(g), json.dumps(rec))
-        self._own[keys.LATEST] = str(g)
-        self.store.set(keys.LATEST, str(g))
+        self.kept.put(keys.LATEST, str(g))
         self.generation, self.members = g, list(members)
         self.formation.begin(g)
         self.ever_members |= set(members)
@@ -205,7 +202,7 @@ class Generations:
         self._tick(moved)
 
     def _tick(self, moved: bool) -> None:
-        self._keep_own_records()
+        self.kept.enforce([keys.members(self.generation + 1), keys.ABORT])
         if self.has(keys.PROGRESS):
             self.progress = self.progress_view.read(self.store.get(keys.PROGRESS))
         self._read_request()
@@ -310,23 +307,6 @@ class Generations:
             log.warning("membership %s cannot be reached: %s", self.desired, why)
         self.unreachable = {"desired": list(self.desired), "reason": why}
         self._busy = False   # a resize or an event looks again
-
-    def _keep_own_records(self) -> None:
-        """The records only the coordinator writes, as it wrote them: one changed by someone
-        else is put back, one published ahead of it deleted; each counted as forged."""
-        for key, text in self._own.items():
-            have = self.store.get(key) if self.has(key) else None
-            if have is None or have.decode(errors="replace") != text:
-                if have is not None:
-                    self.forged.note(key, have, "overwritten")
-                self.store.set(key, text)
-        ahead = keys.members(self.generation + 1)
-        if self.has(ahead):
-            self.forged.note(ahead, self.store.get(ahead), "not published by the coordinator")
-            self.store.delete_key(ahead)
-        if keys.ABORT not in self._own and self.has(keys.ABORT):
-            self.forged.note(keys.ABORT, self.store.get(keys.ABORT), "not written by the coordinator")
-            self.store.delete_key(keys.ABORT)
 
     def _read_request(self) -> None:
         """A worker's signed desired_request (resizing.Requests: acted on once, when newer)."""
