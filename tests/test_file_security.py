@@ -247,38 +247,48 @@ def test_forged_records_the_coordinator_ignored_are_an_event_per_new_count(tmp_p
 
 
 # ---- stale socket directories --------------------------------------------------------------
+@pytest.fixture
+def short_dir():
+    d = Path(tempfile.mkdtemp(prefix="sw-"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @root_only
-def test_the_sweep_removes_only_our_stale_socket_directories_that_nothing_serves(tmp_path):
+def test_the_sweep_removes_only_our_stale_socket_directories_that_nothing_serves(tmp_path, short_dir):
     import socket
 
+    from gpuflex.control.launch import SOCKET_NAME
     from gpuflex.hosts.hostops import sweep_socket_dirs
 
-    root = tmp_path / "tmp"
-    root.mkdir()
-    names = ["empty", "dead-socket", "served", "fresh", "kept", "theirs", "link", "notours-prefix"]
-    for n in names[:6]:
-        (root / f"gpuflex-{n}").mkdir(mode=0o700)
+    root = short_dir   # a unix socket's path is at most 108 bytes
+    kinds = ["empty", "dead-socket", "served", "fresh", "kept", "theirs", "link"]
+    run = {k: f"gpuflex-{os.urandom(16).hex()}" for k in kinds}   # as control.launch names a run's
+    for k in kinds[:6]:
+        (root / run[k]).mkdir(mode=0o700)
     (root / "other-notours-prefix").mkdir()
+    (root / "gpuflex-results").mkdir(mode=0o700)           # a user's own: it only starts alike
+    (root / f"gpuflex-{os.urandom(16).hex()}-old").mkdir(mode=0o700)
     dead = socket.socket(socket.AF_UNIX)
-    dead.bind(str(root / "gpuflex-dead-socket" / "w0.sock"))
+    dead.bind(str(root / run["dead-socket"] / "w0.sock"))
     dead.close()                                   # the file stays, nobody listens: a killed worker
     served = socket.socket(socket.AF_UNIX)
-    served.bind(str(root / "gpuflex-served" / "coord.sock"))
+    served.bind(str(root / run["served"] / "coord.sock"))
     served.listen(1)
-    os.chown(root / "gpuflex-theirs", 4242, 4242)
-    os.symlink(str(tmp_path), root / "gpuflex-link")
+    os.chown(root / run["theirs"], 4242, 4242)
+    os.symlink(str(tmp_path), root / run["link"])
     old = time.time() - 3600
     for p in root.iterdir():
-        if p.name != "gpuflex-fresh":
+        if p.name != run["fresh"]:
             os.utime(p, (old, old), follow_symlinks=False)
+    before = sorted(p.name for p in root.iterdir())
     try:
-        removed = sweep_socket_dirs(str(root), "gpuflex-", [str(root / "gpuflex-kept")], 600)
+        removed = sweep_socket_dirs(str(root), SOCKET_NAME, [str(root / run["kept"])], 600)
     finally:
         served.close()
-    assert sorted(removed) == [str(root / "gpuflex-dead-socket"), str(root / "gpuflex-empty")]
-    assert sorted(p.name for p in root.iterdir()) == [
-        "gpuflex-fresh", "gpuflex-kept", "gpuflex-link", "gpuflex-served", "gpuflex-theirs", "other-notours-prefix"]
-    assert tmp_path.exists()
+    assert sorted(removed) == sorted(str(root / run[k]) for k in ("dead-socket", "empty"))
+    assert sorted(p.name for p in root.iterdir()) == sorted(set(before) - {run["dead-socket"], run["empty"]})
+    assert (root / "gpuflex-results").is_dir() and tmp_path.exists()
 
 
 # ---- real jobs, another real user ------------------------------------------------------------

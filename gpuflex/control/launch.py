@@ -31,6 +31,9 @@ from gpuflex.policy.speeds import speed_hint
 
 SOCKET_ROOT = "/tmp"  # unix socket paths must stay short (108 bytes)
 SOCKET_PREFIX = "gpuflex-"
+# a run's directory, as new_socket_dir names it: only such names are ever swept (a user's
+# own /tmp/gpuflex-results is not ours to remove)
+SOCKET_NAME = SOCKET_PREFIX + "[0-9a-f]{32}"
 OMP_THREADS = "OMP_NUM_THREADS"
 ARRAY_ID = "GPUFLEX_ARRAY_ID"        # an array job's array (the id of its first job)
 ARRAY_INDEX = "GPUFLEX_ARRAY_INDEX"  # and its index in it

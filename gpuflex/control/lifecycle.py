@@ -141,7 +141,7 @@ def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:
     if not any(h.is_local for h in ops.config.hosts):
         return
     keep = [j.socket_dir for j in active if j.socket_dir]
-    for path in hostops.sweep_socket_dirs(L.SOCKET_ROOT, L.SOCKET_PREFIX, keep, SWEEP_MIN_AGE_S):
+    for path in hostops.sweep_socket_dirs(L.SOCKET_ROOT, L.SOCKET_NAME, keep, SWEEP_MIN_AGE_S):
         log.debug("removed the stale socket directory %s", path)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import stat
@@ -190,15 +191,16 @@ def cleanup(socket_dirs: list[str]) -> list[bool]:
             for d in socket_dirs]
 
 
-def sweep_socket_dirs(root: str, prefix: str, keep: list[str], min_age_s: float) -> list[str]:
-    """Remove our `root/prefix*` socket directories that no process serves any more (left
-    by a run that ended without gpuflex seeing it end, or by an older gpuflex), except
-    those in `keep` and those changed in the last `min_age_s` (a run starting now);
-    returns the ones removed. Another user's directory, or a symlink, is never touched."""
+def sweep_socket_dirs(root: str, name: str, keep: list[str], min_age_s: float) -> list[str]:
+    """Remove our `root` socket directories whose whole name matches the regular expression
+    `name` and that no process serves any more (left by a run that ended without gpuflex
+    seeing it end, or by an older gpuflex), except those in `keep` and those changed in the
+    last `min_age_s` (a run starting now); returns the ones removed. Another user's
+    directory, a symlink, or a name that only starts alike is never touched."""
     removed = []
     now = time.time()
     try:
-        entries = [e for e in os.scandir(root) if e.name.startswith(prefix)]
+        entries = [e for e in os.scandir(root) if re.fullmatch(name, e.name)]
     except OSError:
         return removed
     for e in entries:
