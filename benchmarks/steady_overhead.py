@@ -157,6 +157,11 @@ def measure(hidden: int, pairs: int, window: float, fsdp: bool,
         return ddp.rates(ddp_steps), ours.rates(our_steps)
 
 
+def rate(r: float) -> str:
+    """Steps/s with three significant digits at least (a 1 GB model's 0.301)."""
+    return f"{r:.1f}" if r >= 10 else f"{r:.2f}" if r >= 1 else f"{r:.3f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", default=None, help="widths (default 64,700,3535: 0.04, 4 and 100 MB of "
@@ -184,14 +189,14 @@ def main() -> None:
         pooled_o = sum(n for n, _ in o) / sum(n / r for n, r in o if n)
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [float("nan")] * 3
         print(f"\nhidden {hidden} ({size(hidden) / 1e6:.1f} MB of state), windows of {window:.1f} s")
-        print(f"  {base:5} steps/s   " + " ".join(f"{r:6.1f}" for _, r in d))
-        print("  gpuflex steps/s " + " ".join(f"{r:6.1f}" for _, r in o))
+        print(f"  {base:5} steps/s   " + " ".join(f"{rate(r):>6}" for _, r in d))
+        print("  gpuflex steps/s " + " ".join(f"{rate(r):>6}" for _, r in o))
         print("  pair ratios     " + " ".join(f"{r:6.3f}" for r in ratios))
         rows.append((hidden, pooled_d, pooled_o, statistics.median(ratios), q[0], q[2], len(ratios),
                      sum(n for n, _ in d), sum(n for n, _ in o)))
     print(f"\nhidden  state MB  {base:5} steps/s  gpuflex steps/s  pooled ratio  median pair ratio (IQR)     pairs  steps torchrun/gpuflex")
     for hidden, pd, po, med, q1, q3, n, sd, so in rows:
-        print(f"{hidden:6d}  {size(hidden) / 1e6:8.1f}  {pd:13.1f}  {po:15.1f}  {po / pd:8.3f} "
+        print(f"{hidden:6d}  {size(hidden) / 1e6:8.1f}  {rate(pd):>13}  {rate(po):>15}  {po / pd:8.3f} "
               f"({100 * (po / pd - 1):+.1f}%)  {med:8.3f} ({q1:.3f}-{q3:.3f})  {n:5d}  {sd}/{so}")
 
 
