@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import urllib.parse
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Callable, Union
 
 from pydantic import AfterValidator, BeforeValidator, PlainValidator, StrictStr
 from pydantic_core import PydanticCustomError
@@ -34,10 +34,16 @@ def _number(value: Any) -> Any:
     return value
 
 
-def _host_name(value: str) -> str:
-    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", value):
-        raise invalid(f"invalid host name {value!r} (letters, digits, . _ -).")
-    return value
+def _matching(pattern: str, message: str) -> Callable[[str], str]:
+    """A check that the whole value matches `pattern`; `message` names it ({value!r})."""
+    def check(value: str) -> str:
+        if not re.fullmatch(pattern, value):
+            raise invalid(message.format(value=value))
+        return value
+    return check
+
+
+_host_name = _matching(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}", "invalid host name {value!r} (letters, digits, . _ -).")
 
 
 def _gpus(value: Any) -> Any:
@@ -128,10 +134,7 @@ def _notify_events(value: tuple[str, ...]) -> tuple[str, ...]:
     return value
 
 
-def _user_or_group(value: str) -> str:
-    if not re.fullmatch(r"@?[A-Za-z_][A-Za-z0-9_.-]{0,63}\$?", value):
-        raise invalid(f"not a user or @group name: {value!r}.")
-    return value
+_user_or_group = _matching(r"@?[A-Za-z_][A-Za-z0-9_.-]{0,63}\$?", "not a user or @group name: {value!r}.")
 
 
 UserOrGroup = Annotated[StrictStr, AfterValidator(_user_or_group)]

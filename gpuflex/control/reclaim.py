@@ -31,7 +31,6 @@ KILL_MARGIN_S = 10     # after the deadline: how long a kill is still watched (t
 POLL_S = 0.2
 
 
-# ---- yielding --------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Leaver:
     job: int
