@@ -3,16 +3,21 @@ step-boundary agreement, the collectives' failure note and rank 0's progress rep
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from gpuflex.elastic.agreement import Agreement
 from gpuflex.elastic.collectives import Collectives
 from gpuflex.elastic.sampler import ElasticSampler
 from gpuflex.elastic.signals import StepSignals
 from gpuflex.elastic.worker_control import Progress
+from tests.conftest import exits_without_teardown
+from tests.test_runtime_api import free_port
 
 
 def test_signals_checkpoint_and_poke_are_taken_once_and_stop_stays():
@@ -105,3 +110,39 @@ def test_progress_posts_rank_0s_status_with_its_rate_about_once_a_second():
     progress.report(log, store)                          # within the interval: nothing
     assert progress.rate == pytest.approx(128.0)
     assert [json.loads(p) for p in store.posted] == [{"rate": 128.0}]
+
+
+@exits_without_teardown
+def _failed_then_formed(rank: int, port: int, out: dict) -> None:
+    """Generation 1: rank 0 alone of 2 (its peer never comes), so creating the group fails.
+    Generation 2: both, whose group must form on each."""
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=dt.timedelta(seconds=30))
+    group = Collectives(torch.device("cpu"), timeout_s=2)
+    if rank == 0:
+        try:
+            group.open(store, 1, 0, 2)
+        except (RuntimeError, ValueError) as e:   # gloo's connect or the store's wait timed out
+            out["failed"] = type(e).__name__
+        store.set("rank0-failed", "1")
+    else:
+        store.wait(["rank0-failed"])
+    try:
+        group.open(store, 2, rank, 2)
+        total = torch.tensor([rank + 1.0])
+        dist.all_reduce(total)
+        out[rank] = float(total)
+    except (RuntimeError, ValueError) as e:
+        out[rank] = str(e).splitlines()[0]
+    group.close()
+
+
+def test_a_member_whose_group_failed_to_form_forms_the_next_one_with_the_others():
+    """A failed init_process_group leaves torch's group-name counter raised (only a destroy
+    resets it): the next generation's group would never meet the others' (a fault-matrix
+    cell aborted on it). Collectives.open names every member's world group alike."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_failed_then_formed, args=(free_port(), out), nprocs=2, join=True)
+        out = dict(out)
+    assert "failed" in out, out
+    assert out[0] == out[1] == 3.0, out

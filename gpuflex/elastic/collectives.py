@@ -95,6 +95,7 @@ class Collectives:
         if self.backend == "gloo" and not _drain_at_exit:
             atexit.register(_let_gloo_threads_finish)
             _drain_at_exit = True
+        _name_world_group_alike()
         dist.init_process_group(self.backend, store=dist.PrefixStore(keys.pg_prefix(g), store),
                                 rank=rank, world_size=world, timeout=dt.timedelta(seconds=self.timeout_s))
         self.pg = dist.group.WORLD
@@ -183,3 +184,17 @@ class Collectives:
         if self.backend == "nccl" and buf.device.type == "cpu":
             return buf.to(self.device)
         return buf
+
+
+def _name_world_group_alike() -> None:
+    """torch names a process group from a per-process counter (its store keys are under that
+    name) and resets the counter when the world group is destroyed, not when creating one
+    failed. A member whose last formation failed inside init_process_group (a peer gone
+    during gloo's connect) would name its next group "1" while the others name theirs "0":
+    their connects wait for each other's keys until every formation fails (seen in
+    tests/test_fault_matrix_phases.py). No world group exists here, so the next one is
+    named "0" on every member, as after a destroy."""
+    c10d = dist.distributed_c10d
+    world = getattr(c10d, "_world", None)
+    if not dist.is_initialized() and world is not None and hasattr(world, "group_count"):
+        world.group_count = 0
