@@ -31,9 +31,10 @@ from gpuflex.policy.speeds import speed_hint
 
 SOCKET_ROOT = "/tmp"  # unix socket paths must stay short (108 bytes)
 SOCKET_PREFIX = "gpuflex-"
+SOCKET_TOKEN_BYTES = 16   # random bytes in a run's directory name (hex: twice as many digits)
 # a run's directory, as new_socket_dir names it: only such names are ever swept (a user's
 # own /tmp/gpuflex-results is not ours to remove)
-SOCKET_NAME = SOCKET_PREFIX + "[0-9a-f]{32}"
+SOCKET_NAME = f"{SOCKET_PREFIX}[0-9a-f]{{{2 * SOCKET_TOKEN_BYTES}}}"
 OMP_THREADS = "OMP_NUM_THREADS"
 ARRAY_ID = "GPUFLEX_ARRAY_ID"        # an array job's array (the id of its first job)
 ARRAY_INDEX = "GPUFLEX_ARRAY_INDEX"  # and its index in it
@@ -47,7 +48,7 @@ def job_dir(host: HostConfig, job: Job) -> str:
 def new_socket_dir() -> str:
     """A fresh control-socket directory name for one run of a job: 128 random bits, so no
     other user can create it first (/tmp is shared); kept only in the (private) database."""
-    return posixpath.join(SOCKET_ROOT, SOCKET_PREFIX + secrets.token_hex(16))
+    return posixpath.join(SOCKET_ROOT, SOCKET_PREFIX + secrets.token_hex(SOCKET_TOKEN_BYTES))
 
 
 def socket_dir(job: Job) -> str:
