@@ -19,7 +19,7 @@ from gpuflex.config import HarvestSettings, HostConfig, load_config
 from gpuflex.control.probes import record_failure, record_probe
 from gpuflex.db.engine import open_database
 from gpuflex.db.models import Gpu, GpuSample as SampleRow, Host
-from gpuflex.hosts.probe import (ComputeApp, GpuSample, HostProbe, ProbeError, parse_apps, parse_gpus,
+from gpuflex.hosts.probe import (APP_QUERY, GPU_QUERY, ComputeApp, GpuSample, HostProbe, ProbeError, parse_apps, parse_gpus,
                                  parse_number, probe_host)
 from gpuflex.hosts.transport import LocalTransport
 from gpuflex.policy.gpus import verdict
@@ -42,6 +42,31 @@ def test_parse_a_busy_four_gpu_host():
     assert parse_apps(sample("a100x4.apps.csv")) == [
         ComputeApp("GPU-2bd7d6a4-5c1e-8f4b-3b9e-7d1a0e6c4f21", 183422, 37998.0),
         ComputeApp("GPU-c41e9b3a-77d2-4e0c-a5f8-1b6d2e9c0f37", 190117, 1196.0)]
+
+
+def test_parse_what_a_real_h200_printed_idle_and_with_a_process_holding_memory():
+    """Captured by benchmarks/gpu_check.py on an H200 (driver 580.159.04, CUDA 13.0),
+    2026-11-26: the probe's own two queries, before and while a foreign process held 2 GiB."""
+    uuid = "GPU-4e47cace-df36-266d-ae06-a037853c4328"
+    assert parse_gpus(sample("h200-idle.gpus.csv")) == [GpuSample(0, uuid, "NVIDIA H200", 0.0, 0.0, 143771.0)]
+    assert parse_gpus(sample("h200-busy.gpus.csv")) == [GpuSample(0, uuid, "NVIDIA H200", 0.0, 2667.0, 143771.0)]
+    assert parse_apps(sample("h200-busy.apps.csv")) == [ComputeApp(uuid, 583, 2658.0)]
+    # the same queries with units and a header line: the header is skipped, units dropped
+    assert parse_gpus(sample("h200-busy-units.gpus.csv")) == [GpuSample(0, uuid, "NVIDIA H200", 4.0, 2667.0, 143771.0)]
+    assert parse_apps(sample("h200-busy-units.apps.csv")) == [ComputeApp(uuid, 583, 2658.0)]
+
+
+def test_the_fake_heads_its_columns_as_the_real_h200_did(tmp_path):
+    uuid = "GPU-4e47cace-df36-266d-ae06-a037853c4328"
+    state = {"gpus": [{"index": 0, "uuid": uuid, "name": "NVIDIA H200", "utilization": 4, "memory_used": 2667,
+                       "memory_total": 143771}],
+             "processes": [{"gpu_uuid": uuid, "pid": 583, "used_memory": 2658}]}
+    for query, name in ((f"--query-gpu={GPU_QUERY}", "h200-busy-units.gpus.csv"),
+                        (f"--query-compute-apps={APP_QUERY}", "h200-busy-units.apps.csv")):
+        p = run_fake(state, tmp_path, query, "--format=csv")
+        assert p.returncode == 0 and p.stdout == sample(name), (p.stdout, sample(name))
+    p = run_fake(state, tmp_path, "-L")
+    assert p.stdout == sample("h200.list.txt")
 
 
 @pytest.mark.parametrize("name,util,used,total", [

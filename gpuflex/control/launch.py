@@ -258,7 +258,7 @@ SESSION_VARIABLES = frozenset({
     "CUDA_VISIBLE_DEVICES"})
 SESSION_PREFIXES = ("SSH_", "XDG_SESSION_", "DBUS_", "TERM_", "GPUFLEX_")
 # GPUFLEX_* a job may set; the failpoints a test armed reach the job's processes too
-_JOB_KNOBS = frozenset({env_contract.DIRECT_BYTES, env_contract.EXCHANGE_BYTES, failpoints.ENV})
+_JOB_KNOBS = frozenset({env_contract.DIRECT_BYTES, env_contract.EXCHANGE_BYTES, env_contract.BACKEND, failpoints.ENV})
 
 
 def submit_environment(environ: Mapping[str, str], env: Mapping[str, str]) -> dict[str, str]:

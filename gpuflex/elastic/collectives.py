@@ -19,11 +19,37 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic import keys
+from gpuflex.elastic.env import BACKEND
 from gpuflex.elastic.logs import describe
 
 GLOO_DRAIN_S = 0.05   # ten of the interpreter's 5 ms switch intervals
 _SUM = dist.AllreduceOptions()   # read, never changed: the process group copies it into each work
 _SUM.reduceOp = dist.ReduceOp.SUM
+
+
+BACKENDS = ("gloo", "nccl")
+
+
+def pick_backend(device: torch.device) -> str:
+    """The process group's backend: GPUFLEX_BACKEND where set (gloo lets several workers
+    share one GPU, which nccl refuses: one GPU per rank), else nccl on a GPU, gloo on CPU.
+    gloo moves CUDA tensors in its all-reduce; the rest (broadcast, send and receive of
+    the state copy) is staged through CPU memory (`Collectives._staged`)."""
+    raw = os.environ.get(BACKEND, "").strip().lower()
+    if raw:
+        if raw not in BACKENDS:
+            raise ValueError(f"{BACKEND}={raw!r}: expected one of {', '.join(BACKENDS)}")
+        if raw == "nccl" and device.type != "cuda":
+            raise ValueError(f"{BACKEND}=nccl needs a GPU, and this worker has none (CUDA_VISIBLE_DEVICES)")
+        return raw
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def group_backend(backend: str) -> str:
+    """What init_process_group is given: on nccl, gloo beside it for CPU tensors. The
+    runtime's own collectives carry CPU tensors (the sharded formation's checksums and
+    counts, DCP's coordination), which nccl alone refuses."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 def pick_device() -> torch.device:
@@ -75,7 +101,7 @@ class Collectives:
 
     def __init__(self, device: torch.device, timeout_s: float) -> None:
         self.device = device
-        self.backend = "nccl" if device.type == "cuda" else "gloo"
+        self.backend = pick_backend(device)
         self.timeout_s = timeout_s
         self.pg: dist.ProcessGroup | None = None
         self.rank, self.world_size = 0, 1
@@ -96,7 +122,7 @@ class Collectives:
             atexit.register(_let_gloo_threads_finish)
             _drain_at_exit = True
         _name_world_group_alike()
-        dist.init_process_group(self.backend, store=dist.PrefixStore(keys.pg_prefix(g), store),
+        dist.init_process_group(group_backend(self.backend), store=dist.PrefixStore(keys.pg_prefix(g), store),
                                 rank=rank, world_size=world, timeout=dt.timedelta(seconds=self.timeout_s))
         self.pg = dist.group.WORLD
         self.rank, self.world_size = rank, world
@@ -180,9 +206,12 @@ class Collectives:
                 buf.copy_(st.cpu())
 
     def _staged(self, buf: torch.Tensor) -> torch.Tensor:
-        """nccl moves only GPU tensors: CPU parts of the state (RNG) travel through the GPU."""
+        """nccl moves only GPU tensors: CPU parts of the state (RNG) travel through the GPU;
+        gloo's broadcast and point-to-point take CPU tensors: GPU parts travel through CPU."""
         if self.backend == "nccl" and buf.device.type == "cpu":
             return buf.to(self.device)
+        if self.backend == "gloo" and buf.device.type != "cpu":
+            return buf.cpu()
         return buf
 
 

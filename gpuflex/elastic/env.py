@@ -46,6 +46,8 @@ STRAGGLER_FACTOR = "GPUFLEX_STRAGGLER_FACTOR"   # slower than the median by this
 # Tuning knobs a user may set in a job's environment (read by gpuflex.elastic.gradients).
 DIRECT_BYTES = "GPUFLEX_DIRECT_BYTES"
 EXCHANGE_BYTES = "GPUFLEX_EXCHANGE_BYTES"
+# gloo | nccl (collectives.pick_backend): gloo lets several workers share one GPU
+BACKEND = "GPUFLEX_BACKEND"
 
 DEFAULT_CHECKPOINT_INTERVAL_S = 60.0
 DEFAULT_PG_TIMEOUT_S = 10.0

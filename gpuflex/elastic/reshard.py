@@ -95,6 +95,8 @@ def move_all(pieces: Sequence[Piece], old: Sequence[int | None], new: Sequence[i
     targets: list[torch.Tensor | None] = []
     ops: list[dist.P2POp] = []
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    landed: list[tuple[torch.Tensor, torch.Tensor]] = []   # (target rows, their CPU stage) after the wait
+    staged = _stages_through_cpu(group)
     tag = 0
     for piece in pieces:
         shard, n = piece.shard, piece.n
@@ -113,29 +115,43 @@ def move_all(pieces: Sequence[Piece], old: Sequence[int | None], new: Sequence[i
                 copies.append((target[t.start - new_start:t.stop - new_start],
                                shard[t.start - old_start:t.stop - old_start]))
             elif t.src == rank:
-                ops.append(dist.P2POp(dist.isend, shard[t.start - old_start:t.stop - old_start].contiguous(),
+                rows = shard[t.start - old_start:t.stop - old_start]
+                ops.append(dist.P2POp(dist.isend, rows.cpu() if staged and rows.is_cuda else rows.contiguous(),
                                       t.dst, group=group, tag=tag))
             elif t.dst == rank:
-                ops.append(dist.P2POp(dist.irecv, target[t.start - new_start:t.stop - new_start], t.src,
-                                      group=group, tag=tag))
+                rows = target[t.start - new_start:t.stop - new_start]
+                if staged and rows.is_cuda:
+                    landed.append((rows, torch.empty(rows.shape, dtype=rows.dtype)))
+                    rows = landed[-1][1]
+                ops.append(dist.P2POp(dist.irecv, rows, t.src, group=group, tag=tag))
             tag += 1
             if tag % ROUND == 0:
-                _post(ops, copies)
+                _post(ops, copies, landed)
         targets.append(target)
-    _post(ops, copies)
+    _post(ops, copies, landed)
     return targets
 
 
-def _post(ops: list[dist.P2POp], copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def _stages_through_cpu(group: dist.ProcessGroup | None) -> bool:
+    """gloo's point-to-point takes CPU tensors only: GPU rows travel through CPU memory
+    (several workers sharing one GPU run gloo: GPUFLEX_BACKEND, collectives.pick_backend)."""
+    return dist.is_initialized() and dist.get_backend(group) == "gloo"
+
+
+def _post(ops: list[dist.P2POp], copies: list[tuple[torch.Tensor, torch.Tensor]],
+          landed: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Post the ops, make the local copies while they are on the way, wait for them all,
-    and empty both lists."""
+    move the rows that landed in CPU stages to their place, and empty the lists."""
     works = dist.batch_isend_irecv(ops) if ops else []
     for dst, src in copies:
         dst.copy_(src)
     for work in works:
         work.wait()
+    for dst, stage in landed:
+        dst.copy_(stage)
     ops.clear()
     copies.clear()
+    landed.clear()
 
 
 def checksum(rows: torch.Tensor, start: int) -> int:
@@ -153,7 +169,7 @@ def checksum(rows: torch.Tensor, start: int) -> int:
         per_row = flat.view(torch.int64).sum(dim=1)
     except RuntimeError:   # rows of a size or at an offset that 64-bit words do not fit
         per_row = flat.view(_int_of(flat.dtype)).to(torch.int64).sum(dim=1)
-    index = torch.arange(start, start + n, dtype=torch.int64)
+    index = torch.arange(start, start + n, dtype=torch.int64, device=per_row.device)   # a GPU shard's too
     return int(((per_row % PRIME) * (index % PRIME + 1) % PRIME).sum() % PRIME)
 
 

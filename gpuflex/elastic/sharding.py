@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from gpuflex.elastic import pages, sharded
+from gpuflex.elastic.collectives import group_backend, pick_backend
 from gpuflex.elastic.commits import NO_CHECKPOINT_EXIT
 from gpuflex.elastic.shard_checkpoints import UnsafeCheckpoint
 from gpuflex.elastic.formation import ShardsLost, StateMismatch
@@ -106,8 +107,7 @@ class Sharding:
     # ---- formations -------------------------------------------------------------------
     def start_alone(self) -> None:
         """A standalone run: a one-process group of its own, then the usual formation."""
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(group_backend(pick_backend(self.device)), store=dist.HashStore(), rank=0, world_size=1)
         self.form(0, 1)
 
     def form(self, rank: int, world: int) -> int:
