@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "benchmarks" / "gpu_train.py")
 FAKE_SMI = str(ROOT / "tests" / "fakes" / "nvidia-smi")
 PARTS = ("smi", "nccl1", "gloo3", "throughput", "stall", "fsdp", "profile")
-BUDGET_S = {"smi": 45, "nccl1": 60, "gloo3": 100, "throughput": 75, "stall": 100, "fsdp": 100, "profile": 90}
+BUDGET_S = {"smi": 45, "nccl1": 60, "gloo3": 100, "throughput": 75, "stall": 100, "fsdp": 120, "profile": 90}
 
 
 class Check:
@@ -87,8 +87,10 @@ class Check:
         return self.deadline - time.monotonic()
 
     def run(self, argv: list[str], timeout: float | None = None, env: dict | None = None,
-            quiet: bool = False) -> subprocess.CompletedProcess:
-        timeout = max(1.0, min(timeout or self.left(), self.left()))
+            quiet: bool = False, bound: bool = True) -> subprocess.CompletedProcess:
+        """`argv` within `timeout` and (`bound`) the part's budget."""
+        timeout = timeout or self.left()
+        timeout = max(1.0, min(timeout, self.left()) if bound else timeout)
         t = time.monotonic()
         try:
             p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, cwd=self.work)
@@ -242,7 +244,12 @@ class Pool:
         dest.mkdir(parents=True, exist_ok=True)
         for f in (self.dir / "work").rglob("*.log"):
             shutil.copy(f, dest / f"{f.parent.name}-{f.name}")
-        (dest / "events.json").write_text(json.dumps(self.events(job), indent=1, default=str))
+        try:   # the part's budget may be spent: the events get a few seconds of their own
+            p = self.check.run([sys.executable, "-m", "gpuflex", "events", str(job), "--json"], env=self.env(),
+                               timeout=None if self.check.left() > 15 else 15, quiet=True, bound=False)
+            (dest / "events.json").write_text(p.stdout)
+        except subprocess.TimeoutExpired:
+            pass
 
     def cancel_all(self) -> None:
         for j in self.json("status", "--all"):
@@ -405,7 +412,7 @@ def part_gloo3(c: Check) -> dict:
 
 def part_fsdp(c: Check) -> dict:
     pool = c.pool("fsdp3", "cpu:3")
-    epochs = 40 if not c.dry else 60
+    epochs = 24 if not c.dry else 60   # on an H200 it ran 164 steps in 100 s, a kill-restart included
     args = ["--model", "lm", "--hidden", "64", "--global-batch-size", "24", "--seed", "3", "--epochs", str(epochs),
             "--step-sleep", "0.06"]
     report = c.work / "fsdp3.json"
