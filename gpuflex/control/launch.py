@@ -100,6 +100,8 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               "--orphan-timeout", str(config.jobs.orphan_timeout_s), "--job-dir", d,
               # a member that does not join a forming generation in time is left out (or held)
               "--formation-timeout", str(config.jobs.formation_timeout_s),
+              # workers that never joined the runtime (a plain script) are stopped as a cancel would
+              "--stop-grace", str(config.jobs.cancel_grace_s),
               # a gang's plain processes never join: the control side watches them instead
               *(["--gang"] if is_gang(job) else [])],
         cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_TOKEN: job.token,
