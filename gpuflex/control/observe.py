@@ -130,7 +130,7 @@ def log_tail(pool: Pool, w: Worker, lines: int = LOG_TAIL_LINES) -> tuple[str, .
     `gpuflex logs` reads it; () when it cannot be read."""
     try:
         t = pool.transport(w.host)
-        size = t.read(w.log_path, 1 << 62, 0).get("size") or 0
+        size = t.read(w.log_path, 0, 0).get("size") or 0   # a seek far past the end is EINVAL on ext4
         text = t.read(w.log_path, max(0, size - LOG_TAIL_BYTES), LOG_TAIL_BYTES).get("data") or ""
     except (TransportError, ValueError, OSError) as e:
         log.debug("worker %s: cannot read the tail of its log: %s", w.wid, e)
