@@ -32,7 +32,7 @@ gpuflex.control.executor writes it. In order:
    in the run's directory: Finish FAILED with its whole reason. The first to happen
    decides: a worker's end before the abort's time is judged by itself (a crash, or every
    worker ended: `outcome`), one after it is the abort's doing (a peer stopped under it)
-   and no crash.
+   and no crash (the hosts' clocks are taken to agree, as for time limits).
 6. While workers live: "store-lost" when the coordinator neither answers nor runs (Requeue,
    cause "orphan", if it exited ORPHAN_EXIT, but for a gang); Requeue (cause "below-min") when it holds the
    job (a recovery would go below MIN: survivors wait at a step boundary; the reason names the
