@@ -352,6 +352,15 @@ def test_the_first_to_happen_decides_between_the_abort_and_the_workers_ends(proc
     assert bool([a for a in actions if isinstance(a, Record) and a.kind == "crash"]) == (last.exit_code == 1)
 
 
+def test_a_crashed_record_of_a_worker_still_alive_wins_over_an_abort_as_it_did():
+    """The runtime writes its crashed record before it exits: the crash is the cause."""
+    status = {**coord(2, [0, 1], settled=False), "crashed": [crashed_record(1)],
+              "abort": {"reason": "the same failure 3 times", "cause": "repeated", "at": ABORT_AT}}
+    actions = decide(job(w(0), w(1), gen=2), Observation({0: ALIVE, 1: ALIVE}, coordinator=status))
+    assert [a.kind for a in actions if isinstance(a, Record)] == ["crash"]
+    assert isinstance(actions[-1], Finish) and ZERO in actions[-1].reason
+
+
 # ---- a restarted job never ends plainly ------------------------------------------------------
 def test_a_restarted_job_s_success_carries_its_restarts():
     ended = [w(0, state=W.EXITED, rc=0), w(1, state=W.EXITED, rc=0)]

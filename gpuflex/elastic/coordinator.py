@@ -55,9 +55,9 @@ from typing import Any, Callable, Iterable
 
 from torch.distributed import TCPStore
 
+from gpuflex.elastic import run_dir
 from gpuflex.elastic.control import ControlServer
 from gpuflex.elastic.env import JOB_SECRET
-from gpuflex.elastic import run_dir
 from gpuflex.elastic.failures import OrphanWatch, check_members
 from gpuflex.elastic.forming import NEVER_JOINED
 from gpuflex.elastic.generations import Generations

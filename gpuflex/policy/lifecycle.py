@@ -129,7 +129,8 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
         return actions
     abort = coordinator_abort(coord, seen.recorded_abort)
     at = abort.at if abort is not None else None
-    judged = [w for w in workers.values() if at is None or ended_before(w, at)]   # the abort's doing: no crash
+    # a worker that ended after the abort is the abort's doing: no crash
+    judged = [w for w in workers.values() if at is None or not w.state.final or ended_before(w, at)]
     crash = first_crash(job, judged, (coord or {}).get("crashed"), seen.log_tails)
     if crash is not None:
         actions.append(Record(CRASH_KIND, crash.summary, crash.data()))
