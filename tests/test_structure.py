@@ -136,6 +136,15 @@ def test_the_runtime_imports_only_torch_the_standard_library_and_itself():
     assert bad == {}
 
 
+def test_no_tensor_is_read_through_numpy():
+    """`Tensor.numpy()` imports numpy, which gpuflex does not require (a GPU host has torch
+    and the standard library): it failed every formation of a wheel install (issue 26)."""
+    calls = sorted(f"{name}:{node.lineno}" for name, tree in TREES.items() for node in ast.walk(tree)
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr == "numpy" and not node.args)
+    assert calls == []
+
+
 def test_the_store_protocol_and_worker_environment_are_imported_without_torch():
     import subprocess
 
