@@ -145,6 +145,17 @@ def test_no_tensor_is_read_through_numpy():
     assert calls == []
 
 
+def test_the_examples_read_no_tensor_through_numpy():
+    """The examples run on the same torch-only GPU hosts (their reports hash the parameters'
+    bytes): ddp_tutorial.py, the torchrun example, called `.numpy()` on every run."""
+    root = Path(__file__).resolve().parents[1] / "examples"
+    calls = sorted(f"{path.relative_to(root)}:{node.lineno}" for path in root.rglob("*.py")
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr == "numpy" and not node.args)
+    assert calls == []
+
+
 def test_the_store_protocol_and_worker_environment_are_imported_without_torch():
     import subprocess
 
