@@ -387,23 +387,30 @@ def resize_and_kill(c: Check, pool: Pool, job: int) -> dict:
     return out
 
 
-def part_gloo3(c: Check) -> dict:
-    pool = c.pool("shared3", "cpu:3")
-    epochs = 24 if not c.dry else 40
-    args = mlp_args(epochs=epochs, sleep=0.06)
-    report = c.work / "gloo3.json"
-    ref = c.reference("gloo3", args)
-    job = pool.submit([sys.executable, TRAIN, *args, "--report", str(report)], "--workers", "1:3", "--name", "gloo3",
+def shared_gpu_job(c: Check, name: str, args: list[str], samples: int) -> tuple[dict, Pool, int]:
+    """A job of three workers sharing the GPU, resized 1 -> 3 -> 2 with a kill, beside its
+    standalone run; the comparison with it, or {"ok": False, ...} if the job did not succeed."""
+    pool = c.pool(name, "cpu:3")
+    report = c.work / f"{name}.json"
+    ref = c.reference(name, args)
+    job = pool.submit([sys.executable, TRAIN, *args, "--report", str(report)], "--workers", "1:3", "--name", name,
                       *shared_gpu_env())
     try:
         res = resize_and_kill(c, pool, job)
         st = pool.wait_final(job)
     finally:
-        pool.keep_logs(job, "gloo3")
+        pool.keep_logs(job, name)
     res["state"] = st["state"]
     if st["state"] != "succeeded":
-        return {"ok": False, **res}
-    res.update(compare(json.loads(report.read_text()), ref(), 2048))
+        return {"ok": False, **res}, pool, job
+    res.update(compare(json.loads(report.read_text()), ref(), samples))
+    return res, pool, job
+
+
+def part_gloo3(c: Check) -> dict:
+    res, pool, job = shared_gpu_job(c, "gloo3", mlp_args(epochs=24 if not c.dry else 40, sleep=0.06), 2048)
+    if "ok" in res:
+        return res
     res["scale_events"] = [{k: e["data"].get(k) for k in ("timings", "world_size", "reason") if k in e["data"]}
                            for e in pool.events(job) if e["kind"] == "scale"]
     res["ok"] = res["allclose_1e-5"] and res["exactly_once"] and res["no_step_lost"]
@@ -411,23 +418,12 @@ def part_gloo3(c: Check) -> dict:
 
 
 def part_fsdp(c: Check) -> dict:
-    pool = c.pool("fsdp3", "cpu:3")
     epochs = 24 if not c.dry else 60   # on an H200 it ran 164 steps in 100 s, a kill-restart included
     args = ["--model", "lm", "--hidden", "64", "--global-batch-size", "24", "--seed", "3", "--epochs", str(epochs),
             "--step-sleep", "0.06"]
-    report = c.work / "fsdp3.json"
-    ref = c.reference("fsdp3", args)
-    job = pool.submit([sys.executable, TRAIN, *args, "--report", str(report)], "--workers", "1:3", "--name", "fsdp3",
-                      *shared_gpu_env())
-    try:
-        res = resize_and_kill(c, pool, job)
-        st = pool.wait_final(job)
-    finally:
-        pool.keep_logs(job, "fsdp3")
-    res["state"] = st["state"]
-    if st["state"] != "succeeded":
-        return {"ok": False, **res}
-    res.update(compare(json.loads(report.read_text()), ref(), 384))
+    res, pool, job = shared_gpu_job(c, "fsdp3", args, 384)
+    if "ok" in res:
+        return res
     res["restarts"] = [e["kind"] for e in pool.events(job) if e["kind"] in ("restart", "requeue", "fault")]
     res["ok"] = res["exactly_once"] and res["no_step_lost"] and res["max_abs_diff"] < 1e-3
     return res
