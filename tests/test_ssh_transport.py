@@ -245,3 +245,10 @@ def test_hosts_trust_yes_replaces_a_changed_key(ssh_bed, tmp_path):
 def test_hosts_trust_names_an_unknown_host_as_bad_input(ssh_bed):
     res = CliRunner().invoke(app, ["--config", str(ssh_bed.config_path), "hosts", "trust", "gpu99", "--yes"])
     assert res.exit_code == 2 and "no host named 'gpu99'" in res.output
+
+
+def test_a_command_that_exits_before_reading_its_input_gives_its_exit_status(gpu01):
+    """Its stdin closes under the input still being sent (a python that fails at once):
+    the exit status and stderr say what happened, not a lost connection."""
+    res = gpu01.run(["sh", "-c", "echo gone >&2; exit 3"], input="x" * (8 << 20))
+    assert (res.returncode, res.stdout, res.stderr) == (3, "", "gone\n")

@@ -200,8 +200,12 @@ class SSHTransport(Transport):
             chan.settimeout(timeout)
             chan.exec_command(command)
             if input:
-                chan.sendall(input.encode())
-            chan.shutdown_write()
+                try:
+                    chan.sendall(input.encode())
+                except OSError:   # "Socket is closed": it exited before reading it all; its status says why
+                    log.debug("%s: %s ended before reading its input", self.host.name, argv[0])
+            if not chan.closed:
+                chan.shutdown_write()
             out, err = _collect(chan, time.monotonic() + timeout)
             if out is None:
                 raise CommandTimeout(self.host.name, f"command timed out after {timeout} s: {argv[0]}", timeout)
