@@ -72,3 +72,57 @@ def test_pgcheck_rank_0_on_a_taken_port_says_so_before_importing_torch():
     assert json.loads(p.stdout) == {"rank": 0, "stage": "listen", "backend": None,
                                     "error": "Address already in use", "results": {}}
     assert "| torch" not in p.stderr   # -X importtime lists every module imported
+
+
+SLOW_TORCH = '''
+import importlib.abc, sys, time
+
+
+class SlowTorch(importlib.abc.MetaPathFinder):
+    """`import torch` takes DELAY s longer, as on a host whose torch sits on a slow NFS."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            time.sleep(DELAY)
+        return None
+
+
+sys.meta_path.insert(0, SlowTorch())
+'''
+
+
+def test_pgcheck_sides_meet_when_one_imports_torch_much_later(tmp_path):
+    """Rank 0's torch takes 3x --timeout longer to import than rank 1's: rank 1 reaches
+    the port at once (bound before the import) and waits for the store within --start."""
+    slow = tmp_path / "slow"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text(SLOW_TORCH.replace("DELAY", "6"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [sys.executable, "-m", "gpuflex.hosts.pgcheck", "--addr", "127.0.0.1", "--port", str(port),
+            "--timeout", "2", "--start", "60"]
+    env0 = {**os.environ, "PYTHONPATH": os.pathsep.join([str(slow), os.environ.get("PYTHONPATH", "")])}
+    r0 = subprocess.Popen(argv + ["--rank", "0"], stdout=subprocess.PIPE, text=True, env=env0)
+    r1 = subprocess.Popen(argv + ["--rank", "1"], stdout=subprocess.PIPE, text=True)
+    out0, _ = r0.communicate(timeout=120)
+    out1, _ = r1.communicate(timeout=120)
+    assert json.loads(out0)["stage"] == "done", out0
+    assert json.loads(out1)["stage"] == "done", out1
+    assert set(json.loads(out1)["results"]) == {"gloo"}
+
+
+def test_pgcheck_rank_1_at_a_port_where_no_store_speaks_gives_up_at_its_bound():
+    """Something listens there and never answers (torch's own client would wait on it for
+    ever): rank 1 says so once --timeout + --start have passed, before its watchdog."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        port = silent.getsockname()[1]
+        p = subprocess.run([sys.executable, "-m", "gpuflex.hosts.pgcheck", "--rank", "1", "--addr", "127.0.0.1",
+                            "--port", str(port), "--timeout", "2", "--start", "3", "--budget", "600"],
+                           capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1
+    assert json.loads(p.stdout) == {"rank": 1, "stage": "store", "backend": None,
+                                    "error": "no store answered within 5 s", "results": {}}

@@ -218,6 +218,15 @@ def test_a_port_taken_on_rank_0s_host_is_named_with_what_the_other_side_saw():
                         "from gpu02 it did not answer within 10 s (timed out)")
 
 
+def test_a_store_that_does_not_answer_is_told_from_either_side():
+    [f] = pair(PgSide(0, "done"), PgSide(1, "store", None, "Timed out after 13 s connecting"))
+    assert f.detail == "gpu02 reached port 41000 on gpu01, but no store answered there: Timed out after 13 s connecting"
+    [f] = pair(PgSide(0, "store", None, "Wait timeout"), PgSide(1, "import", None, "x"))
+    assert f.detail == "rank 1 on gpu02 stopped at import: x"
+    [f] = pair(PgSide(0, "store", None, "Wait timeout"), PgSide(1, "done"))
+    assert f.detail == "rank 1 on gpu02 did not come to the store at port 41000 on gpu01: Wait timeout"
+
+
 def test_a_failed_backend_fails_alone():
     s1 = PgSide(1, "init", "nccl", "NCCL error: unhandled system error", seconds=(("gloo", 0.05),))
     gloo, nccl = pair(PgSide(0, "init", "nccl", "timeout", seconds=(("gloo", 0.05),)), s1, ("gloo", "nccl"))

@@ -5,9 +5,10 @@ answers mean: gpuflex.policy.doctor_pairs).
 Rank 0's host serves the store at its address as the other hosts reach it
 (launch.store_address) on a free port picked there the way a job's store and
 MASTER_PORT are (launch.free_port), or on `--pg-port`. Each wait inside is bounded by
-`[jobs] pg_timeout_s`, the process-group timeout a job's workers use; each side's
-command by that times its waits plus the host's `command_timeout_s` for python and
-torch to start (pgcheck's watchdog prints where it was stuck before the transport gives up).
+`[jobs] pg_timeout_s`, the process-group timeout a job's workers use, and the sides'
+first meeting by that plus the hosts' `command_timeout_s` (the other side's python and
+torch may start that much later); each side's command by all its waits (pgcheck's
+watchdog prints where it was stuck before the transport gives up).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def check_pairs(config: Config, hosts: list[HostConfig], observed: dict[str, Hos
         tasks = {pair_name(*p): _pair_task(transports[p[0]], transports[p[1]], backends[p], timeout, pg_port)
                  for p in todo}
         # picking the port, then both sides (run_pair's own backstop: their bound + SLACK_S)
-        bound = max(side_bound(by_name[n], timeout, len(backends[p])) for p in todo for n in p) + \
+        bound = max(side_bound(by_name[p[0]], by_name[p[1]], timeout, len(backends[p])) for p in todo) + \
             max(by_name[p[0]].command_timeout_s for p in todo) + 2 * SLACK_S
         got = run_bounded(tasks, bound)
         for p in todo:
@@ -53,9 +54,14 @@ def check_pairs(config: Config, hosts: list[HostConfig], observed: dict[str, Hos
     return [f for p in lines for f in lines[p]]
 
 
-def side_bound(h: HostConfig, timeout: float, backends: int) -> float:
-    """How long one side may take: python and torch starting, then its waits."""
-    return budget_s(timeout, backends, h.command_timeout_s)
+def start_s(a: HostConfig, b: HostConfig) -> float:
+    """How long either side's python and torch may take to start: a host's command timeout."""
+    return max(a.command_timeout_s, b.command_timeout_s)
+
+
+def side_bound(a: HostConfig, b: HostConfig, timeout: float, backends: int) -> float:
+    """How long one side of the pair a, b may take: python and torch starting, then its waits."""
+    return budget_s(timeout, backends, start_s(a, b))
 
 
 def _pair_task(ta: Transport, tb: Transport, backends: tuple[str, ...], timeout: float, pg_port: int | None):
@@ -76,19 +82,21 @@ def run_pair(ta: Transport, tb: Transport, backends: tuple[str, ...], timeout: f
         except ValueError:
             return PairObservation(a.name, b.name, addr, timeout, backends,
                                    port_error=Unanswered(f"{a.python} printed no port"))
-    got = run_bounded({"0": lambda: side(ta, 0, addr, port, timeout, backends),
-                       "1": lambda: side(tb, 1, addr, port, timeout, backends)},
-                      max(side_bound(a, timeout, len(backends)), side_bound(b, timeout, len(backends))) + SLACK_S)
+    start = start_s(a, b)
+    got = run_bounded({"0": lambda: side(ta, 0, addr, port, timeout, start, backends),
+                       "1": lambda: side(tb, 1, addr, port, timeout, start, backends)},
+                      side_bound(a, b, timeout, len(backends)) + SLACK_S)
     sides = tuple(r.value if r.ok else unanswered(h.name, r.error) for r, h in zip(got.values(), (a, b)))
     return PairObservation(a.name, b.name, addr, timeout, backends, port=port, sides=sides)
 
 
-def side(t: Transport, rank: int, addr: str, port: int, timeout: float,
+def side(t: Transport, rank: int, addr: str, port: int, timeout: float, start: float,
          backends: tuple[str, ...]) -> PgSide | Unanswered:
     h = t.host
-    budget = side_bound(h, timeout, len(backends))
+    budget = budget_s(timeout, len(backends), start)
     argv = [h.python, "-m", "gpuflex.hosts.pgcheck", "--rank", str(rank), "--addr", addr, "--port", str(port),
-            "--timeout", f"{timeout:g}", "--backends", ",".join(backends), "--budget", f"{budget:g}"]
+            "--timeout", f"{timeout:g}", "--start", f"{start:g}", "--backends", ",".join(backends),
+            "--budget", f"{budget:g}"]
     try:
         res = t.run(argv, timeout=budget + SLACK_S)
     except TransportError as e:

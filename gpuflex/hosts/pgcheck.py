@@ -16,10 +16,13 @@ all-reduce a tensor of ones (a CUDA tensor for nccl). Each side prints one JSON 
 port is not reachable from its host), "store", "init" and "allreduce" (of `backend`),
 "finish" (the closing handshake), or "done".
 
-Everything is bounded by `--timeout` S: rank 1's connect, the store, each group's
-formation and collective; a watchdog prints the stage it was stuck in and exits if the
-whole run passes its budget (a collective that hangs inside a library call). Rank 0
-binds its port before importing torch, so rank 1 never waits on its import to connect.
+Everything is bounded by `--timeout` S: rank 1's connect, each group's formation and
+collective, the finish; the first meeting on the store (rank 1's client connecting, rank
+0 waiting for it to say it is ready) by S plus `--start` S' more, since the other side's
+python and torch may start that much later; a watchdog prints the stage it was stuck in
+and exits if the whole run passes its budget (a collective that hangs inside a library
+call). Rank 0 binds its port before importing torch, so a port that is there answers
+rank 1's connect at once.
 Imports torch; otherwise the standard library.
 """
 
@@ -37,6 +40,7 @@ from typing import Any
 
 BACKENDS = ("gloo", "nccl")
 DONE_KEY = "gpuflex-doctor/done"
+READY_KEY = "gpuflex-doctor/ready"
 EXIT_FAILED = 1
 EXIT_WATCHDOG = 3
 
@@ -110,6 +114,7 @@ def reach(addr: str, port: int, timeout_s: float) -> str | None:
 def run(args: argparse.Namespace, report: Report) -> str | None:
     """This side's part; None when every backend all-reduced, else the error."""
     timeout = dt.timedelta(seconds=args.timeout)
+    meeting = dt.timedelta(seconds=args.timeout + args.start)   # the other side may still be starting
     fd = None
     if args.rank == 0:
         report.at("listen")
@@ -133,8 +138,12 @@ def run(args: argparse.Namespace, report: Report) -> str | None:
         if fd is not None:
             store = dist.TCPStore(args.addr, args.port, is_master=True, wait_for_workers=False,
                                   timeout=timeout, master_listen_fd=fd)
+            store.wait([READY_KEY], meeting)
         else:
-            store = dist.TCPStore(args.addr, args.port, is_master=False, wait_for_workers=False, timeout=timeout)
+            # torch's client waits unbounded on a server that accepted but does not speak (a
+            # rank 0 still importing torch, or something else on the port): bound it here
+            store = bounded(lambda: client(dist, args.addr, args.port, meeting), meeting.total_seconds())
+        store.set_timeout(timeout)
     except Exception as e:  # noqa: BLE001 - torch raises RuntimeError, DistStoreError, ...
         return one_line(e)
     for backend in args.backends:
@@ -150,6 +159,34 @@ def run(args: argparse.Namespace, report: Report) -> str | None:
     except Exception as e:  # noqa: BLE001
         return one_line(e)
     return None
+
+
+def client(dist: Any, addr: str, port: int, timeout: dt.timedelta) -> Any:
+    """Rank 1's store client, once it told rank 0 it is there."""
+    store = dist.TCPStore(addr, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    store.set(READY_KEY, "1")
+    return store
+
+
+def bounded(fn: Any, seconds: float) -> Any:
+    """fn() in a thread of its own; its value, or TimeoutError when it has not returned
+    within `seconds` (the thread is left behind: the process ends with os._exit)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="gpuflex-pgcheck-bounded", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise TimeoutError(f"no store answered within {seconds:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def all_reduce(torch: Any, dist: Any, store: Any, backend: str, rank: int, timeout: dt.timedelta,
@@ -185,9 +222,10 @@ def one_line(e: BaseException) -> str:
 
 
 def budget_s(timeout_s: float, backends: int, start_s: float) -> float:
-    """The longest a side may take: `start_s` for python and torch to start, then its
-    waits (connect, store, a formation and a collective per backend, the finish)."""
-    return start_s + timeout_s * (3 + 2 * backends)
+    """The longest a side may take: `start_s` for its python and torch to start, then its
+    waits (connect, the meeting with its `start_s`, a formation and a collective per
+    backend, the finish)."""
+    return 2 * start_s + timeout_s * (3 + 2 * backends)
 
 
 def backends(text: str) -> list[str]:
@@ -205,11 +243,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--timeout", type=float, default=10.0, help="seconds for each wait")
     p.add_argument("--backends", type=backends, default=["gloo"])
+    p.add_argument("--start", type=float, default=60.0,
+                   help="seconds either side's python and torch may take to start")
     p.add_argument("--budget", type=float, default=None,
-                   help="seconds the whole run may take (default: budget_s(timeout, backends, 60))")
+                   help="seconds the whole run may take (default: budget_s(timeout, backends, start))")
     args = p.parse_args(argv)
     report = Report(args.rank)
-    watchdog(report, args.budget if args.budget is not None else budget_s(args.timeout, len(args.backends), 60))
+    watchdog(report, args.budget if args.budget is not None else budget_s(args.timeout, len(args.backends), args.start))
     error = run(args, report)
     report.emit(error)
     sys.stdout.flush()

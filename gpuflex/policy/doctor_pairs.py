@@ -103,8 +103,11 @@ def pair_findings(obs: PairObservation) -> list[Finding]:
     elif side.stage == "connect":
         detail = f"{where} not reachable from {obs.b} within {obs.timeout_s:g} s ({side.error})"
         fix = fix_net
-    elif side.stage == "store":
+    elif side.stage == "store" and side.rank == 1:
         detail = f"{obs.b} reached {where}, but no store answered there: {side.error}"
+        fix = fix_net
+    elif side.stage == "store":
+        detail = f"rank 1 on {obs.b} did not come to the store at {where}: {side.error}"
         fix = fix_net
     elif side.stage in ("init", "allreduce"):
         what = "did not form" if side.stage == "init" else "failed its all-reduce"
