@@ -10,8 +10,9 @@ to be fixtures under tests/fakes/samples/, and the job logs of any part that fai
 (each bounded by its own budget; one that fails is recorded and the next runs):
 
 - smi: every nvidia-smi query the probe sends, raw, with and without a foreign process
-  holding GPU memory, parsed by gpuflex.hosts.probe; `gpuflex hosts --json` on a local
-  host with `gpus = "all"` both ways (the holder turns the GPU busy).
+  holding GPU memory, parsed by gpuflex.hosts.probe; `gpuflex hosts --json` and
+  `gpuflex doctor --json` on a local host with `gpus = "all"` both ways (the holder turns
+  the GPU busy).
 - nccl1: one in-place worker on the GPU host (nccl): formation, the CUDA RNG, checkpoints
   of device tensors; its parameters against a standalone run of the same script.
 - gloo3: three workers sharing the one GPU (CPU slots, CUDA_VISIBLE_DEVICES=0,
@@ -73,7 +74,8 @@ class Check:
         uuid = "GPU-00000000-0000-0000-0000-000000000000"
         self.smi_state.write_text(json.dumps({
             "gpus": [{"index": 0, "uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "utilization": 3 if holding else 0,
-                      "memory_used": 2048 if holding else 0, "memory_total": 81559}],
+                      "memory_used": 2048 if holding else 0, "memory_total": 81559,
+                      "driver_version": "580.159.04"}],
             "processes": [{"gpu_uuid": uuid, "pid": pid, "used_memory": 2048}] if holding else []}))
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -312,7 +314,14 @@ def part_smi(c: Check) -> dict:
                 parsed["apps"] = [dataclasses.asdict(a) for a in probe.parse_apps(p.stdout)]
         hosts = pool.json("hosts")
         (samples / f"{tag}.gpuflex-hosts.json").write_text(json.dumps(hosts, indent=1, default=str))
-        return {"parsed": parsed, "hosts": hosts}
+        doctor = pool("doctor", "--json", ok=False, timeout=120)   # exit 1 when a check fails: recorded
+        (samples / f"{tag}.gpuflex-doctor.json").write_text(doctor.stdout + doctor.stderr)
+        try:
+            rows = json.loads(doctor.stdout)
+        except ValueError:
+            rows = []
+        verdicts = {r["check"]: (r["verdict"], r["detail"]) for r in rows if isinstance(r, dict) and "check" in r}
+        return {"parsed": parsed, "hosts": hosts, "doctor": {"exit": doctor.returncode, "checks": verdicts}}
 
     res["idle"] = capture("idle")
     holder = subprocess.Popen(
