@@ -27,9 +27,12 @@ DEADLINE_S = 300
 ARGS = ["--hidden", "32", "--global-batch-size", "64", "--seed", "3"]
 
 
-def example_argv(report: Path, epochs: int, sleep: float) -> list[str]:
+def example_argv(report: Path, epochs: int, sleep: float, hold: Path | None = None) -> list[str]:
+    """`hold`: the job sleeps `sleep` after a step only while that file exists, so a test
+    that resizes it holds it running for as long as its resizes take (a loaded machine's
+    newcomers are slow to start), then lets it finish at full speed."""
     return [sys.executable, EXAMPLE, *ARGS, "--epochs", str(epochs), "--step-sleep", str(sleep),
-            "--report", str(report)]
+            "--report", str(report), *(["--sleep-while", str(hold)] if hold else [])]
 
 
 _refs: dict[tuple, dict] = {}
@@ -93,9 +96,9 @@ def live_members(job: dict) -> list[dict]:
 
 
 def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, home):
-    report = home / "r.json"
-    # 16 epochs: the job must still be running after three resizes, when its socket is read
-    job = ej.submit(example_argv(report, epochs=16, sleep=0.05), "--workers", "1:4")
+    report, hold = home / "r.json", home / "hold"
+    hold.touch()   # 512 steps at 0.5 s: the job runs on through three resizes and the socket's reading
+    job = ej.submit(example_argv(report, epochs=16, sleep=0.5, hold=hold), "--workers", "1:4")
     scale(ej, job["id"], 1)
     first = wait_for(ej, job["id"], lambda j: step_of(j) >= 5, "some steps at world size 1")
     survivor_pid = live_members(first)[0]["pid"]
@@ -111,6 +114,7 @@ def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, hom
     assert st["ok"] and st["world_size"] == 4 and st["rank"] == 1 and st["generation"] >= 4
     assert unix_request(ctl, {"op": "nope"}, timeout=5)["ok"] is False
     assert oct(os.stat(ctl).st_mode & 0o777) == "0o600"
+    hold.unlink()
 
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
