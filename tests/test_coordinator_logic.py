@@ -11,6 +11,7 @@ import pytest
 from gpuflex.elastic import coordinator, keys
 from gpuflex.elastic.failures import (BACKSTOP_MIN, TRACEBACK_LINES, FailureStreak, cause_of,
                                       crash_record, waiting_record)
+from gpuflex.elastic.forming import never_joined_reason
 from gpuflex.elastic.generations import HISTORY_KEPT, IDLE_TICK_S, Generations
 from tests.fakes.store_fake import Clock, FakeStore
 
@@ -426,7 +427,8 @@ def test_the_same_rollback_three_times_in_a_row_aborts_the_job():
         job.gens.tick()
     status = job.gens.status()
     reason = "state check failed: tensor bn.running_mean differs on member 0 (3 times in a row: generations 2..4)"
-    assert status["abort"] == {"reason": reason} and job.abort_record() == {"reason": reason}
+    record = {"reason": reason, "cause": "repeated", "at": job.clock()}   # `at`: the control side orders ends by it
+    assert status["abort"] == record and job.abort_record() == record
     assert job.latest() == 4 and status["held"] is None and status["settled"] is False
     for _ in range(5):                # nothing more, whatever happens
         job.clock.advance(IDLE_TICK_S)
@@ -658,6 +660,30 @@ def test_a_first_generation_that_would_fall_below_min_is_held_naming_who_and_the
     assert status["held"]["reason"] == ("worker(s) [0] did not become ready within 30 s while starting "
                                         "generation 1: 2 worker(s) left, below the job's minimum of 3")
     assert not job.store.check([keys.rejected(0)])
+
+
+def test_an_inplace_job_none_of_whose_workers_ever_beat_ends_at_the_deadline_instead_of_holding():
+    """A plain script under MIN:MAX: nothing of the runtime's ever runs, so a hold (then a
+    requeue, then the same wait) would loop; the coordinator ends the job, once."""
+    job = Job([0, 1], formation_timeout_s=FORMATION_S, min_workers=1)
+    wait(job, FORMATION_S - 1)
+    assert job.gens.status()["abort"] is None     # it may still be importing torch
+    wait(job, 2)
+    status = job.gens.status()
+    record = {"reason": never_joined_reason(2, FORMATION_S), "cause": "never-joined", "at": job.clock()}
+    assert status["abort"] == record and job.abort_record() == record   # signed: runtime workers exit too
+    assert (status["held"], status["forming"], job.latest()) == (None, None, 0)
+    wait(job, FORMATION_S)
+    assert job.gens.status()["abort"] == record   # decided once
+
+
+def test_a_first_generation_one_of_whose_workers_beat_is_held_not_ended():
+    """A worker that beat runs the runtime (the other was killed while importing torch)."""
+    job = Job([0, 1], formation_timeout_s=FORMATION_S, min_workers=2)
+    job.beat(1)
+    wait(job, FORMATION_S + 1, beating=(1,))
+    status = job.gens.status()
+    assert status["abort"] is None and status["held"]["reason"].startswith("worker(s) [0, 1] did not become ready")
 
 
 def grown(start: tuple[int, ...] = (0, 1), min_workers: int = 1) -> Job:

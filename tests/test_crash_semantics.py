@@ -63,6 +63,28 @@ def form_all(world: World, svc: JobService, token: str) -> None:
     svc.refresh()
 
 
+def test_a_crashed_worker_s_error_is_the_last_line_of_its_log_read_through_its_host(tmp_path):
+    """A plain script leaves no crashed record: its log's tail is all there is. The tail is
+    read through the host's transport; its size asked with a seek far past the end came
+    back EINVAL on ext4, so every such crash said only "exit code 1"."""
+    from gpuflex.config import HostConfig
+    from gpuflex.control.observe import log_tail
+    from gpuflex.db.models import Worker
+    from gpuflex.hosts.transport import LocalTransport
+
+    log = tmp_path / "worker-1.log"
+    log.write_text("step 1\n" * 5000 + 'Traceback (most recent call last):\n  File "lt.py", line 21, in <module>\n'
+                   "IndexError: list index out of range\n")
+
+    class OneHost:
+        def transport(self, name: str) -> LocalTransport:
+            return LocalTransport(HostConfig(name=name))
+
+    tail = log_tail(OneHost(), Worker(wid=1, host="local", log_path=str(log)), lines=3)
+    assert tail == ("Traceback (most recent call last):", '  File "lt.py", line 21, in <module>',
+                    "IndexError: list index out of range")
+
+
 def test_a_worker_exiting_with_an_error_fails_the_job_at_once_and_stops_the_others(sim, tmp_path):
     world, svc = sim
     job_id, token = start(world, svc, tmp_path)

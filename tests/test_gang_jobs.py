@@ -23,7 +23,7 @@ from gpuflex.db.models import Job
 from gpuflex.cli.render import forming_text
 from gpuflex.elastic.env import WorkerEnv
 from gpuflex.elastic.failures import Heartbeats
-from gpuflex.elastic.forming import FormationWatch
+from gpuflex.elastic.forming import NOT_JOINED_ADVICE, FormationWatch, never_joined_reason
 from gpuflex.hosts.hostops import group_alive
 from gpuflex.policy.lifecycle import Finish, JobFacts, Requeue, WorkerFacts, gang_failure
 from gpuflex.states import JobState, WorkerState
@@ -155,9 +155,9 @@ def test_an_inplace_job_of_a_plain_script_says_so_and_a_gang_waits_for_its_proce
     assert plain.first([0, 1], [], 1) is None and "--elastic restart" in plain.record()["hint"]
     assert "never joined the gpuflex.elastic runtime" in forming_text(plain.record(), now=1006.0)
     clock.now = 11.0
-    held = plain.first([0, 1], [], 1)
-    assert held.hold is not None and "worker(s) [0, 1] never joined the gpuflex.elastic runtime" in held.hold
-    assert "--elastic restart" in held.hold
+    ended = plain.first([0, 1], [], 1)    # at the deadline: the job ends, never held (a requeue would loop)
+    assert ended.hold is None and ended.end == never_joined_reason(2, 10.0)
+    assert ended.end.startswith("its 2 worker(s) never joined the gpuflex.elastic runtime") and NOT_JOINED_ADVICE in ended.end
     assert gang_watch.first([0, 1], [], 1) is None and gang_watch.record() is None   # never dropped nor held
     # worker 1 beat (a gpuflex.elastic script), worker 0 was killed while it started: no hint
     assert killed.first([0, 1], [1], 1).hold is None and "runtime" not in killed.first([0, 1], [1], 1).message

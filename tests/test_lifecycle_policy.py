@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from gpuflex.elastic.forming import never_joined_reason
 from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, ORPHAN_EXIT, STORE_LOST_EXIT
 from gpuflex.policy.lifecycle import (Adopt, EndWorker, Finish, JobFacts, Observation, ProcSeen,
                                       Record, Requeue, SetState, WorkerFacts, decide, outcome)
@@ -308,6 +309,56 @@ def test_an_abort_fails_the_job_with_its_reason():
     ended = [w(0, state=W.FAILED, rc=ABORTED_EXIT), w(1, state=W.FAILED, rc=ABORTED_EXIT)]
     assert outcome(job(*ended), ended, generation=1) == \
         Finish(J.FAILED, ABORTED_EXIT, "aborted by its coordinator: the same failure repeated")
+
+
+NEVER_JOINED = never_joined_reason(2, 60)
+ABORT_AT = 50.0   # the coordinator's time of the abort; `gone` ends workers at 5.0 unless told
+
+
+def ended(rc: int | None, at: float) -> ProcSeen:
+    return gone(rc, ended_at=at)
+
+
+def test_the_abort_a_coordinator_left_in_the_run_s_directory_fails_the_job_once_it_is_gone():
+    """A plain script's job: the coordinator ended it, stopped its workers (SIGTERM, after the
+    abort) and then itself (its orphan timeout): the next command reads the record, whole."""
+    recorded = {"reason": NEVER_JOINED, "cause": "never-joined", "at": ABORT_AT}
+    seen = Observation({0: ended(-15, ABORT_AT + 1), 1: ended(-15, ABORT_AT + 1)}, coordinator=None,
+                       coordinator_alive=False, coordinator_exit=ORPHAN_EXIT, recorded_abort=recorded)
+    actions = decide(job(w(0), w(1), gen=0), seen)
+    assert actions[-1] == Finish(J.FAILED, ABORTED_EXIT, f"aborted: {NEVER_JOINED}")
+    assert "--elastic restart, or as a fixed-size gang (--workers N without --elastic)" in actions[-1].reason
+    assert not [a for a in actions if isinstance(a, Requeue)]
+    # the same with the coordinator still there to say it
+    status = {**coord(0, [], settled=False), "abort": recorded}
+    assert decide(job(w(0), w(1), gen=0), dataclasses.replace(seen, coordinator=status, recorded_abort=None,
+                                                              coordinator_alive=True))[-1] == actions[-1]
+
+
+@pytest.mark.parametrize("procs,last", [
+    # a peer of the stopped rank 0 exits 1 after the abort: its doing, not a crash
+    ({0: ended(-15, ABORT_AT + 1), 1: ended(1, ABORT_AT + 2)}, Finish(J.FAILED, ABORTED_EXIT, f"aborted: {NEVER_JOINED}")),
+    ({0: ALIVE, 1: ended(1, ABORT_AT + 2)}, Finish(J.FAILED, ABORTED_EXIT, f"aborted: {NEVER_JOINED}")),
+    # a crash before it came first: the crash decides (as a command then would have seen)
+    ({0: ALIVE, 1: ended(1, ABORT_AT - 1)}, Finish(J.FAILED, 1, "worker 1 on a crashed (exit code 1): exit code 1")),
+    # every worker ended before it: their exits decide (a short plain script succeeded)
+    ({0: ended(0, ABORT_AT - 2), 1: ended(0, ABORT_AT - 1)}, Finish(J.SUCCEEDED, 0, "all workers exited 0")),
+], ids=["crash-after", "crash-after-one-alive", "crash-before", "all-ended-before"])
+def test_the_first_to_happen_decides_between_the_abort_and_the_workers_ends(procs, last):
+    recorded = {"reason": NEVER_JOINED, "cause": "never-joined", "at": ABORT_AT}
+    seen = Observation(procs, coordinator={**coord(0, [], settled=False), "abort": recorded})
+    actions = decide(job(w(0), w(1), gen=0), seen)
+    assert actions[-1] == last, actions
+    assert bool([a for a in actions if isinstance(a, Record) and a.kind == "crash"]) == (last.exit_code == 1)
+
+
+def test_a_crashed_record_of_a_worker_still_alive_wins_over_an_abort_as_it_did():
+    """The runtime writes its crashed record before it exits: the crash is the cause."""
+    status = {**coord(2, [0, 1], settled=False), "crashed": [crashed_record(1)],
+              "abort": {"reason": "the same failure 3 times", "cause": "repeated", "at": ABORT_AT}}
+    actions = decide(job(w(0), w(1), gen=2), Observation({0: ALIVE, 1: ALIVE}, coordinator=status))
+    assert [a.kind for a in actions if isinstance(a, Record)] == ["crash"]
+    assert isinstance(actions[-1], Finish) and ZERO in actions[-1].reason
 
 
 # ---- a restarted job never ends plainly ------------------------------------------------------

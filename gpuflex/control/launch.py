@@ -1,7 +1,9 @@
 """What gpuflex starts on hosts for a job: the coordinator (store) and the workers.
 
 Every worker gets the GPUFLEX_* contract and torchrun's (gpuflex.elastic.env), so an
-unmodified torch.distributed script runs as a gang. torchrun's variables need the whole
+unmodified torch.distributed script runs as a gang; a gang's or restart job's workers get
+the rest of torchrun's agent's too (is_torchelastic_launched() is True), but those of a
+torchrun command, whose own agent sets them. torchrun's variables need the whole
 run's layout (`Layout`: which host and devices each rank has, and rank 0's MASTER_PORT,
 a free port picked at each launch): the starter passes it; without it (a newcomer of an
 in-place resize) the job's live rows stand in, and MASTER_PORT is left out.
@@ -100,6 +102,8 @@ def coordinator_spec(config: Config, host: HostConfig, job: Job, port: int, memb
               "--orphan-timeout", str(config.jobs.orphan_timeout_s), "--job-dir", d,
               # a member that does not join a forming generation in time is left out (or held)
               "--formation-timeout", str(config.jobs.formation_timeout_s),
+              # workers that never joined the runtime (a plain script) are stopped as a cancel would
+              "--stop-grace", str(config.jobs.cancel_grace_s),
               # a gang's plain processes never join: the control side watches them instead
               *(["--gang"] if is_gang(job) else [])],
         cwd=d, env={"PYTHONUNBUFFERED": "1", env_contract.JOB_TOKEN: job.token,
@@ -140,10 +144,13 @@ class Layout:
         host = self.places[rank][0]
         return sorted(r for r, (h, _) in self.places.items() if h == host)
 
+    def hosts(self) -> list[str]:
+        """The run's hosts, in rank order (torchrun's nodes)."""
+        return list(dict.fromkeys(self.places[r][0] for r in sorted(self.places)))
+
     def group_rank(self, rank: int) -> int:
         """GROUP_RANK: the index of `rank`'s host among the run's hosts, in rank order."""
-        hosts = list(dict.fromkeys(self.places[r][0] for r in sorted(self.places)))
-        return hosts.index(self.places[rank][0])
+        return self.hosts().index(self.places[rank][0])
 
     def local_devices(self, rank: int) -> tuple[int, ...]:
         """The devices of the ranks on `rank`'s host, in local-rank order."""
@@ -192,7 +199,8 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
         rank=rank, world_size=world,
         local_rank=local.index(rank), local_world_size=len(local), group_rank=layout.group_rank(rank),
         master_addr=job.store_addr, master_port=layout.master_port, restart_count=job.restarts or 0,
-        visible_gpus=visible_gpus(job, layout, rank, own) if host.cpu_slots is None else None)
+        visible_gpus=visible_gpus(job, layout, rank, own) if host.cpu_slots is None else None,
+        group_world_size=len(layout.hosts()), max_restarts=job.retries or 0)
     # the environment recorded at submit, never that of whoever runs this (a scale, a
     # harvest tick); a job from before it was recorded keeps the spawner's
     env = {**(job.submit_env or {}), **job.env}
@@ -200,6 +208,8 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
     env.update(contract.to_env())
     if torchrun_args(list(job.argv)) is not None:
         env.update(contract.torchrun_env())
+    elif is_gang(job):   # an in-place job's world changes under its runtime: no fixed torchelastic run
+        env.update(contract.torchelastic_env(env))
     if job.array_id is not None:
         env.update({ARRAY_ID: str(job.array_id), ARRAY_INDEX: str(job.array_index)})
     if not is_gang(job):

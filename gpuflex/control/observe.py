@@ -19,6 +19,7 @@ from gpuflex.control import launch as L
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
+from gpuflex.elastic import run_dir
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy import split as split_policy
 from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, LEFT_OUT_KIND, RETRY_CAUSES,
@@ -102,12 +103,26 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
                                     exited=st.exit is not None)
     coord = coordinator_status(config, pool, job)
     alive, coord_exit = (True, None) if coord is not None else coordinator_process(config, pool, job)
+    abort_left = recorded_abort(pool, job) if coord is None else None   # it ended itself after ending the job
     recorded = {r.get("wid") for r in (coord or {}).get("crashed") or () if isinstance(r, dict)}
     crashed = [w for w in job.live_workers if w.wid in procs and not procs[w.wid].alive
                and procs[w.wid].exited and is_crash_exit(procs[w.wid].returncode) and w.wid not in recorded]
     tails = {w.wid: log_tail(pool, w) for w in crashed}
     return Observation(procs, unreachable, coord, alive, coord_exit,
-                       log_tails={k: v for k, v in tails.items() if v})
+                       log_tails={k: v for k, v in tails.items() if v}, recorded_abort=abort_left)
+
+
+def recorded_abort(pool: Pool, job: Job) -> dict[str, Any] | None:
+    """The abort record the coordinator left in the run's directory on its host when it ended
+    the job (gpuflex.elastic.run_dir), parsed; None when there is none or it cannot be read."""
+    if job.socket_dir is None or job.store_host is None:
+        return None
+    try:
+        got = pool.transport(job.store_host).read(posixpath.join(job.socket_dir, run_dir.ABORT_RECORD), 0, 8192)
+    except (TransportError, ValueError, OSError, KeyError) as e:
+        log.debug("job %s: cannot read the coordinator's abort record: %s", job.id, e)
+        return None
+    return None if got.get("missing") else run_dir.parse_abort(got.get("data") or "")
 
 
 def log_tail(pool: Pool, w: Worker, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
@@ -115,7 +130,7 @@ def log_tail(pool: Pool, w: Worker, lines: int = LOG_TAIL_LINES) -> tuple[str, .
     `gpuflex logs` reads it; () when it cannot be read."""
     try:
         t = pool.transport(w.host)
-        size = t.read(w.log_path, 1 << 62, 0).get("size") or 0
+        size = t.read(w.log_path, 0, 0).get("size") or 0   # a seek far past the end is EINVAL on ext4
         text = t.read(w.log_path, max(0, size - LOG_TAIL_BYTES), LOG_TAIL_BYTES).get("data") or ""
     except (TransportError, ValueError, OSError) as e:
         log.debug("worker %s: cannot read the tail of its log: %s", w.wid, e)

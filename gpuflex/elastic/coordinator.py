@@ -9,6 +9,14 @@ and `--max-failures` (the same failure that many times in a row aborts the job) 
 the job's record; the control side reads the outcome from `status`. A resize names only
 workers of the job (failures.check_members): known ids, or newcomers' ids just above them.
 
+When it ends the job (`abort`: a failure repeated, or an in-place job none of whose workers
+ever joined the runtime, forming.py) it also writes the abort record into the run's
+directory (the control socket's, run_dir.py), where the next command reads it even if the
+coordinator has ended itself by then. A job whose workers never joined runs plain
+processes that never read the store: the coordinator stops the run's process groups on its
+host (`--stop-grace` between SIGTERM and SIGKILL), so the job ends at the deadline whether
+or not a command runs; workers on other hosts are stopped by the next command.
+
 No orphans: no daemon watches the hosts, so the coordinator ends itself once its job is
 gone (failures.OrphanWatch): its `--job-dir` removed, or no worker heartbeat and no request
 on its control socket for `--orphan-timeout` seconds. It then logs one JSON line
@@ -47,9 +55,11 @@ from typing import Any, Callable, Iterable
 
 from torch.distributed import TCPStore
 
+from gpuflex.elastic import run_dir
 from gpuflex.elastic.control import ControlServer
 from gpuflex.elastic.env import JOB_SECRET
 from gpuflex.elastic.failures import OrphanWatch, check_members
+from gpuflex.elastic.forming import NEVER_JOINED
 from gpuflex.elastic.generations import Generations
 from gpuflex.elastic.keys import ORPHAN_EXIT
 from gpuflex.elastic.logs import ensure_handler
@@ -72,10 +82,20 @@ class Coordinator:
         self.max_workers = max_workers
         self.local_workers = local_workers   # whether a worker on this host still runs (a gang)
         self.lock = threading.Lock()
+        self.ended = False   # the job's end was handed out (`new_end`)
 
     def tick(self) -> None:
         with self.lock:
             self.generations.tick()
+
+    def new_end(self) -> dict[str, Any] | None:
+        """The abort ({reason, cause, at}) the first time it is asked after the job ended;
+        None before, and after."""
+        with self.lock:
+            if self.ended or self.generations.abort is None:
+                return None
+            self.ended = True
+            return dict(self.generations.abort)
 
     def orphaned(self) -> str | None:
         """Why the job is gone (see OrphanWatch); None while it is not."""
@@ -157,11 +177,36 @@ def seconds(text: str) -> float:
     return value
 
 
-def run(coord: Coordinator, stop: threading.Event) -> int:
-    """Tick until `stop` (0) or until the job is gone (ORPHAN_EXIT, after one JSON line)."""
+def on_end(control: str, stop_grace_s: float) -> Callable[[dict[str, Any]], None]:
+    """What the coordinator does once it ended the job (see the module's doc): the abort
+    record into the run's directory (beside `control`); for a job whose workers never
+    joined, the run's other process groups on this host stopped, from a thread (the
+    ticks and the orphan check go on meanwhile)."""
+    directory = os.path.dirname(control)
+
+    def ended(abort: dict[str, Any]) -> None:
+        try:
+            run_dir.write_abort(directory, abort)
+        except OSError as e:   # the socket answers status with it all the same
+            log.error("cannot write the abort record into %s: %s", directory, e)
+        if abort.get("cause") != NEVER_JOINED:
+            return   # gpuflex.elastic workers read the abort and exit ABORTED_EXIT
+        groups = [g for g in run_dir.marked_groups(directory) if g != os.getpgrp()]
+        log.error("stopping the job's process group(s) %s on this host: they never joined the runtime", groups)
+        threading.Thread(target=run_dir.stop_groups, args=(groups, stop_grace_s), daemon=True,
+                         name="stop-workers").start()
+    return ended
+
+
+def run(coord: Coordinator, stop: threading.Event,
+        ended: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """Tick until `stop` (0) or until the job is gone (ORPHAN_EXIT, after one JSON line);
+    `ended(abort)` once, when the job ended."""
     next_check = time.monotonic() + ORPHAN_CHECK_S
     while not stop.wait(TICK_S):
         coord.tick()
+        if ended is not None and (abort := coord.new_end()) is not None:
+            ended(abort)
         if time.monotonic() < next_check:
             continue
         next_check = time.monotonic() + ORPHAN_CHECK_S
@@ -195,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gang", action="store_true",
                     help="the job runs as a whole: a worker that never beat is the control side's to watch, "
                          "and a local worker still running keeps the coordinator alive")
+    ap.add_argument("--stop-grace", type=float, default=10.0,
+                    help="seconds between SIGTERM and SIGKILL when it stops workers that never joined")
     args = ap.parse_args(argv)
     ensure_handler(sys.stdout)
     stop = threading.Event()
@@ -218,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
              "records signed" if secret else "no job secret: records unauthenticated", args.control,
              args.min_workers, args.max_failures)
     try:
-        return run(coord, stop)
+        return run(coord, stop, on_end(args.control, args.stop_grace))
     finally:
         server.close()
         watch.close()

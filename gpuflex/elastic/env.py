@@ -9,9 +9,12 @@ Besides gpuflex's own variables every worker gets torchrun's contract (issue 11)
 unmodified `init_process_group()` (env://) works: MASTER_ADDR/MASTER_PORT (rank 0's
 host, a port picked at each launch), RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 GROUP_RANK (the host's index among the job's hosts) and TORCHELASTIC_RESTART_COUNT. A
-worker running torchrun itself is one torchrun node: `torchrun_env` gives its agent the
-static rendezvous through torchrun's PET_* variables (its options' defaults), so the
-user's torchrun line holds nothing host-specific.
+worker of a gang or restart job gets the rest of what torchrun's agent gives its workers
+(`torchelastic_env`), so `torch.distributed.is_torchelastic_launched()` is True and a
+library that asks (Lightning's TorchElasticEnvironment) takes the run's layout from it as
+under torchrun. A worker running torchrun itself is one torchrun node: `torchrun_env`
+gives its agent the static rendezvous through torchrun's PET_* variables (its options'
+defaults), so the user's torchrun line holds nothing host-specific.
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ class WorkerEnv:
     master_port: int | None = None
     restart_count: int = 0
     visible_gpus: tuple[int, ...] | None = None
+    group_world_size: int = 1      # the run's hosts (torchrun: its nodes)
+    max_restarts: int = 0          # relaunches after a failure the job allows (--retries)
 
     @property
     def distributed(self) -> bool:
@@ -154,7 +159,43 @@ class WorkerEnv:
             master_port=int(port) if port else None,
             restart_count=int(env.get(RESTART_COUNT, "0")),
             visible_gpus=visible if visible != own else None,
+            group_world_size=int(env.get("GROUP_WORLD_SIZE", "1")),
+            max_restarts=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")),
         )
+
+    def torchelastic_env(self, environ: Mapping[str, str]) -> dict[str, str]:
+        """The rest of what torchrun's agent gives each worker (torch 2.13's
+        `LocalElasticAgent._start_workers` and `run.py`'s list), for a gang or restart job,
+        `environ` being the job's own environment so far:
+
+        - TORCHELASTIC_RUN_ID: the job's token (torchrun: the rendezvous id, the same for
+          every worker and every restart); `is_torchelastic_launched()` reads it.
+        - GROUP_WORLD_SIZE: the run's hosts (torchrun: its nodes; GROUP_RANK indexes them);
+          ROLE_NAME "default" (torchrun's --role), ROLE_RANK and ROLE_WORLD_SIZE: RANK and
+          WORLD_SIZE (one role).
+        - TORCHELASTIC_MAX_RESTARTS: the job's --retries, the relaunches after a failure it
+          allows (torchrun: --max-restarts). TORCHELASTIC_RESTART_COUNT (to_env) counts
+          every relaunch, a restart job's resize and a fault's too, so a script resumes from
+          its checkpoint whenever it is above 0; unlike torchrun's, it may pass the maximum.
+        - TORCHELASTIC_USE_AGENT_STORE "False": no store of gpuflex's listens at
+          MASTER_ADDR:MASTER_PORT (the job's store, GPUFLEX_STORE, is another port and
+          holds signed records), so env:// must not connect there as a client: rank 0
+          hosts the process group's TCPStore itself, as without torchrun.
+        - TORCH_NCCL_ASYNC_ERROR_HANDLING: the job's own value, else "1" (as torchrun).
+
+        Left out: TORCHELASTIC_ERROR_FILE (where torchrun's agent collects a worker's
+        `@record` error file; gpuflex reads a crash from the worker's log, and a script
+        whose `@record` finds none logs the error instead), and what torchrun passes on
+        from its own settings (TORCHELASTIC_SIGNALS_TO_HANDLE, the file timer, the health
+        check port): gpuflex's supervisor is not torchrun's agent."""
+        env = {"GROUP_WORLD_SIZE": str(self.group_world_size), "ROLE_NAME": "default",
+               "ROLE_RANK": str(self.rank), "ROLE_WORLD_SIZE": str(self.world_size),
+               "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+               "TORCHELASTIC_USE_AGENT_STORE": str(False),
+               "TORCH_NCCL_ASYNC_ERROR_HANDLING": environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")}
+        if self.job_token is not None:
+            env["TORCHELASTIC_RUN_ID"] = self.job_token
+        return env
 
     def torchrun_env(self) -> dict[str, str]:
         """What a worker whose command is torchrun gives it: one node of a static

@@ -25,10 +25,13 @@ A worker that never beat has not joined the gpuflex.elastic runtime: a plain scr
 (torch.distributed, a shell command) never will. In a gang (`gang`: the coordinator's
 `--gang`, any job but an in-place elastic one) such a worker is never dropped nor the job
 held for it: the control side watches its process instead, and nothing forms. In an
-in-place job it is stuck like any other, and the record and the reason say why and name
-`--elastic restart` (NOT_JOINED_HINT) when no worker of the first generation became ready
-or ever beat (one killed while importing torch is not a plain script): an in-place job of
-a plain script must not seem to hang. Standard library only.
+in-place job it is stuck like any other, and past half the deadline the record says why
+and names `--elastic restart` (NOT_JOINED_HINT) when no worker of the first generation
+became ready or ever beat (one killed while importing torch is not a plain script). At the
+deadline such a job cannot run as it is: the outcome is an `end` (never_joined_reason:
+one line, the advice whole, as long whatever the job's size), not a hold, so the job fails
+once instead of being requeued into the same wait again and again (each requeue's fresh
+coordinator starts a fresh failure streak). Standard library only.
 """
 
 from __future__ import annotations
@@ -42,21 +45,33 @@ from gpuflex.elastic.failures import Heartbeats
 JOINING = "joining"
 STARTING = "starting"          # the first generation: the workers are not ready yet
 FORMING = "forming the process group and copying state"   # everyone joined, no verdict yet
-NOT_JOINED_HINT = ("never joined the gpuflex.elastic runtime (no heartbeat): a plain script runs with "
-                   "--elastic restart, or as a fixed-size gang (--workers N without --elastic)")
+NOT_JOINED_ADVICE = "a plain script runs with --elastic restart, or as a fixed-size gang (--workers N without --elastic)"
+NOT_JOINED_HINT = f"never joined the gpuflex.elastic runtime (no heartbeat): {NOT_JOINED_ADVICE}"
+NEVER_JOINED = "never-joined"   # the cause of the end of an in-place job none of whose workers joined
+
+
+def never_joined_reason(workers: int, timeout_s: float) -> str:
+    """Why an in-place job none of whose `workers` beat or became ready within the formation
+    deadline ends: one line, the advice whole."""
+    return (f"its {workers} worker(s) never joined the gpuflex.elastic runtime (no heartbeat) within the "
+            f"formation deadline of {timeout_s:g} s: {NOT_JOINED_ADVICE}; a gpuflex.elastic script slower than "
+            "that to reach ElasticRun() needs a longer [jobs] formation_timeout_s")
 
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
     """What a formation comes to: form with `members` (the workers in `dropped` left
-    out), or, when `hold` is set, no generation (too few left) and that reason; `phase`
-    names the formation ("generation 2, joining")."""
+    out), or, when `hold` is set, no generation (too few left) and that reason, or, when
+    `end` is set, the end of the job with that reason (an in-place job of a plain script:
+    neither a longer wait nor a requeue would change it); `phase` names the formation
+    ("generation 2, joining")."""
 
     members: list[int]
     dropped: list[int]
     message: str
     hold: str | None = None
     phase: str = ""
+    end: str | None = None
 
 
 class FormationWatch:
@@ -143,14 +158,16 @@ class FormationWatch:
             return None   # someone may still arrive in time
         dropped = sorted(dead + stuck)
         members = [w for w in have if w not in dropped]
-        # no one ready, no one ever beat: a plain script, not one killed while it started
-        plain = [w for w in stuck if not self._beat(w)] if not have and not any(map(self._beat, missing)) else []
         parts = ([f"worker(s) {dead} died (no heartbeat)"] if dead else []) + \
                 ([f"worker(s) {stuck} did not {verb} within {self.timeout_s:g} s"] if stuck else [])
         why = f"{' and '.join(parts)} while {self.phase} generation {self.generation}" if dropped else everyone
-        note = f"; worker(s) {plain} {NOT_JOINED_HINT}" if plain else ""
         phase = f"generation {self.generation}, {self.phase}"
+        # an in-place job's first generation, no one ready, no one ever beat: a plain script
+        # (not one killed while it started: another one beat)
+        if not self.gang and self.generation == 1 and self.phase == STARTING and stuck and not have \
+                and not any(map(self._beat, missing)):
+            return Outcome([], dropped, why, phase=phase, end=never_joined_reason(len(missing), self.timeout_s))
         if len(members) < min_workers:
-            return Outcome(members, dropped, why + note, hold=f"{why}: {len(members)} worker(s) left, below "
-                                                              f"the job's minimum of {min_workers}{note}", phase=phase)
-        return Outcome(members, dropped, (f"formed without them: {why}" if dropped else why) + note, phase=phase)
+            return Outcome(members, dropped, why, hold=f"{why}: {len(members)} worker(s) left, below "
+                                                       f"the job's minimum of {min_workers}", phase=phase)
+        return Outcome(members, dropped, f"formed without them: {why}" if dropped else why, phase=phase)

@@ -8,7 +8,8 @@ Each full read decides, in this order:
   fault. The job is held, no generation is formed without it, whatever the survivors;
 - forming: a worker of the first generation, or a member of a published generation not
   verified yet, died or did not arrive within `formation_timeout_s`: the generation is
-  formed without it, or held below MIN (forming.py);
+  formed without it, or held below MIN (forming.py); an in-place job none of whose first
+  workers ever beat (a plain script) ends: `abort` with the cause "never-joined";
 - recover: a member of the current generation reported a failure or stopped beating;
   once every member has reported, gone stale or finished, the reporters (plus ready
   newcomers) form the next generation;
@@ -26,7 +27,9 @@ Never below MIN: a generation of fewer than `min_workers` is not published; the 
 "held" (survivors wait at their step boundary) until ready newcomers make up MIN or the
 control side requeues or fails it. No unbounded retry: each rollback and recovery is a
 failed generation for `FailureStreak` (failures.py); when it says so, the coordinator
-writes the signed `abort` record instead (every worker exits ABORTED_EXIT).
+writes the signed `abort` record instead (every worker exits ABORTED_EXIT). An abort is
+{reason, cause, at}: `cause` "repeated" (the streak) or "never-joined" (forming.py), `at`
+its wall-clock time (the control side judges a worker's end before it by itself).
 
 Every tick reads one key, the events counter workers bump after each write the coordinator
 acts on; the full read (a dozen keys per member) runs when it moved, while anything is
@@ -50,7 +53,7 @@ from typing import Any, Callable, Protocol
 from gpuflex.elastic import failpoints, keys
 from gpuflex.elastic.auth import ForgeryLog, KeptRecords, SignedRecords, Signer
 from gpuflex.elastic.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, printable
-from gpuflex.elastic.forming import FormationWatch, Outcome
+from gpuflex.elastic.forming import NEVER_JOINED, FormationWatch, Outcome
 from gpuflex.elastic.progress_view import ProgressView
 from gpuflex.elastic.resizing import Requests, WarmUps, check_resize
 
@@ -59,6 +62,7 @@ log = logging.getLogger(__name__)
 IDLE_TICK_S = 0.5   # full reads of a settled job: heartbeat staleness and progress
 HISTORY_KEPT = 100  # generations status lists (older ones are only counted)
 TIMINGS_LOOKBACK = 3   # older generations whose late timings are still looked for
+REPEATED = "repeated"  # an abort's cause: the same failure (or failures without progress) too often
 
 
 class Store(Protocol):
@@ -183,12 +187,17 @@ class Generations:
         why = self.streak.add(g, reason)
         if why is None:
             return False
-        self.abort = {"reason": why}
+        self.end(why, REPEATED)
+        return True
+
+    def end(self, reason: str, cause: str) -> None:
+        """End the job: the signed `abort` record {reason, cause, at}; nothing is published
+        from now on, and every gpuflex.elastic worker exits ABORTED_EXIT."""
+        self.abort = {"reason": reason, "cause": cause, "at": self.wall()}
         self.held = None
         self.keep(keys.ABORT, json.dumps(self.abort))
         self._busy = False
-        log.error("job aborted: %s", why)
-        return True
+        log.error("job aborted: %s", reason)
 
     def tick(self) -> None:
         """One look: the events counter, and everything when it moved, while pending, or every IDLE_TICK_S."""
@@ -251,8 +260,10 @@ class Generations:
             self._resize(desired_new, ready_new)
 
     def _formed(self, out: Outcome, kind: str) -> None:
-        """A formation's outcome: hold, or publish without the workers it dropped."""
-        if out.hold is not None:
+        """A formation's outcome: end the job, hold, or publish without the workers it dropped."""
+        if out.end is not None:
+            self.end(out.end, NEVER_JOINED)
+        elif out.hold is not None:
             self.hold(out.hold, out.dropped, out.phase)
         elif not (out.dropped and kind == "recover" and self.failed_again(self.generation, out.message)):
             self.reject(out.dropped)

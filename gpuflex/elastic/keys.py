@@ -53,9 +53,12 @@ crashed/{wid}    signed JSON {error, traceback: [last lines], phase}: the worker
 waiting/{wid}    signed JSON {for: [wids], since, phase}: this member has waited at a step
                  barrier (liveness.py) for more than a second for members that are alive
                  but busy; {for: []} once it no longer waits; shown by `gpuflex status`
-abort            signed JSON {reason}: written by the coordinator when the same failure
-                 (a rollback, a failed formation) repeated max_same_failures times; every
-                 worker exits ABORTED_EXIT and the job fails with the reason
+abort            signed JSON {reason, cause, at}: written by the coordinator when the same
+                 failure (a rollback, a failed formation) repeated max_same_failures times
+                 (cause "repeated"), or when none of an in-place job's first workers joined
+                 the runtime within the formation deadline (cause "never-joined": a plain
+                 script); `at`: its wall-clock time. Every worker exits ABORTED_EXIT and the
+                 job fails with the reason (read up to ABORT_REASON_CHARS, never cut shorter)
 barrier/{g}      unsigned counter of arrivals at generation g's step barriers (liveness.py:
                  the n-th barrier is passed at n x world); barrier/{g}/{n} its outcome ("ok"
                  or "fail: reason", decided once for every member); barrier/{g}/at/{wid} the
@@ -83,8 +86,8 @@ Exit codes of a worker (the runtime's side of the protocol; the control side rea
 STORE_LOST_EXIT  75 (EX_TEMPFAIL): the job store is gone; the job restarts from its last
                  on-disk checkpoint
 EVICTED_EXIT     3: this worker was dropped from the job (or its state was rejected)
-ABORTED_EXIT     76: the coordinator ended the job (the same failure repeated
-                 max_same_failures times, see `abort`); the job fails with that reason
+ABORTED_EXIT     76: the coordinator ended the job (see `abort`); the job fails with that
+                 reason
 SHARDS_LOST_EXIT 79: a sharded run lost shards it holds the only copy of (a member killed
                  or a collective failed mid-step: shard_checkpoints.py); the job restarts
                  from its last distributed checkpoint and replays the steps since
@@ -107,6 +110,7 @@ ABORTED_EXIT = 76
 SHARDS_LOST_EXIT = 79
 RUNTIME_EXITS = (STORE_LOST_EXIT, EVICTED_EXIT, ABORTED_EXIT, SHARDS_LOST_EXIT)   # the runtime's own ways out
 ORPHAN_EXIT = 77   # the coordinator's, not a worker's: its job was gone
+ABORT_REASON_CHARS = 1000   # an abort's reason is read up to this long (the coordinator's are shorter)
 
 
 def members(g: int) -> str:

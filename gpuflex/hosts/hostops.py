@@ -26,6 +26,7 @@ import sys
 import time
 from typing import Any, Iterator
 
+from gpuflex.elastic.run_dir import GROUP_MARK   # a run's process-group marks: the coordinator reads them too
 from gpuflex.hosts.private import exclusive_dir, open_private, private_dir, remove_own_dir
 
 log = logging.getLogger(__name__)
@@ -151,8 +152,6 @@ def spawn_env(spec: dict[str, Any]) -> dict[str, str]:
     env.update(spec.get("env") or {})
     return env
 
-
-GROUP_MARK = "group-"
 
 
 def mark_group(socket_dir: str) -> None:

@@ -26,8 +26,13 @@ gpuflex.control.executor writes it. In order:
    (worker, host, error, its traceback's last lines), then Requeue (cause "crash") while
    --retries allow, else Finish FAILED at once (the others are stopped). In an in-place
    job a death by signal, or a worker gone without an exit record, stays an elastic fault.
-5. The coordinator's "abort" (the same failure repeated max_same_failures times): Finish
-   FAILED with its reason.
+5. The coordinator's "abort" (the same failure repeated max_same_failures times, or an
+   in-place job none of whose workers joined the runtime within the formation deadline: a
+   plain script), from its status or, once it has ended itself, from the record it left
+   in the run's directory: Finish FAILED with its whole reason. The first to happen
+   decides: a worker's end before the abort's time is judged by itself (a crash, or every
+   worker ended: `outcome`), one after it is the abort's doing (a peer stopped under it)
+   and no crash (the hosts' clocks are taken to agree, as for time limits).
 6. While workers live: "store-lost" when the coordinator neither answers nor runs (Requeue,
    cause "orphan", if it exited ORPHAN_EXIT, but for a gang); Requeue (cause "below-min") when it holds the
    job (a recovery would go below MIN: survivors wait at a step boundary; the reason names the
@@ -40,7 +45,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from gpuflex.elastic.keys import ABORTED_EXIT, ORPHAN_EXIT
+from gpuflex.elastic.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
 from gpuflex.policy.outcomes import (  # noqa: F401 (the policy's inputs and actions, re-exported)
     CRASH_CAUSE, CRASH_KIND, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, TRACEBACK_LINES, Action, Adopt,
     Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,
@@ -122,14 +127,18 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
     if job.gang and (ended := gang_failure(job, workers.values(), (coord or {}).get("crashed"), seen.log_tails)):
         actions.extend(ended)
         return actions
-    crash = first_crash(job, workers.values(), (coord or {}).get("crashed"), seen.log_tails)
+    abort = coordinator_abort(coord, seen.recorded_abort)
+    at = abort.at if abort is not None else None
+    # a worker that ended after the abort is the abort's doing: no crash
+    judged = [w for w in workers.values() if at is None or not w.state.final or ended_before(w, at)]
+    crash = first_crash(job, judged, (coord or {}).get("crashed"), seen.log_tails)
     if crash is not None:
         actions.append(Record(CRASH_KIND, crash.summary, crash.data()))
         actions.append(after_crash(job, crash))
         return actions
-    abort = _reason((coord or {}).get("abort"))
-    if abort is not None:
-        actions.append(Finish(JobState.FAILED, ABORTED_EXIT, f"aborted: {abort}", job.restarts))
+    current = [w for w in workers.values() if job.started_at is None or w.started_at >= job.started_at]
+    if abort is not None and not (at is not None and current and all(ended_before(w, at) for w in current)):
+        actions.append(Finish(JobState.FAILED, ABORTED_EXIT, f"aborted: {abort.reason}", job.restarts))
         return actions
     if live():
         held = _reason((coord or {}).get("held"))
@@ -247,8 +256,32 @@ def where(job: JobFacts, held: Mapping[str, Any]) -> str:
     return "; " + ", ".join(named + ([f"in {phase}"] if phase else [])) if named or phase else ""
 
 
-def _reason(value: Any) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    """The coordinator's end of the job: its whole reason, and when (None: not said)."""
+
+    reason: str
+    at: float | None = None
+
+
+def coordinator_abort(coord: Mapping[str, Any] | None, recorded: Mapping[str, Any] | None) -> Abort | None:
+    """The coordinator's abort ({"reason", "at", ...}): from its status when it answered,
+    else the record it left in the run's directory; None when it did not end the job."""
+    value = coord.get("abort") if coord is not None else recorded
+    reason = _reason(value, ABORT_REASON_CHARS)
+    if reason is None:
+        return None
+    at = value.get("at")
+    return Abort(reason, float(at) if isinstance(at, (int, float)) and not isinstance(at, bool) else None)
+
+
+def ended_before(w: WorkerFacts, at: float) -> bool:
+    """Whether the worker ended, and is known to have ended before `at`."""
+    return w.state.final and w.ended_at is not None and w.ended_at < at
+
+
+def _reason(value: Any, limit: int = 300) -> str | None:
     """The reason of a coordinator's {"reason": str} ("held", "abort"); None when absent."""
     if not isinstance(value, Mapping):
         return None
-    return one_line(value.get("reason"), 300) or "no reason given"
+    return one_line(value.get("reason"), limit) or "no reason given"

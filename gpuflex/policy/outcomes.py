@@ -125,6 +125,9 @@ class Observation:
     coordinator_exit: int | None = None           # its exit code, once it ended and left a record
     # wid -> the last lines of the log of a worker that ended with a crash's exit code
     log_tails: Mapping[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    # the abort record the coordinator left in the run's directory ({reason, cause, at}),
+    # read when it did not answer (it ended itself after ending the job)
+    recorded_abort: Mapping[str, Any] | None = None
 
 
 # ---- the actions --------------------------------------------------------------------------
