@@ -51,6 +51,7 @@ bench: venv sshd postgresql
 	$(PY) benchmarks/probe_hosts.py
 	$(PY) benchmarks/harvest_trace.py
 	$(PY) benchmarks/control_plane.py
+	$(PY) benchmarks/split_exactness.py
 
 clean:
 	rm -rf .demo build *.egg-info

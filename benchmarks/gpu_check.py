@@ -10,8 +10,9 @@ to be fixtures under tests/fakes/samples/, and the job logs of any part that fai
 (each bounded by its own budget; one that fails is recorded and the next runs):
 
 - smi: every nvidia-smi query the probe sends, raw, with and without a foreign process
-  holding GPU memory, parsed by gpuflex.hosts.probe; `gpuflex hosts --json` on a local
-  host with `gpus = "all"` both ways (the holder turns the GPU busy).
+  holding GPU memory, parsed by gpuflex.hosts.probe; `gpuflex hosts --json` and
+  `gpuflex doctor --json` on a local host with `gpus = "all"` both ways (the holder turns
+  the GPU busy).
 - nccl1: one in-place worker on the GPU host (nccl): formation, the CUDA RNG, checkpoints
   of device tensors; its parameters against a standalone run of the same script.
 - gloo3: three workers sharing the one GPU (CPU slots, CUDA_VISIBLE_DEVICES=0,
@@ -73,7 +74,8 @@ class Check:
         uuid = "GPU-00000000-0000-0000-0000-000000000000"
         self.smi_state.write_text(json.dumps({
             "gpus": [{"index": 0, "uuid": uuid, "name": "NVIDIA H100 80GB HBM3", "utilization": 3 if holding else 0,
-                      "memory_used": 2048 if holding else 0, "memory_total": 81559}],
+                      "memory_used": 2048 if holding else 0, "memory_total": 81559,
+                      "driver_version": "580.159.04"}],
             "processes": [{"gpu_uuid": uuid, "pid": pid, "used_memory": 2048}] if holding else []}))
 
     # ---- plumbing ----------------------------------------------------------------------------
@@ -312,7 +314,14 @@ def part_smi(c: Check) -> dict:
                 parsed["apps"] = [dataclasses.asdict(a) for a in probe.parse_apps(p.stdout)]
         hosts = pool.json("hosts")
         (samples / f"{tag}.gpuflex-hosts.json").write_text(json.dumps(hosts, indent=1, default=str))
-        return {"parsed": parsed, "hosts": hosts}
+        doctor = pool("doctor", "--json", ok=False, timeout=120)   # exit 1 when a check fails: recorded
+        (samples / f"{tag}.gpuflex-doctor.json").write_text(doctor.stdout + doctor.stderr)
+        try:
+            rows = json.loads(doctor.stdout)
+        except ValueError:
+            rows = []
+        verdicts = {r["check"]: (r["verdict"], r["detail"]) for r in rows if isinstance(r, dict) and "check" in r}
+        return {"parsed": parsed, "hosts": hosts, "doctor": {"exit": doctor.returncode, "checks": verdicts}}
 
     res["idle"] = capture("idle")
     holder = subprocess.Popen(
@@ -387,23 +396,30 @@ def resize_and_kill(c: Check, pool: Pool, job: int) -> dict:
     return out
 
 
-def part_gloo3(c: Check) -> dict:
-    pool = c.pool("shared3", "cpu:3")
-    epochs = 24 if not c.dry else 40
-    args = mlp_args(epochs=epochs, sleep=0.06)
-    report = c.work / "gloo3.json"
-    ref = c.reference("gloo3", args)
-    job = pool.submit([sys.executable, TRAIN, *args, "--report", str(report)], "--workers", "1:3", "--name", "gloo3",
+def shared_gpu_job(c: Check, name: str, args: list[str], samples: int) -> tuple[dict, Pool, int]:
+    """A job of three workers sharing the GPU, resized 1 -> 3 -> 2 with a kill, beside its
+    standalone run; the comparison with it, or {"ok": False, ...} if the job did not succeed."""
+    pool = c.pool(name, "cpu:3")
+    report = c.work / f"{name}.json"
+    ref = c.reference(name, args)
+    job = pool.submit([sys.executable, TRAIN, *args, "--report", str(report)], "--workers", "1:3", "--name", name,
                       *shared_gpu_env())
     try:
         res = resize_and_kill(c, pool, job)
         st = pool.wait_final(job)
     finally:
-        pool.keep_logs(job, "gloo3")
+        pool.keep_logs(job, name)
     res["state"] = st["state"]
     if st["state"] != "succeeded":
-        return {"ok": False, **res}
-    res.update(compare(json.loads(report.read_text()), ref(), 2048))
+        return {"ok": False, **res}, pool, job
+    res.update(compare(json.loads(report.read_text()), ref(), samples))
+    return res, pool, job
+
+
+def part_gloo3(c: Check) -> dict:
+    res, pool, job = shared_gpu_job(c, "gloo3", mlp_args(epochs=24 if not c.dry else 40, sleep=0.06), 2048)
+    if "ok" in res:
+        return res
     res["scale_events"] = [{k: e["data"].get(k) for k in ("timings", "world_size", "reason") if k in e["data"]}
                            for e in pool.events(job) if e["kind"] == "scale"]
     res["ok"] = res["allclose_1e-5"] and res["exactly_once"] and res["no_step_lost"]
@@ -411,23 +427,12 @@ def part_gloo3(c: Check) -> dict:
 
 
 def part_fsdp(c: Check) -> dict:
-    pool = c.pool("fsdp3", "cpu:3")
     epochs = 24 if not c.dry else 60   # on an H200 it ran 164 steps in 100 s, a kill-restart included
     args = ["--model", "lm", "--hidden", "64", "--global-batch-size", "24", "--seed", "3", "--epochs", str(epochs),
             "--step-sleep", "0.06"]
-    report = c.work / "fsdp3.json"
-    ref = c.reference("fsdp3", args)
-    job = pool.submit([sys.executable, TRAIN, *args, "--report", str(report)], "--workers", "1:3", "--name", "fsdp3",
-                      *shared_gpu_env())
-    try:
-        res = resize_and_kill(c, pool, job)
-        st = pool.wait_final(job)
-    finally:
-        pool.keep_logs(job, "fsdp3")
-    res["state"] = st["state"]
-    if st["state"] != "succeeded":
-        return {"ok": False, **res}
-    res.update(compare(json.loads(report.read_text()), ref(), 384))
+    res, pool, job = shared_gpu_job(c, "fsdp3", args, 384)
+    if "ok" in res:
+        return res
     res["restarts"] = [e["kind"] for e in pool.events(job) if e["kind"] in ("restart", "requeue", "fault")]
     res["ok"] = res["exactly_once"] and res["no_step_lost"] and res["max_abs_diff"] < 1e-3
     return res

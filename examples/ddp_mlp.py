@@ -6,6 +6,7 @@
 import argparse
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -33,7 +34,7 @@ def make_model(hidden):
 def write_report(path, model, args, steps, step_log, samples):
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     report = {"steps": steps, "epochs": args.epochs, "global_batch_size": args.global_batch_size,
-              "params_sha256": hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+              "params_sha256": hashlib.sha256(bytes(flat.contiguous().view(torch.uint8).tolist())).hexdigest(),
               "params": flat.tolist(), "samples": {str(e): v for e, v in samples.items()},
               "step_log": step_log}
     with open(path, "w") as f:
@@ -47,6 +48,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-while", metavar="PATH",
+                    help="sleep --step-sleep after a step only while PATH exists (a demo holds the pace)")
     ap.add_argument("--report")
     args = ap.parse_args()
     dist.init_process_group("gloo")
@@ -66,7 +69,7 @@ def main():
             loss.backward()
             opt.step()
             sched.step()
-            if args.step_sleep:
+            if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
                 time.sleep(args.step_sleep)
     if dist.get_rank() == 0 and args.report:
         write_report(args.report, model.module, args, len(loader) * args.epochs, [], {})

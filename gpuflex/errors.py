@@ -64,5 +64,13 @@ class TransportError(GpuflexError):
         self.host = host
 
 
+class CommandTimeout(TransportError):
+    """A command on a host did not finish within its bound (`timeout_s` seconds)."""
+
+    def __init__(self, host: str, message: str, timeout_s: float) -> None:
+        super().__init__(host, message)
+        self.timeout_s = timeout_s
+
+
 class JobError(GpuflexError):
     """A job operation failed (scale refused, no worker answered, ...)."""

@@ -49,7 +49,8 @@ def keygen(path: Path, comment: str = "gpuflex-test") -> str:
 
 def default_gpus(name: str, count: int = 2) -> list[dict]:
     return [{"index": i, "uuid": f"GPU-{name}-{i:04d}-fake", "name": "NVIDIA H100 80GB HBM3",
-             "utilization": 0, "memory_used": 0, "memory_total": 81559} for i in range(count)]
+             "utilization": 0, "memory_used": 0, "memory_total": 81559, "driver_version": "580.159.04"}
+            for i in range(count)]
 
 
 @dataclasses.dataclass

@@ -36,6 +36,8 @@ def test_the_ddp_script_converts_with_at_most_15_changed_lines():
     assert 0 < len(added) <= 15, "\n".join(added)
     assert len(removed) <= 15, "\n".join(removed)
     assert any("run.backward(loss)" in ln for ln in added)
+    readme = (EXAMPLES.parent / "README.md").read_text().replace("\n", " ")
+    assert f"elastic_mlp: {len(added)} lines added, {len(removed)} removed" in readme   # the README's count is true
 
 
 def test_the_elastic_example_runs_standalone_and_the_ddp_one_under_torchrun(tmp_path):

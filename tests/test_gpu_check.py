@@ -55,7 +55,8 @@ def test_the_backend_knob_reaches_the_workers_from_the_submitter():
 
 def test_the_gpu_check_dry_run_captures_the_probe_and_matches_a_standalone_run(tmp_path):
     """The check's first two parts on CPU: nvidia-smi's answers (the fake's, idle and with a
-    holder process) captured and parsed, `gpuflex hosts` turning busy with the holder, and
+    holder process) captured and parsed, `gpuflex hosts` turning busy with the holder, the
+    doctor on that host, and
     a one-worker job equal bit for bit to the standalone run, with checkpoints written."""
     out = tmp_path / "out"
     env = {**os.environ, "GPUFLEX_CHECK_WORK": str(tmp_path / "work")}
@@ -68,6 +69,9 @@ def test_the_gpu_check_dry_run_captures_the_probe_and_matches_a_standalone_run(t
     smi = res["smi"]
     assert smi["ok"] and [v[1] for v in smi["verdicts"]["busy"]] == ["busy"]
     assert [v[1] for v in smi["verdicts"]["idle"]] == ["free"]
+    doctor = smi["idle"]["doctor"]   # the doctor on the same host: the GPU found, CUDA not (a CPU torch)
+    assert doctor["exit"] == 0 and doctor["checks"]["nvidia-smi"][0] == "ok" and doctor["checks"]["gpus"][0] == "ok"
+    assert doctor["checks"]["cuda"][0] == "warn"
     one = res["nccl1"]
     assert one["ok"] and one["bitwise_equal"] and one["exactly_once"] and one["checkpoint_files"]
     with tarfile.open(out / "gpu_check_files.tar.gz") as tar:

@@ -18,11 +18,11 @@ from typer.testing import CliRunner
 from gpuflex.cli import app
 from gpuflex.config import HostConfig, load_config
 from gpuflex.elastic.control import ControlServer
-from gpuflex.errors import TransportError
+from gpuflex.errors import CommandTimeout, TransportError
 from gpuflex.hosts import hostops
 from gpuflex.hosts.fanout import fan_out
 from gpuflex.hosts.ssh import SSHTransport
-from gpuflex.hosts.transport import SpawnSpec
+from gpuflex.hosts.transport import LocalTransport, SpawnSpec
 from tests.sshbed import keygen, ssh_bed, ssh_hosts, write_config  # noqa: F401 (fixtures)
 
 
@@ -73,9 +73,16 @@ def test_one_connection_is_reused_until_closed(gpu01):
 
 
 def test_command_timeout_raises_transport_error(gpu01):
-    with pytest.raises(TransportError, match=r"gpu01: command timed out after 0.3 s: sleep"):
+    with pytest.raises(CommandTimeout, match=r"gpu01: command timed out after 0.3 s: sleep") as e:
         gpu01.run(["sleep", "3"], timeout=0.3)
+    assert isinstance(e.value, TransportError) and e.value.timeout_s == 0.3
     assert gpu01.run(["echo", "still usable"]).stdout == "still usable\n"
+
+
+def test_a_local_command_timeout_is_the_same_error():
+    with pytest.raises(CommandTimeout, match=r"box: command timed out after 0.3 s: sleep") as e:
+        LocalTransport(HostConfig(name="box")).run(["sleep", "3"], timeout=0.3)
+    assert e.value.timeout_s == 0.3
 
 
 def test_spawn_status_read_and_stop_a_detached_group(gpu01, ssh_bed):
@@ -194,6 +201,7 @@ def test_fan_out_gives_up_on_a_hung_host_without_waiting_for_it():
         release.set()
     assert results["fast"].ok and results["fast"].unwrap() == "FAST"
     assert str(results["hung"].error) == "hung: no answer within 0.5 s"
+    assert isinstance(results["hung"].error, CommandTimeout) and results["hung"].error.timeout_s == 0.5
     assert str(results["broken"].error) == "broken: KeyError: 'bug'"
     with pytest.raises(TransportError):
         results["hung"].unwrap()
@@ -237,3 +245,10 @@ def test_hosts_trust_yes_replaces_a_changed_key(ssh_bed, tmp_path):
 def test_hosts_trust_names_an_unknown_host_as_bad_input(ssh_bed):
     res = CliRunner().invoke(app, ["--config", str(ssh_bed.config_path), "hosts", "trust", "gpu99", "--yes"])
     assert res.exit_code == 2 and "no host named 'gpu99'" in res.output
+
+
+def test_a_command_that_exits_before_reading_its_input_gives_its_exit_status(gpu01):
+    """Its stdin closes under the input still being sent (a python that fails at once):
+    the exit status and stderr say what happened, not a lost connection."""
+    res = gpu01.run(["sh", "-c", "echo gone >&2; exit 3"], input="x" * (8 << 20))
+    assert (res.returncode, res.stdout, res.stderr) == (3, "", "gone\n")

@@ -136,6 +136,26 @@ def test_the_runtime_imports_only_torch_the_standard_library_and_itself():
     assert bad == {}
 
 
+def test_no_tensor_is_read_through_numpy():
+    """`Tensor.numpy()` imports numpy, which gpuflex does not require (a GPU host has torch
+    and the standard library): it failed every formation of a wheel install (issue 26)."""
+    calls = sorted(f"{name}:{node.lineno}" for name, tree in TREES.items() for node in ast.walk(tree)
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr == "numpy" and not node.args)
+    assert calls == []
+
+
+def test_the_examples_read_no_tensor_through_numpy():
+    """The examples run on the same torch-only GPU hosts (their reports hash the parameters'
+    bytes): ddp_tutorial.py, the torchrun example, called `.numpy()` on every run."""
+    root = Path(__file__).resolve().parents[1] / "examples"
+    calls = sorted(f"{path.relative_to(root)}:{node.lineno}" for path in root.rglob("*.py")
+                   for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                   and node.func.attr == "numpy" and not node.args)
+    assert calls == []
+
+
 def test_the_store_protocol_and_worker_environment_are_imported_without_torch():
     import subprocess
 

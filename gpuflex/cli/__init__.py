@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import typer
 from typer.core import TyperGroup
 
-from gpuflex.cli import common, db_cmd, harvest_cmd, hosts_cmd, jobs_cmd, metrics_cmd
+from gpuflex.cli import common, db_cmd, doctor_cmd, harvest_cmd, hosts_cmd, jobs_cmd, metrics_cmd
 
 
 class OneLineErrors(TyperGroup):
@@ -82,6 +82,7 @@ def _root(
 
 jobs_cmd.register(app)
 hosts_cmd.register(app)
+doctor_cmd.register(app)
 harvest_cmd.register(app)
 metrics_cmd.register(app)
 app.add_typer(db_cmd.app, name="db")

@@ -172,19 +172,19 @@ class Collectives:
     def broadcast_bytes(self, data: bytes | None, src: int, limit: int) -> bytes:
         """`data` (given on rank `src`) on every rank: its length, then the bytes as a uint8
         tensor (never a pickle). A length over `limit` raises ValueError before anything
-        is allocated for it."""
+        is allocated for it. The tensor is a view of a bytearray, which holds the bytes once
+        the broadcast is done: read back without numpy (`.numpy()` needs it, and a GPU host
+        has only torch)."""
         n = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
         self._broadcast(n, src)
         size = int(n[0])
         if not 0 <= size <= limit:
             raise ValueError(f"a broadcast of {size} bytes (limit {limit})")
-        if data is not None:
-            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
-        else:
-            buf = torch.empty(size, dtype=torch.uint8)
-        if size:
-            self._broadcast(buf, src)
-        return buf.numpy().tobytes()
+        if not size:
+            return b""
+        held = bytearray(data) if data is not None else bytearray(size)
+        self._broadcast(torch.frombuffer(held, dtype=torch.uint8), src)
+        return bytes(held)
 
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
         staged = self._staged(buf)

@@ -6,13 +6,14 @@ for).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 import time
 from typing import Callable, Generic, Iterable, TypeVar
 
 from gpuflex.config import HostConfig
-from gpuflex.errors import GpuflexError, TransportError
+from gpuflex.errors import CommandTimeout, GpuflexError, TransportError
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -47,33 +48,42 @@ def fan_out(hosts: Iterable[HostConfig], fn: Callable[[HostConfig], T],
     daemon and is abandoned (its own connect/command timeouts end it later).
     """
     hosts = list(hosts)
+    return run_bounded({h.name: functools.partial(fn, h) for h in hosts}, timeout)
+
+
+def run_bounded(tasks: dict[str, Callable[[], T]], timeout: float) -> dict[str, Result[T]]:
+    """Every task at once, each in a thread of its own; {key: Result} in the tasks' order.
+
+    The same rules as `fan_out`, with any key (a host, a host's check, a pair of hosts):
+    an exception becomes that key's error, a task still running after `timeout` seconds
+    gets "no answer within N s" and is abandoned (a daemon thread; its own timeouts end it).
+    """
     results: dict[str, Result[T]] = {}
     lock = threading.Lock()
     done = threading.Condition(lock)
 
-    def work(h: HostConfig) -> None:
+    def work(key: str, fn: Callable[[], T]) -> None:
         try:
-            res: Result[T] = Result(h.name, value=fn(h))
+            res: Result[T] = Result(key, value=fn())
         except GpuflexError as e:
-            res = Result(h.name, error=e)
-        except Exception as e:  # noqa: BLE001 - reported per host, see docstring
-            log.debug("%s: unexpected error", h.name, exc_info=True)  # the traceback, for --verbose
-            res = Result(h.name, error=TransportError(h.name, f"{type(e).__name__}: {e}"))
+            res = Result(key, error=e)
+        except Exception as e:  # noqa: BLE001 - reported per key, see docstring
+            log.debug("%s: unexpected error", key, exc_info=True)  # the traceback, for --verbose
+            res = Result(key, error=TransportError(key, f"{type(e).__name__}: {e}"))
         with done:
-            results.setdefault(h.name, res)
+            results.setdefault(key, res)
             done.notify_all()
 
     deadline = time.monotonic() + timeout
-    for h in hosts:
-        threading.Thread(target=work, args=(h,), name=f"gpuflex-fanout-{h.name}", daemon=True).start()
+    for key, fn in tasks.items():
+        threading.Thread(target=work, args=(key, fn), name=f"gpuflex-fanout-{key}", daemon=True).start()
     with done:
-        while len(results) < len(hosts):
+        while len(results) < len(tasks):
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             done.wait(left)
-        for h in hosts:
-            if h.name not in results:
-                results[h.name] = Result(h.name, error=TransportError(
-                    h.name, f"no answer within {timeout:g} s"))
-        return {h.name: results[h.name] for h in hosts}
+        for key in tasks:
+            if key not in results:
+                results[key] = Result(key, error=CommandTimeout(key, f"no answer within {timeout:g} s", timeout))
+        return {key: results[key] for key in tasks}

@@ -33,7 +33,7 @@ from typing import Any
 import paramiko
 
 from gpuflex.config import HostConfig
-from gpuflex.errors import TransportError
+from gpuflex.errors import CommandTimeout, TransportError
 from gpuflex.hosts.transport import CommandResult, Transport, register_transport, shell_join
 
 log = logging.getLogger(__name__)
@@ -200,16 +200,20 @@ class SSHTransport(Transport):
             chan.settimeout(timeout)
             chan.exec_command(command)
             if input:
-                chan.sendall(input.encode())
-            chan.shutdown_write()
+                try:
+                    chan.sendall(input.encode())
+                except OSError:   # "Socket is closed": it exited before reading it all; its status says why
+                    log.debug("%s: %s ended before reading its input", self.host.name, argv[0])
+            if not chan.closed:
+                chan.shutdown_write()
             out, err = _collect(chan, time.monotonic() + timeout)
             if out is None:
-                raise TransportError(self.host.name, f"command timed out after {timeout} s: {argv[0]}")
+                raise CommandTimeout(self.host.name, f"command timed out after {timeout} s: {argv[0]}", timeout)
             if not chan.status_event.wait(max(0.0, min(timeout, 5.0))):
-                raise TransportError(self.host.name, f"no exit status from {argv[0]} within {timeout} s")
+                raise CommandTimeout(self.host.name, f"no exit status from {argv[0]} within {timeout} s", timeout)
             rc = chan.recv_exit_status()
         except socket.timeout:
-            raise TransportError(self.host.name, f"command timed out after {timeout} s: {argv[0]}") from None
+            raise CommandTimeout(self.host.name, f"command timed out after {timeout} s: {argv[0]}", timeout) from None
         except _TooMuchOutput:
             raise TransportError(self.host.name, f"{argv[0]} wrote more than {MAX_OUTPUT} bytes; "
                                                  "stopped reading") from None

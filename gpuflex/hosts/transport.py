@@ -25,7 +25,7 @@ import subprocess
 from typing import Any, Callable
 
 from gpuflex.config import HostConfig
-from gpuflex.errors import TransportError
+from gpuflex.errors import CommandTimeout, TransportError
 from gpuflex.hosts import hostops
 from gpuflex.hosts.relay import unix_request
 
@@ -158,7 +158,7 @@ class LocalTransport(Transport):
         except OSError as e:  # not executable, a directory, ...
             raise TransportError(self.host.name, f"cannot run {argv[0]}: {e.strerror}") from None
         except subprocess.TimeoutExpired:
-            raise TransportError(self.host.name, f"command timed out after {timeout} s: {argv[0]}") from None
+            raise CommandTimeout(self.host.name, f"command timed out after {timeout} s: {argv[0]}", timeout) from None
         return CommandResult(p.returncode, p.stdout, p.stderr)
 
     def hostop(self, op: str, request: dict[str, Any], extra_timeout_s: float = 0.0) -> Any:
