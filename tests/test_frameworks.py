@@ -21,6 +21,7 @@ One pool of 3 CPU slots for the module; its jobs run one at a time.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -50,7 +51,11 @@ LOSS_ATOL = 1e-4
 
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory) -> GpuflexCLI:
-    """The module's local pool: 3 CPU slots, a short grace (the scripts do not catch SIGTERM)."""
+    """The module's local pool: 3 CPU slots, a short grace (the scripts checkpoint on their own
+    schedule, not on SIGTERM)."""
+    missing = [m for m in ("transformers", "accelerate", "lightning") if importlib.util.find_spec(m) is None]
+    if missing:   # the workers would fail on the import; say what to do instead
+        pytest.fail(f"{', '.join(missing)} not installed: `make venv` installs the test extra (torch held at its pin)")
     home = tmp_path_factory.mktemp("frameworks")
     cli = GpuflexCLI(home, write_config(home, slots=3, grace_s=5))
     yield cli
