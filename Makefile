@@ -1,10 +1,13 @@
 # The two commands: `make demo` and `make test`. Both create or reuse .venv, install the
-# CPU build of torch first (pinned, so no CUDA packages are pulled), then gpuflex itself.
+# CPU build of torch first (pinned, so no CUDA packages are pulled), then gpuflex itself with
+# its test extra (the training frameworks the tests run under gpuflex among it), torch held at
+# the same pin by a constraints file so that no framework pulls another torch.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+TORCH_PIN := $(VENV)/torch-pin.txt
 # apt-get update once (not once per missing package): a fresh machine has no package lists
 APT_UPDATE := test -e $(VENV)/.apt-updated || { apt-get update -qq && touch $(VENV)/.apt-updated; }
 
@@ -14,8 +17,9 @@ venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PIP) "torch==$(TORCH_VERSION)"
-	$(PIP) -e ".[test,postgres]"
+	echo "torch==$(TORCH_VERSION)" > $(TORCH_PIN)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) -c $(TORCH_PIN) torch
+	$(PIP) -c $(TORCH_PIN) -e ".[test,postgres]"
 	touch $@
 
 # The SSH tests need OpenSSH's sshd; install it where it is missing and we are root (as on CI).
