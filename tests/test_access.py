@@ -83,6 +83,7 @@ def refused_line(r) -> str:
     (("cancel", "train"), "cancel", 1),
     (("cancel", "2"), "cancel", 2),          # an array's id: every job of it
     (("cancel", "2_1"), "cancel", 3),
+    (("cancel", "sweep"), "cancel", 2),      # an array's name: every job of it, the first refused first
     (("scale", "1", "2"), "scale", 1),
     (("scale", "1", "2", "--wait"), "scale", 1),
 ])

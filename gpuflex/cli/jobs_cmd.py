@@ -218,7 +218,8 @@ def status(
 @command
 def cancel(ctx: typer.Context, job: str = typer.Argument(..., help="A job id or name.")) -> None:
     """Stop all workers of a job (SIGTERM, then SIGKILL after the grace period) and free its GPUs.
-    An array's id cancels every job of the array not ended yet; ID_INDEX (5_3) one of them.
+    An array's id, or its name, cancels every job of the array not ended yet; ID_INDEX (5_3),
+    or the id of a job of it other than the first, that one job.
 
     Example: gpuflex cancel 3
     """
