@@ -251,10 +251,12 @@ class JobService:
                 raise UsageError(f"{what} is already {'ended' if array else jobs[0].state}; nothing to cancel.")
             ops = self.ops(session)
             for job in jobs:
+                # who: the owner, or an admin (named so) cancelling another user's job
+                job.exit_reason = why = f"cancelled by {access.changed_by(job)}"
                 if job.state is JobState.QUEUED:   # nothing runs: no process to stop
-                    journal.set_state(session, job, JobState.CANCELLED, "cancelled by user")
+                    journal.set_state(session, job, JobState.CANCELLED, why, by=access.caller())
                 else:
-                    executor.stop_job(ops, job, JobState.CANCELLED, "cancelled by user")
+                    executor.stop_job(ops, job, JobState.CANCELLED, why, by=access.caller())
             lifecycle.place_queued(ops)
             return views.job_infos(jobs)
 
