@@ -72,3 +72,14 @@ def test_submit_help_names_the_config_defaults(home):
     out = " ".join(CliRunner().invoke(app, ["submit", "--help"], env={"COLUMNS": "400"}).output.split())
     assert "Default: [jobs] default_time." in out
     assert "Default: [notify] url." in out
+
+
+def test_scale_help_says_what_a_resize_does_to_each_kind_of_job(home):
+    """Not "in place" for every job: a restart job is stopped and launched again at N."""
+    out = " ".join(CliRunner().invoke(app, ["scale", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert "Resize a running elastic job in place" not in out
+    assert "An in-place job (--elastic inplace, the default for MIN:MAX) resizes in place at its next step " \
+           "boundary" in out
+    assert "A restart job (--elastic restart) is stopped (SIGTERM, the grace period, SIGKILL) and launched again " \
+           "at N workers, resuming from its own checkpoint." in out
+    assert "A fixed gang (--workers N) is not resized." in out
