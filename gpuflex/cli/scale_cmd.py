@@ -115,10 +115,10 @@ def _ended_short(svc, cur, asked: float) -> str | None:
     """Why a resize asked for at `asked` (wall clock) settled at another size: the job went
     back to running since (a "state" event), with the newcomers the coordinator left out
     (their "left-out" events: worker, host, phase) or that event's message; None while
-    it has not."""
+    it has not. Events recorded since, whatever the coordinator's clock dated them."""
     back = [e for e in cur.recent if e.kind == "state" and e.data.get("state") == JobState.RUNNING.value
-            and e.time >= asked]
+            and e.recorded_at >= asked]
     if not back:
         return None
-    left = [e.message for e in svc.job(cur.id).events if e.kind == LEFT_OUT_KIND and e.time >= asked]
+    left = [e.message for e in svc.job(cur.id).events if e.kind == LEFT_OUT_KIND and e.recorded_at >= asked]
     return "; ".join(left) or back[-1].message

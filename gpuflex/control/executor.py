@@ -293,7 +293,7 @@ def apply(ops: Ops, job: Job, actions: list[P.Action]) -> None:
         elif isinstance(a, P.Adopt):
             adopt(job, a.generation, list(a.members))
         elif isinstance(a, P.Record):
-            journal.record(ops.session, job, a.kind, a.message, **a.data)
+            journal.record(ops.session, job, a.kind, a.message, happened_at=a.at, **a.data)
         elif isinstance(a, P.SetState):
             journal.set_state(ops.session, job, a.target, a.message)
         elif isinstance(a, P.Requeue):
