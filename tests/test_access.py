@@ -83,6 +83,7 @@ def refused_line(r) -> str:
     (("cancel", "train"), "cancel", 1),
     (("cancel", "2"), "cancel", 2),          # an array's id: every job of it
     (("cancel", "2_1"), "cancel", 3),
+    (("cancel", "sweep"), "cancel", 2),      # an array's name: every job of it, the first refused first
     (("scale", "1", "2"), "scale", 1),
     (("scale", "1", "2", "--wait"), "scale", 1),
 ])
@@ -103,6 +104,15 @@ def test_the_owner_may_cancel_their_own_job(lab, home, db_path, monkeypatch):
     assert r.exit_code == 0, r.stderr
     states = _states(db_path)
     assert (states[1], states[2], states[3]) == ("queued", "cancelled", "cancelled")
+    assert _cancel_records(db_path, 3) == ("cancelled by alice", "cancelled: cancelled by alice", "alice")
+
+
+def _cancel_records(db_path: Path, job_id: int) -> tuple[str, str, str]:
+    """The job's reason, and its cancel event's message and `by`."""
+    reason = db_rows(db_path, "SELECT exit_reason FROM jobs WHERE id = ?", (job_id,))[0][0]
+    message, data = db_rows(db_path, "SELECT message, data FROM events WHERE job_id = ? AND kind = 'state' "
+                            "ORDER BY id DESC LIMIT 1", (job_id,))[0]
+    return reason, message, json.loads(data).get("by")
 
 
 def _states(db_path: Path) -> dict[int, str]:
@@ -115,6 +125,11 @@ def test_an_admin_by_name_may_cancel_and_scale_another_users_job(lab, home, db_p
     r = invoke(cfg, home, "cancel", "1")
     assert r.exit_code == 0, r.stderr
     assert _states(db_path)[1] == "cancelled"
+    # the history names the admin, not "user"; status shows it as the job's reason
+    assert _cancel_records(db_path, 1) == ("cancelled by carol (admin)", "cancelled: cancelled by carol (admin)",
+                                           "carol")
+    assert json.loads(invoke(cfg, home, "status", "1", "--json").stdout)["exit_reason"] == \
+        "cancelled by carol (admin)"
     # past the owner check, scale says what is wrong with the job itself
     line = refused_line(invoke(cfg, home, "scale", "3", "2"))
     assert "belongs to" not in line and "3" in line

@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuflex.cli import app
+from gpuflex.control import access
 from tests.conftest import GpuflexCLI, add_finished_job, db_dump, db_rows, write_config
 
 
@@ -125,7 +126,8 @@ def test_cancel_a_queued_job(cli_fast, db_path, busy_slots):
     assert (r.code, r.stdout.strip()) == (0, "job 2 cancelled")
     st = cli_fast("status", "2", "--json").json()
     assert st["state"] == "cancelled" and st["ended_at"] is not None and st["workers"] == []
-    assert cli_fast("events", "2", "--json").json()[-1]["message"] == "cancelled: cancelled by user"
+    assert cli_fast("events", "2", "--json").json()[-1]["message"] == f"cancelled: cancelled by {access.caller()}"
+    assert st["exit_reason"] == f"cancelled by {access.caller()}"   # the owner: no "(admin)"
     assert cli_fast("status", "busy", "--json").json()["state"] == "running"   # only the one named
 
 

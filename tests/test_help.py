@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 
 import pytest
@@ -47,3 +48,38 @@ def test_help_needs_no_config_or_database(home):
     assert p.returncode == 0, p.stderr
     assert "Example: gpuflex db upgrade" in p.stdout
     assert list(home.iterdir()) == [home / "gpuflex.toml"]
+
+
+def bracketed(text: str) -> list[str]:
+    """The "[name]" words of a help text as its reader should see them (a config table's
+    name, "[jobs]"), the markup escape "\\[" undone."""
+    return re.findall(r"\[[A-Za-z_][A-Za-z0-9_.-]*\]", text.replace("\\[", "["))
+
+
+@pytest.mark.parametrize("path", PATHS, ids=[" ".join(p) or "gpuflex" for p in PATHS])
+def test_help_prints_every_bracketed_name_literally(path, home):
+    """typer reads help texts as rich markup, where "[jobs]" is a tag: it must not vanish."""
+    cmd = typer.main.get_command(app)
+    for name in path:
+        cmd = cmd.commands[name]
+    wanted = bracketed(cmd.help or "") + [b for p in cmd.params for b in bracketed(getattr(p, "help", None) or "")]
+    out = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "400"}).output
+    for word in wanted:
+        assert word in out, f"{word} vanished from 'gpuflex {' '.join(path)} --help'"
+
+
+def test_submit_help_names_the_config_defaults(home):
+    out = " ".join(CliRunner().invoke(app, ["submit", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert "Default: [jobs] default_time." in out
+    assert "Default: [notify] url." in out
+
+
+def test_scale_help_says_what_a_resize_does_to_each_kind_of_job(home):
+    """Not "in place" for every job: a restart job is stopped and launched again at N."""
+    out = " ".join(CliRunner().invoke(app, ["scale", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert "Resize a running elastic job in place" not in out
+    assert "An in-place job (--elastic inplace, the default for MIN:MAX) resizes in place at its next step " \
+           "boundary" in out
+    assert "A restart job (--elastic restart) is stopped (SIGTERM, the grace period, SIGKILL) and launched again " \
+           "at N workers, resuming from its own checkpoint." in out
+    assert "A fixed gang (--workers N) is not resized." in out

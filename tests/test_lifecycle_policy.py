@@ -190,7 +190,7 @@ FULL = "checkpoint at step 40 failed: No space left on device (/ckpt/checkpoint.
     # the coordinator kept the reason the worker's next successful write cleared
     ({"wid": 0, "checkpoint_failures": {"count": 2, "last_error": FULL, "last_time": 9.0}, "checkpoint_error": None},
      {0: 1}, Record("checkpoint-failed", f"worker 0: {FULL}; training goes on (2 failed so far)",
-                    {"wid": 0, "count": 2})),
+                    {"wid": 0, "count": 2}, at=9.0)),   # dated by the coordinator's last_time
     ({"wid": 0, "checkpoint_failures": {"count": 0, "last_error": None, "last_time": None}}, {}, None),
 ], ids=["none", "zero", "new", "same", "more", "new-rank-0", "malformed", "kept-reason", "kept-none"])
 def test_failed_checkpoint_writes_are_one_event_per_new_count_of_each_worker(progress, already, want):
@@ -381,17 +381,40 @@ def test_history_is_recorded_once_per_run_rollbacks_included():
     assert [(a.kind, a.data["generation"]) for a in fresh] == [("formed", 1), ("scale", 2), ("rollback", 3)]
 
 
+@pytest.mark.parametrize("created, at", [
+    (1_700_000_000.5, 1_700_000_000.5), (7, 7.0),
+    (None, None), (True, None), ("1700000000", None), (float("nan"), None), (float("inf"), None), (-1.0, None),
+], ids=["time", "int", "absent", "bool", "text", "nan", "inf", "negative"])
+def test_a_generations_event_is_dated_when_the_coordinator_published_it(created, at):
+    """Not when a later command noticed it: the history entry's "created" (the coordinator's
+    clock), when it is a time at all; else the event takes the time it is recorded."""
+    hist = [{"kind": "initial", "generation": 1, "verified": True, "message": "formed",
+             **({"created": created} if created is not None else {})}]
+    records = [a for a in decide(job(w(0)), Observation({0: ALIVE}, coordinator=coord(1, [0], history=hist)))
+               if isinstance(a, Record)]
+    assert [(r.kind, r.at) for r in records] == [("formed", at)]
+
+
+def test_a_wait_is_dated_when_its_first_member_started_waiting():
+    listed = [{"wid": 1, "for": [0], "since": 8.0, "phase": "boundary"},
+              {"wid": 2, "for": [0], "since": 5.0, "phase": "boundary"}]
+    status = {**coord(1, [0, 1, 2]), "waiting": listed}
+    got = [a for a in decide(job(w(0), w(1), w(2)), Observation({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=status))
+           if isinstance(a, Record)]
+    assert [(r.kind, r.at) for r in got] == [("waiting", 5.0)]
+
+
 @pytest.mark.parametrize("listed,already,want", [
     (None, frozenset(), None),
     ([], frozenset(), None),
     ([{"wid": 1, "for": [0], "since": 3.0, "phase": "boundary"}], frozenset(),
      Record("waiting", "worker 1 waits for worker 0 (boundary)",
-            {"waiting": [{"wid": 1, "for": [0], "phase": "boundary", "since": 3.0}]})),
+            {"waiting": [{"wid": 1, "for": [0], "phase": "boundary", "since": 3.0}]}, at=3.0)),
     # the same wait read again (a later `since` too): no new event
     ([{"wid": 1, "for": [0], "since": 4.0, "phase": "boundary"}], frozenset({(1, (0,), "boundary")}), None),
     ([{"wid": 1, "for": [0, 2], "since": 4.0, "phase": "backward"}], frozenset({(1, (0,), "boundary")}),
      Record("waiting", "worker 1 waits for workers 0, 2 (backward)",
-            {"waiting": [{"wid": 1, "for": [0, 2], "phase": "backward", "since": 4.0}]})),
+            {"waiting": [{"wid": 1, "for": [0, 2], "phase": "backward", "since": 4.0}]}, at=4.0)),
     ([{"wid": 1, "for": [], "since": 4.0, "phase": "boundary"}], frozenset({(1, (0,), "boundary")}),
      Record("waiting", "no member is waiting any more", {"waiting": []})),
     ([{"wid": "1", "for": [0]}], frozenset(), None),    # not a worker id: nothing believed
@@ -412,7 +435,7 @@ def test_a_newcomer_left_out_of_a_resize_is_an_event_naming_its_host_and_the_sca
     actions = decide(facts, Observation({0: ALIVE, 1: ALIVE, 2: gone(None)},
                                         coordinator={**coord(1, [0, 1]), "left_out": left}))
     why = "worker 2 on b left out of the resize (warm-up): stopped beating while it warmed up, before it was ready"
-    assert Record("left-out", why, {"n": 1, "wid": 2, "host": "b", "phase": "warm-up"}) in actions
+    assert Record("left-out", why, {"n": 1, "wid": 2, "host": "b", "phase": "warm-up"}, at=9.0) in actions
     assert actions[-1] == SetState(J.RUNNING, f"world size 2 at generation 1; {why}")
     again = dataclasses.replace(facts, state=J.RUNNING, left_out_recorded=1)
     assert not [a for a in decide(again, Observation({0: ALIVE, 1: ALIVE}, coordinator={

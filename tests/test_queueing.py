@@ -291,3 +291,18 @@ def test_an_array_on_simulated_hosts_caps_its_running_jobs_groups_in_status_and_
     done = sim.cancel(str(first))
     assert [j.id for j in done] == [first + i for i in range(4)]
     assert {j.state for j in sim.jobs()} == {S.CANCELLED}
+
+
+def test_an_arrays_name_cancels_every_job_of_it_not_ended_and_a_tasks_id_that_task_alone(sim, tmp_path):
+    """A name means its newest job; when that job is one of an array's, `cancel NAME` means
+    the whole array (as the array's id does), not the task submitted last."""
+    alone = submit(sim, tmp_path, 1, 1, name="sweep")     # older, of the same name, in no array
+    first = submit(sim, tmp_path, 1, 1, array=parse_array("0-3%2"), name="sweep")
+    assert [j.id for j in sim.cancel(str(first + 1))] == [first + 1]    # a task's own id: that task
+    assert sim.job(first + 2).state is S.RUNNING                      # its slot went to the next one
+    assert [j.id for j in sim.cancel("sweep")] == [first, first + 2, first + 3]
+    assert [sim.job(first + i).state for i in range(4)] == [S.CANCELLED] * 4
+    assert sim.job(alone).state is S.RUNNING
+    with pytest.raises(UsageError, match=f"^array {first}: every job is already ended; nothing to cancel"):
+        sim.cancel("sweep")   # still the newest of that name: the older job is not reached for
+    assert sim.job(alone).state is S.RUNNING

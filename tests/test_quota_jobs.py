@@ -162,7 +162,7 @@ def test_report_by_user_sums_used_and_harvested_gpu_hours_inside_the_window(home
     from gpuflex.config import load_config
     from gpuflex.db.models import Host
 
-    cfg = write_config(home)   # its "local" host is CPU slots: no GPU-hours
+    cfg = write_config(home)   # its "local" host is CPU slots: no GPU-hours, slot-hours
     svc = JobService(load_config(str(cfg)))
     now = time.time()
     try:
@@ -190,21 +190,46 @@ def test_report_by_user_sums_used_and_harvested_gpu_hours_inside_the_window(home
         return r.stdout
 
     data = json.loads(run("--by", "user", "--json"))
-    want = [{"user": "bob", "gpu_hours": pytest.approx(3.0, abs=0.01), "harvested_gpu_hours": 0.0},
+    want = [{"user": "bob", "gpu_hours": pytest.approx(3.0, abs=0.01), "harvested_gpu_hours": 0.0,
+             "slot_hours": pytest.approx(2.0, abs=0.01)},
             {"user": "alice", "gpu_hours": pytest.approx(2.5, abs=0.01),
-             "harvested_gpu_hours": pytest.approx(2.0, abs=0.01)}]
+             "harvested_gpu_hours": pytest.approx(2.0, abs=0.01), "slot_hours": 0.0}]
     assert data["by_user"] == want
     assert json.loads(run("--json"))["by_user"] == want          # in every --json report
     csv = run("--by", "user", "--csv").splitlines()
-    assert csv[0] == "user,gpu_hours,harvested_gpu_hours"
+    assert csv[0] == "user,gpu_hours,harvested_gpu_hours,slot_hours"
     assert [line.split(",")[0] for line in csv[1:]] == ["bob", "alice"]
-    assert csv[2].startswith("alice,2.5") and csv[2].endswith(",2.0")
+    assert csv[2].startswith("alice,2.5") and csv[2].endswith(",2.0,0.0")
     text = run("--by", "user")
-    assert "GPU-hours by user" in text and "carol" not in text
+    assert "GPU-hours and slot-hours by user" in text and "carol" not in text
     cells = [line.replace("\u2502", " ").split() for line in text.splitlines()]
-    assert [c for c in cells if c[:1] in (["alice"], ["bob"])] == [["bob", "3.00", "0.00"], ["alice", "2.50", "2.00"]]
+    assert [c for c in cells if c[:1] in (["alice"], ["bob"])] == [["bob", "3.00", "0.00", "2.00"],
+                                                                   ["alice", "2.50", "2.00", "0.00"]]
     bad = CliRunner().invoke(app, ["--config", str(cfg), "report", "--by", "group"])
     assert bad.exit_code == 2 and "--by 'group': expected host or user" in bad.output
+
+
+def test_report_by_user_counts_slot_hours_on_a_pool_of_cpu_slots(home):
+    """Quotas and fair share count a CPU-slot pool's slots; so does `report --by user`: a
+    finished job's workers, each slot held from its start to its end."""
+    from tests.conftest import db_rows, py
+
+    cfg = write_config(home)   # one local host of 4 CPU slots, no GPU
+    cli = GpuflexCLI(home, cfg)
+    try:
+        job = cli.submit(py("import time; time.sleep(1)"), "--workers", "2")
+        assert cli.wait_final(job["id"])["state"] == "succeeded"
+    finally:
+        cleanup_jobs(cli, home / "g.db")
+    held = db_rows(home / "g.db", "SELECT started_at, ended_at, gpus FROM workers WHERE job_id = ?", (job["id"],))
+    slot_hours = sum((end - start) * len(json.loads(gpus)) for start, end, gpus in held) / 3600
+    assert len(held) == 2 and slot_hours > 0
+    rows = cli.json("report", "--by", "user")["by_user"]
+    assert rows == [{"user": access.caller(), "gpu_hours": 0.0, "harvested_gpu_hours": 0.0,
+                     "slot_hours": pytest.approx(slot_hours, abs=1e-4)}]
+    text = cli.ok("report", "--by", "user").stdout
+    assert "slot-hours by user" in text and "GPU-hours" not in text and access.caller() in text
+    assert "SLOT-HOURS" in text and "HARVESTED" not in text
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgresql"])

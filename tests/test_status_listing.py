@@ -231,3 +231,38 @@ def test_the_batched_records_match_one_jobs_record(config_path):
         assert listed[ids[0]].waiting and not listed[ids[1]].waiting and listed[ids[2]].last_crash
     finally:
         svc.close()
+
+
+def test_status_through_a_pipe_keeps_every_column_whole(home, config_path):
+    """Rich cut output to a pipe to 80 columns (no terminal to measure): NOTE and the
+    columns before it came out as "…". Through a pipe, with COLUMNS unset, every header
+    and every note is whole; the jobs' workers and events tables too."""
+    import subprocess
+
+    from tests.conftest import GpuflexCLI
+
+    queued, failed = record_jobs(config_path, ["queued", "failed"], history=True)
+    reason = "failed: worker 1 on local failed with exit code 3 (a reason long enough to be cut at 80 columns)"
+    with JobService(load_config(str(config_path))).sessions.begin() as s:
+        s.get(Job, failed).exit_reason = reason
+    env = GpuflexCLI(home, config_path).env()
+    env.pop("COLUMNS")
+
+    def piped(*args: str) -> str:
+        p = subprocess.run([GpuflexCLI(home, config_path).script, *args], stdin=subprocess.DEVNULL,
+                           capture_output=True, text=True, env=env, cwd=home, timeout=120)
+        assert p.returncode == 0, p.stderr
+        return p.stdout
+
+    out = piped("status")
+    assert "…" not in out
+    header = next(line for line in out.splitlines() if "NAME" in line)
+    assert header.replace("┃", " ").split() == ["ID", "NAME", "STATE", "WORKERS", "GEN", "STEP", "LEFT", "OWNER",
+                                                "AGE", "NOTE"]
+    note = json.loads(piped("status", str(queued), "--json"))["queue_reason"]
+    assert note and note in out and reason in out
+    one = piped("status", str(failed))
+    assert "…" not in one
+    assert reason in one and "worker 1 crashed" in one
+    assert next(line for line in one.splitlines() if "RANK" in line).replace("┃", " ").split() == \
+        ["RANK", "WID", "HOST", "DEVICES", "PID", "STATE", "GEN", "EXIT"]

@@ -13,18 +13,43 @@ import time
 from typing import Any, Callable
 
 import typer
-from rich.console import Console
+from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
 from gpuflex.config import DAY_S, Config, load_config
 from gpuflex.control.service import JobService
 from gpuflex.errors import GpuflexError, UsageError
 
+PIPE_WIDTH = 10_000   # columns for output that goes to no terminal: wider than any row
+
+
+class PipeConsole(Console):
+    """A console whose output to a pipe or a file is as wide as its rows need.
+
+    Rich sizes output to a terminal it finds on stdin, stdout or stderr, else 80 columns,
+    even when its own output is piped: `gpuflex status | grep` or a script's capture got
+    the table cut to that width, its columns shortened to "…". When the output is no
+    terminal and COLUMNS is not set, it is PIPE_WIDTH wide: a table (never expanded) is as
+    wide as its contents, every column whole. COLUMNS, when set, is still obeyed.
+    """
+
+    @property
+    def size(self) -> ConsoleDimensions:
+        dims = super().size
+        if self._width is None and not self.is_terminal and not self._environ.get("COLUMNS", "").isdigit():
+            return ConsoleDimensions(PIPE_WIDTH, dims.height)
+        return dims
+
+    @size.setter
+    def size(self, new_size: tuple[int, int]) -> None:
+        self._width, self._height = new_size
+
+
 # markup off: job names, commands, messages and paths are the users' text, and "[/x]" in
 # one of them must print as itself, not break every later `status` (our own styles are
 # rich Text or an explicit markup=True over escaped text)
-console = Console(highlight=False, soft_wrap=True, markup=False)
-err_console = Console(stderr=True, highlight=False, soft_wrap=True, markup=False)
+console = PipeConsole(highlight=False, soft_wrap=True, markup=False)
+err_console = PipeConsole(stderr=True, highlight=False, soft_wrap=True, markup=False)
 
 
 class _Stderr(logging.StreamHandler):

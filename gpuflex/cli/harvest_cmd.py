@@ -105,14 +105,21 @@ def _since(text: str) -> float:
 
 
 def _user_table(data: dict, when: str) -> None:
-    if not data["by_user"]:
-        console.print(f"no GPU time used since {when}", markup=False)
+    """GPU-hours (used, harvested) and slot-hours per user: the columns of the devices used."""
+    rows = data["by_user"]
+    if not rows:
+        console.print(f"no GPU or CPU slot time used since {when}", markup=False)
         return
-    t = Table(title=f"GPU-hours by user since {when}", title_justify="left")
-    for k in ("USER", "GPU-HOURS", "HARVESTED"):
-        t.add_column(k, justify="left" if k == "USER" else "right")
-    for r in data["by_user"]:
-        t.add_row(r["user"], f"{r['gpu_hours']:.2f}", f"{r['harvested_gpu_hours']:.2f}")
+    gpus = any(r["gpu_hours"] for r in rows) or not any(r["slot_hours"] for r in rows)
+    slots = any(r["slot_hours"] for r in rows)
+    what = " and ".join(["GPU-hours"] * gpus + ["slot-hours"] * slots)
+    t = Table(title=f"{what} by user since {when}", title_justify="left")
+    cols = [("USER", "user")] + [("GPU-HOURS", "gpu_hours"), ("HARVESTED", "harvested_gpu_hours")] * gpus \
+        + [("SLOT-HOURS", "slot_hours")] * slots
+    for head, _ in cols:
+        t.add_column(head, justify="left" if head == "USER" else "right")
+    for r in rows:
+        t.add_row(r["user"], *(f"{r[key]:.2f}" for _, key in cols[1:]))
     console.print(t)
 
 
@@ -219,10 +226,10 @@ def report(
     as_csv: bool = typer.Option(False, "--csv", help="Print CSV: one line per host and job (per user "
                                 "with --by user)."),
     by: str = typer.Option("host", "--by", help="host: harvested GPU-hours by host, owner and job; "
-                           "user: GPU-hours used and harvested per user (job owner)."),
+                           "user: GPU-hours used and harvested, and CPU slot-hours, per user (job owner)."),
 ) -> None:
     """GPU-hours harvested per host, owner and job; reclaims and their latencies (median, max).
-    With --by user: GPU-hours used and harvested per user.
+    With --by user: GPU-hours used and harvested, and CPU slot-hours used, per user.
 
     Example: gpuflex report --since 24h --csv; gpuflex report --by user --since 30d
     """

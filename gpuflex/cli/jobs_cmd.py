@@ -30,6 +30,8 @@ def register(app: typer.Typer) -> None:
     app.command()(events)
 
 
+# Help texts are rich markup (typer's rich markup mode): "[jobs]" would be read as a tag and
+# vanish, so a config table's name is written "\\[jobs]" (tests/test_help.py walks every help).
 @command
 def submit(
     ctx: typer.Context,
@@ -50,7 +52,7 @@ def submit(
                                           "--workers N runs as a gang (torchrun's contract) without it."),
     time: Optional[str] = typer.Option(None, "--time", help="Time limit: 90s, 30m, 4h, 2d or 1-12:00:00 (a bare "
                                        "number is minutes, as in Slurm); then SIGTERM, grace, SIGKILL, state "
-                                       "timeout. Default: [jobs] default_time."),
+                                       "timeout. Default: \\[jobs] default_time."),
     after: Optional[str] = typer.Option(None, "--after", help="Job ids (or array ids) that must succeed first, "
                                         "e.g. 12,13; if one fails or is cancelled, so is this job."),
     array: Optional[str] = typer.Option(None, "--array", help="Submit an array: 0-15, 1,3,5, with %N for at "
@@ -58,7 +60,7 @@ def submit(
     requeue: bool = typer.Option(False, "--requeue", help="Let a higher-priority job preempt it: stopped "
                                  "(SIGTERM, grace) and requeued."),
     notify: Optional[str] = typer.Option(None, "--notify", help="Webhook URL (http or https): a JSON POST when "
-                                         "the job ends, fails, is preempted or times out. Default: [notify] url."),
+                                         "the job ends, fails, is preempted or times out. Default: \\[notify] url."),
     split: Optional[str] = typer.Option(None, "--split", help="How an in-place job's global batch is divided over "
                                         "its workers: speed (in proportion to each worker's measured speed, for "
                                         "mixed GPUs; default) or even."),
@@ -216,7 +218,8 @@ def status(
 @command
 def cancel(ctx: typer.Context, job: str = typer.Argument(..., help="A job id or name.")) -> None:
     """Stop all workers of a job (SIGTERM, then SIGKILL after the grace period) and free its GPUs.
-    An array's id cancels every job of the array not ended yet; ID_INDEX (5_3) one of them.
+    An array's id, or its name, cancels every job of the array not ended yet; ID_INDEX (5_3),
+    or the id of a job of it other than the first, that one job.
 
     Example: gpuflex cancel 3
     """

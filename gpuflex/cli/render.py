@@ -46,7 +46,7 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
 
 def event_json(e: EventInfo) -> dict[str, Any]:
     return {"id": e.id, "job": e.job_id, "time": e.time, "kind": e.kind, "message": e.message,
-            "data": e.data, "count": e.count, "last_time": e.last_time}
+            "data": e.data, "count": e.count, "last_time": e.last_time, "recorded_at": e.recorded_at}
 
 
 def waiting_text(waiting: tuple[dict[str, Any], ...], now: float | None = None) -> str:

@@ -1,6 +1,7 @@
-"""`gpuflex scale JOB N [--wait]`: resize a running in-place job, and with --wait follow the
-switch until the new size runs (a shrink's leavers gone), the job ends, or the resize settles
-at another size (the newcomers the coordinator left out, and why)."""
+"""`gpuflex scale JOB N [--wait]`: resize a running elastic job (an in-place job at a step
+boundary, a restart job by a relaunch at N), and with --wait follow the switch until the new
+size runs (a shrink's leavers gone), the job ends, or the resize settles at another size (the
+newcomers the coordinator left out, and why)."""
 
 from __future__ import annotations
 
@@ -23,11 +24,16 @@ def scale(
     ctx: typer.Context,
     job: str = typer.Argument(..., help="A job id or name."),
     n: int = typer.Argument(..., help="The number of workers wanted (within the job's MIN:MAX)."),
-    wait: bool = typer.Option(False, "--wait", help="Wait until the workers have switched (and a shrink's "
-                                                    "leavers have exited, their devices free)."),
+    wait: bool = typer.Option(False, "--wait", help="Wait until the job runs at N workers (a shrink's "
+                                                    "leavers exited, their devices free)."),
     timeout: float = typer.Option(300, "--timeout", help="Seconds to wait with --wait (1 to 86400)."),
 ) -> None:
-    """Resize a running elastic job in place to N workers.
+    """Resize a running elastic job to N workers, within its MIN:MAX.
+
+    An in-place job (--elastic inplace, the default for MIN:MAX) resizes in place at its next
+    step boundary: its workers go on, newcomers warm up and join, leavers exit. A restart job
+    (--elastic restart) is stopped (SIGTERM, the grace period, SIGKILL) and launched again at
+    N workers, resuming from its own checkpoint. A fixed gang (--workers N) is not resized.
 
     Example: gpuflex scale 3 4 --wait
     """
@@ -109,10 +115,10 @@ def _ended_short(svc, cur, asked: float) -> str | None:
     """Why a resize asked for at `asked` (wall clock) settled at another size: the job went
     back to running since (a "state" event), with the newcomers the coordinator left out
     (their "left-out" events: worker, host, phase) or that event's message; None while
-    it has not."""
+    it has not. Events recorded since, whatever the coordinator's clock dated them."""
     back = [e for e in cur.recent if e.kind == "state" and e.data.get("state") == JobState.RUNNING.value
-            and e.time >= asked]
+            and e.recorded_at >= asked]
     if not back:
         return None
-    left = [e.message for e in svc.job(cur.id).events if e.kind == LEFT_OUT_KIND and e.time >= asked]
+    left = [e.message for e in svc.job(cur.id).events if e.kind == LEFT_OUT_KIND and e.recorded_at >= asked]
     return "; ".join(left) or back[-1].message

@@ -98,6 +98,14 @@ def check_owner(config: Config, job: Job, verb: str) -> None:
                          f"shared account: [[hosts]] user).")
 
 
+def changed_by(job: Job) -> str:
+    """Who changes `job`, as its history names them (after `check_owner` let them): the
+    caller, "bob", and for another user's job, which only an admin may change, "carol
+    (admin)"."""
+    who = caller()
+    return who if who == job.user else f"{who} (admin)"
+
+
 def process_hosts(job: Job) -> set[str]:
     """The hosts where `job` has processes now: its live workers' and its coordinator's."""
     return {w.host for w in job.live_workers} | ({job.store_host} if job.store_pgid and job.store_host else set())

@@ -257,9 +257,9 @@ def remove_socket_dirs(ops: Ops, job: Job) -> None:
             log.debug("job %s: cannot remove its socket directory on %s: %s", job.id, name, result.error)
 
 
-def stop_job(ops: Ops, job: Job, target: JobState, why: str) -> None:
+def stop_job(ops: Ops, job: Job, target: JobState, why: str, **data) -> None:
     stop_processes(ops, job)
-    journal.set_state(ops.session, job, target, why)
+    journal.set_state(ops.session, job, target, why, **data)
 
 
 def requeue(ops: Ops, job: Job, why: str, cause: str = "requeue", grace_s: float | None = None) -> None:
@@ -293,7 +293,7 @@ def apply(ops: Ops, job: Job, actions: list[P.Action]) -> None:
         elif isinstance(a, P.Adopt):
             adopt(job, a.generation, list(a.members))
         elif isinstance(a, P.Record):
-            journal.record(ops.session, job, a.kind, a.message, **a.data)
+            journal.record(ops.session, job, a.kind, a.message, happened_at=a.at, **a.data)
         elif isinstance(a, P.SetState):
             journal.set_state(ops.session, job, a.target, a.message)
         elif isinstance(a, P.Requeue):

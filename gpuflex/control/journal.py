@@ -10,6 +10,13 @@ takes the newest message and data. A failure that recurs thousands of times (a r
 loop, a host that stays unreachable) is then one row, and the table, `status` and `events`
 stay small whatever happens. State changes and reclaims are each their own row: every
 move is history, and each reclaim's latency is a figure of `gpuflex report`.
+
+An event's `time` is when the thing happened; `recorded_at` when a command wrote the row.
+They differ for what a job's coordinator or workers recorded (a generation formed, a
+newcomer left out, a worker's exit) and a later command noticed: the event keeps the time
+their record gives (their host's clock; one past this host's now, a clock ahead, is taken
+as now). What this run has recorded already is told by `recorded_at`, never by a time
+another host's clock gave.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from sqlalchemy.orm import Session
 from gpuflex.control import notify
 from gpuflex.db import queries
 from gpuflex.db.models import Event, Job, Worker
+from gpuflex.policy.outcomes import instant
 from gpuflex.states import JobState, WorkerState
 
 NEVER_COALESCED = frozenset({"state", "reclaim"})
@@ -34,19 +42,22 @@ def same_event(a: str, b: str) -> bool:
     return a == b or _GENERATION.sub("generation N", a) == _GENERATION.sub("generation N", b)
 
 
-def record(session: Session, job: Job, kind: str, message: str, **data) -> Event:
+def record(session: Session, job: Job, kind: str, message: str, *, happened_at: float | None = None,
+           **data) -> Event:
     """Append one event to the job's history, or count it on the job's last event when it
-    repeats that one (see the module docstring)."""
+    repeats that one (see the module docstring). `happened_at`: when it happened, if that
+    was before now (a coordinator's or worker's record); else it happens now."""
     now = time.time()
+    at = now if happened_at is None else min(happened_at, now)
     if kind not in NEVER_COALESCED:
         if job.id is None:
             session.flush()
         last = queries.last_event(session, job.id)
         if last is not None and last.kind == kind and same_event(last.message, message):
             last.count = (last.count or 1) + 1
-            last.last_time, last.message, last.data = now, message, data
+            last.last_time, last.message, last.data = at, message, data
             return last
-    ev = Event(job=job, time=now, kind=kind, message=message, data=data, count=1)
+    ev = Event(job=job, time=at, recorded_at=now, kind=kind, message=message, data=data, count=1)
     session.add(ev)
     return ev
 
@@ -72,11 +83,12 @@ _HOW = {WorkerState.EXITED: "exited 0", WorkerState.LOST: "was lost (killed, or 
 
 def end_worker(session: Session, job: Job, w: Worker, state: WorkerState, rc: int | None,
                ended_at: float | None = None) -> None:
-    """A worker's process has ended (`state` is final): its exit code and end time."""
+    """A worker's process has ended (`state` is final): its exit code and end time (its
+    exit record's, when it left one: the event is dated then too)."""
     w.state.check_transition(state)
     w.state, w.exit_code, w.ended_at = state, rc, ended_at or time.time()
     how = f"failed with exit code {rc}" if state is WorkerState.FAILED else _HOW[state]
-    record(session, job, "worker", f"worker {w.wid} on {w.host} {how}",
+    record(session, job, "worker", f"worker {w.wid} on {w.host} {how}", happened_at=instant(ended_at),
            wid=w.wid, host=w.host, exit_code=rc, state=state.value)
 
 

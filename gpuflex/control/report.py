@@ -5,8 +5,9 @@ Harvested GPU time is the time gpuflex workers held GPUs of hosts that have an `
 (those GPUs are only ever given out while idle): per worker, its devices x the part of
 [started_at, ended_at or now] inside the window. The owner is the host's owner as the DB
 knows it now. Reclaims are the "reclaim" events written by the harvest tick. A user's
-used GPU-hours count the same way on every GPU host (CPU slots are no GPU-hours); the
-user is the job's owner (`jobs.user`).
+used GPU-hours count the same way on every GPU host; CPU slots are no GPU-hours, and count
+apart as slot-hours (a pool of CPU slots is scheduled, shared fairly and held to quotas by
+its slots, so `--by user` counts them too); the user is the job's owner (`jobs.user`).
 """
 
 from __future__ import annotations
@@ -104,19 +105,22 @@ def build(session: Session, since: float, until: float | None = None) -> dict[st
 
 def by_user(session: Session, since: float, until: float, owned: set[str],
             slot_hosts: set[str]) -> list[dict[str, Any]]:
-    """[{user, gpu_hours, harvested_gpu_hours}], most used first: GPU time of each user's
-    workers inside the window, all of it and the part on owned hosts."""
+    """[{user, gpu_hours, harvested_gpu_hours, slot_hours}], most GPU time first, then most
+    slot time: the device time of each user's workers inside the window, GPUs (all of it,
+    and the part on owned hosts) and CPU slots apart."""
     used: dict[str, list[float]] = {}
     for user, start, end, devices, host in queries.holds_since(session, since):
-        if host in slot_hosts or devices == 0:
-            continue
         secs = _overlap(start, end, since, until) * devices
-        if secs > 0:
-            u = used.setdefault(user, [0.0, 0.0])
+        if secs <= 0:
+            continue
+        u = used.setdefault(user, [0.0, 0.0, 0.0])
+        if host in slot_hosts:
+            u[2] += secs / 3600
+        else:
             u[0] += secs / 3600
             u[1] += secs / 3600 if host in owned else 0.0
-    return [{"user": user, "gpu_hours": round(a, 4), "harvested_gpu_hours": round(h, 4)}
-            for user, (a, h) in sorted(used.items(), key=lambda kv: (-kv[1][0], kv[0]))]
+    return [{"user": user, "gpu_hours": round(a, 4), "harvested_gpu_hours": round(h, 4), "slot_hours": round(c, 4)}
+            for user, (a, h, c) in sorted(used.items(), key=lambda kv: (-kv[1][0], -kv[1][2], kv[0]))]
 
 
 def _totals(table: list[dict[str, Any]], *keys: str) -> list[dict[str, Any]]:
@@ -144,12 +148,12 @@ def _reclaim_summary(reclaims: list[dict[str, Any]]) -> dict[str, Any]:
 CSV_FIELDS = ["host", "owner", "job", "job_name", "gpu_hours", "reclaims", "reclaim_median_s", "reclaim_max_s"]
 
 
-USER_CSV_FIELDS = ["user", "gpu_hours", "harvested_gpu_hours"]
+USER_CSV_FIELDS = ["user", "gpu_hours", "harvested_gpu_hours", "slot_hours"]
 
 
 def to_csv(report: dict[str, Any], by: str = "host") -> str:
     """One line per (host, job): harvested GPU-hours and that job's reclaims there; with
-    `by="user"`, one line per user: GPU-hours used and harvested."""
+    `by="user"`, one line per user: GPU-hours used and harvested, and slot-hours."""
     fields, rows = (USER_CSV_FIELDS, report["by_user"]) if by == "user" else (CSV_FIELDS, report["rows"])
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=fields, lineterminator="\n")

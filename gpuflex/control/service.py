@@ -104,15 +104,27 @@ class JobService:
         with self.sessions() as session:
             return access.check_user(name, lambda: queries.owners(session))
 
-    def check_may_change(self, ref: str | int, verb: str) -> None:
+    def array_of(self, session: Session, ref: str | int, *, names: bool = False) -> list[Job]:
+        """Every job of the array that `ref` stands for as a whole, by index: an array's id
+        (its first job's, as Slurm's scancel reads it), and with `names` a name whose newest
+        job is one of an array's (`cancel`: the array, not its newest task); [] when `ref`
+        stands for one job (`5_3`, another id, a name of a job outside any array)."""
+        key = parse_ref(ref)
+        if isinstance(key, int):
+            return queries.array_jobs(session, key)
+        if names and isinstance(key, str):
+            newest = queries.newest_job_named(session, key)
+            if newest is not None and newest.array_id is not None:
+                return queries.array_jobs(session, newest.array_id)
+        return []
+
+    def check_may_change(self, ref: str | int, verb: str, *, names: bool = False) -> None:
         """NotOwnerError (gpuflex.control.access) unless the caller owns the job `ref`
-        names (every job of an array not ended yet, for an array's id) or is an admin. An
-        ended job is left to the command, which says it cannot change. Read before any
-        command writes: an owner never changes, so no lock is needed."""
+        names (every job of an array not ended yet, for an array: see `array_of`) or is an
+        admin. An ended job is left to the command, which says it cannot change. Read
+        before any command writes: an owner never changes, so no lock is needed."""
         with self.sessions() as session:
-            key = parse_ref(ref)
-            array = queries.array_jobs(session, key) if isinstance(key, int) else []
-            for job in array or [self.get(session, ref)]:
+            for job in self.array_of(session, ref, names=names) or [self.get(session, ref)]:
                 if not job.state.final:
                     access.check_owner(self.config, job, verb)
 
@@ -226,22 +238,25 @@ class JobService:
 
     def cancel(self, ref: str) -> list[views.JobInfo]:
         """Cancel a job; an array's id (a plain id that is an array's, as Slurm's scancel
-        reads it) cancels every job of the array not ended yet (`5_3`: one of them).
-        Returns the jobs cancelled. Only the owner or an admin may (gpuflex.control.access)."""
-        self.check_may_change(ref, "cancel")
+        reads it), or a name whose newest job is one of an array's, cancels every job of the
+        array not ended yet (`5_3`, or the id of a job other than the array's first: that
+        one). Returns the jobs cancelled. Only the owner or an admin may
+        (gpuflex.control.access)."""
+        self.check_may_change(ref, "cancel", names=True)
         with self.locked() as session:
-            key = parse_ref(ref)
-            array = queries.array_jobs(session, key) if isinstance(key, int) else []
+            array = self.array_of(session, ref, names=True)
             jobs = [j for j in array if not j.state.final] if array else [self.get(session, ref)]
             if not jobs or jobs[0].state.final:
-                what = f"array {key}: every job" if array else f"job {jobs[0].id}"
+                what = f"array {array[0].array_id}: every job" if array else f"job {jobs[0].id}"
                 raise UsageError(f"{what} is already {'ended' if array else jobs[0].state}; nothing to cancel.")
             ops = self.ops(session)
             for job in jobs:
+                # who: the owner, or an admin (named so) cancelling another user's job
+                job.exit_reason = why = f"cancelled by {access.changed_by(job)}"
                 if job.state is JobState.QUEUED:   # nothing runs: no process to stop
-                    journal.set_state(session, job, JobState.CANCELLED, "cancelled by user")
+                    journal.set_state(session, job, JobState.CANCELLED, why, by=access.caller())
                 else:
-                    executor.stop_job(ops, job, JobState.CANCELLED, "cancelled by user")
+                    executor.stop_job(ops, job, JobState.CANCELLED, why, by=access.caller())
             lifecycle.place_queued(ops)
             return views.job_infos(jobs)
 

@@ -41,8 +41,8 @@ def follow(ops: Ops, job: Job, status: dict[str, Any] | None, now: float | None 
 def record_replans(ops: Ops, job: Job, progress: Any) -> int:
     """One "replan" event per re-plan not recorded yet; how many were recorded."""
     new = P.new_replans(progress, *last_replan(job))
-    for r in new:
-        journal.record(ops.session, job, P.REPLAN_KIND, P.replan_message(r), **r)
+    for r in new:   # at the runtime's time of the re-plan
+        journal.record(ops.session, job, P.REPLAN_KIND, P.replan_message(r), happened_at=r["time"], **r)
     return len(new)
 
 

@@ -42,12 +42,13 @@ class WorkerInfo:
 class EventInfo:
     id: int
     job_id: int
-    time: float                  # the first time it happened
+    time: float                  # the first time it happened (a coordinator's or worker's, for theirs)
     kind: str
     message: str                 # the newest wording
     data: dict[str, Any]         # the newest details
     count: int = 1               # how many times it happened in a row (gpuflex.control.journal)
     last_time: float | None = None   # when it last did (None: once)
+    recorded_at: float | None = None   # when gpuflex wrote it (at or after `time`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +109,8 @@ RECENT = 5
 
 
 def event_info(e: Event) -> EventInfo:
-    return EventInfo(e.id, e.job_id, e.time, e.kind, e.message, e.data, e.count or 1, e.last_time)
+    return EventInfo(e.id, e.job_id, e.time, e.kind, e.message, e.data, e.count or 1, e.last_time,
+                     e.recorded_at if e.recorded_at is not None else e.time)
 
 
 @dataclasses.dataclass(frozen=True)

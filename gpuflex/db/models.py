@@ -189,12 +189,17 @@ class Worker(Base):
 
 
 class Event(Base):
-    """Every state change, scale and fault of a job, with its time and details."""
+    """Every state change, scale and fault of a job, with its time and details.
+
+    `time` is when it happened (for what a coordinator or worker recorded, the time its
+    record gives: gpuflex.control.journal); `recorded_at` when gpuflex wrote the row (NULL:
+    rows from before migration 0010, recorded at their `time`)."""
 
     __tablename__ = "events"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
     time: Mapped[float] = mapped_column(Float, default=now)
+    recorded_at: Mapped[float | None] = mapped_column(Float)
     kind: Mapped[str] = mapped_column(String(32))
     message: Mapped[str] = mapped_column(Text)
     data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)

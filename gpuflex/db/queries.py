@@ -20,6 +20,10 @@ FINAL = tuple(s for s in JobState if s.final)
 # ids per IN list of a batched read: well under the bound parameters SQLite and the
 # PostgreSQL drivers take (SQLAlchemy's selectinload uses the same size)
 CHUNK = 500
+# when gpuflex wrote an event (rows from before migration 0010: their time). What a run has
+# recorded is told by it, not by `time`, which for a coordinator's or worker's record is
+# their host's clock (gpuflex.control.journal)
+RECORDED_AT = func.coalesce(Event.recorded_at, Event.time)
 
 
 def _chunks(ids: Iterable[int]) -> Iterator[list[int]]:
@@ -264,10 +268,10 @@ def events_of_kind(session: Session, kind: str, since: float, until: float) -> l
 
 
 def event_data(session: Session, kinds: Iterable[str], until: float) -> list[tuple[str, dict]]:
-    """(kind, data) of every event of `kinds` up to `until`, oldest first: one query, no
-    job or event object built."""
+    """(kind, data) of every event of `kinds` recorded up to `until`, oldest first: one
+    query, no job or event object built."""
     return [(kind, data) for kind, data in session.execute(
-        select(Event.kind, Event.data).where(Event.kind.in_(list(kinds)), Event.time <= until)
+        select(Event.kind, Event.data).where(Event.kind.in_(list(kinds)), RECORDED_AT <= until)
         .order_by(Event.time, Event.id))]
 
 
@@ -279,7 +283,7 @@ def last_event(session: Session, job_id: int) -> Event | None:
 def last_event_of(session: Session, job_id: int, kinds: Iterable[str], since: float = 0.0) -> Event | None:
     """The job's newest event of one of `kinds` recorded at or after `since` (one row)."""
     return session.scalar(select(Event).where(Event.job_id == job_id, Event.kind.in_(list(kinds)),
-                                              Event.time >= since).order_by(Event.id.desc()).limit(1))
+                                              RECORDED_AT >= since).order_by(Event.id.desc()).limit(1))
 
 
 def with_event_since(session: Session, job_ids: Iterable[int], kind: str, since: float) -> set[int]:
@@ -301,7 +305,7 @@ def last_events_of(session: Session, job_ids: Iterable[int], kinds: Iterable[str
         newest = select(func.max(Event.id)).where(Event.job_id.in_(chunk), Event.kind.in_(list(kinds)))
         if since_start:
             newest = newest.join(Job, Job.id == Event.job_id).where(
-                Event.time >= func.coalesce(Job.started_at, 0.0))
+                RECORDED_AT >= func.coalesce(Job.started_at, 0.0))
         out.update((e.job_id, e) for e in session.scalars(
             select(Event).where(Event.id.in_(newest.group_by(Event.job_id)))))
     return out
@@ -315,11 +319,11 @@ def recent_events(session: Session, job_id: int, kinds: Iterable[str], limit: in
 
 
 def max_count_by_wid(session: Session, job_id: int, kind: str, since: float) -> dict[int, int]:
-    """wid -> the largest data["count"] of the job's `kind` events since `since` (one row
-    per worker, computed by the database)."""
+    """wid -> the largest data["count"] of the job's `kind` events recorded since `since`
+    (one row per worker, computed by the database)."""
     wid, count = Event.data["wid"].as_integer(), Event.data["count"].as_integer()
     rows = session.execute(select(wid, func.max(count)).where(
-        Event.job_id == job_id, Event.kind == kind, Event.time >= since, wid.is_not(None)).group_by(wid))
+        Event.job_id == job_id, Event.kind == kind, RECORDED_AT >= since, wid.is_not(None)).group_by(wid))
     return {w: c or 0 for w, c in rows}
 
 

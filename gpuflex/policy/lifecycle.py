@@ -10,7 +10,8 @@ gpuflex.control.executor writes it. In order:
 2. From the coordinator's status (when it answered): Adopt its generation and members
    (ranks; starting workers it has seen become running), Record each newly verified
    generation of its history ("formed", "scale", "fault", "rollback", with the phase
-   timings; those up to the newest this run's events hold are skipped), RUNNING once a
+   timings, at the time the coordinator published it; those up to the newest this run's
+   events hold are skipped), RUNNING once a
    scaling job has settled; Record "forged" (store records that failed authentication),
    "checkpoint-failed" (rank 0's failed checkpoint writes: training goes on) once per new
    count, "waiting" when the members waiting at a step barrier for busy ones changed,
@@ -49,7 +50,7 @@ from gpuflex.elastic.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
 from gpuflex.policy.outcomes import (  # noqa: F401 (the policy's inputs and actions, re-exported)
     CRASH_CAUSE, CRASH_KIND, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, TRACEBACK_LINES, Action, Adopt,
     Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,
-    after_crash, first_crash, gang_failure, is_crash_exit, is_int, one_line, outcome)
+    after_crash, first_crash, gang_failure, instant, is_crash_exit, is_int, one_line, outcome)
 from gpuflex.states import JobState, WorkerState
 
 _KINDS = {"initial": "formed", "resize": "scale", "recover": "fault"}
@@ -161,7 +162,8 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
 def history(job: JobFacts, entries: Any) -> list[Record]:
     """An event for each verified generation of the coordinator's history newer than the
     newest one this run's events already hold (the coordinator reports its whole history
-    at every status: without the mark each would be recorded again at every command)."""
+    at every status: without the mark each would be recorded again at every command),
+    dated when the coordinator published the generation (its "created")."""
     upto = max(job.recorded, default=0)
     out = []
     for h in entries or ():
@@ -171,7 +173,7 @@ def history(job: JobFacts, entries: Any) -> list[Record]:
         kind = _KINDS.get(h.get("kind"), h.get("kind"))
         data = {k: v for k, v in h.items() if k not in ("kind", "message")}
         out.append(Record(kind, f"generation {h['generation']}: {h.get('message', kind)}",
-                          {"generation_kind": h.get("kind"), **data}))
+                          {"generation_kind": h.get("kind"), **data}, at=instant(h.get("created"))))
     return out
 
 
@@ -195,19 +197,19 @@ def checkpoint_failures(job: JobFacts, progress: Any) -> Record | None:
     if not isinstance(progress, Mapping):
         return None
     wid, failures = progress.get("wid"), progress.get("checkpoint_failures")
-    count, error = (failures.get("count"), failures.get("last_error")) if isinstance(failures, Mapping) \
-        else (failures, progress.get("checkpoint_error"))
+    count, error, at = (failures.get("count"), failures.get("last_error"), failures.get("last_time")) \
+        if isinstance(failures, Mapping) else (failures, progress.get("checkpoint_error"), None)
     if not all(is_int(v) for v in (wid, count)) or count <= job.checkpoint_failures_recorded.get(wid, 0):
         return None
     why = one_line(error or "a checkpoint write failed", 300)
     return Record(CHECKPOINT_FAILED_KIND, f"worker {wid}: {why}; training goes on ({count} failed so far)",
-                  {"wid": wid, "count": count})
+                  {"wid": wid, "count": count}, at=instant(at))
 
 
 def left_out(job: JobFacts, entries: Any) -> list[Record]:
     """An event for each newcomer the coordinator left out of a resize ([{"n", "wid",
-    "reason", "phase", ...}], n counting them) newer than this run's events report, naming
-    the worker, its host and the phase."""
+    "reason", "phase", "at", ...}], n counting them) newer than this run's events report,
+    naming the worker, its host and the phase, dated when the coordinator left it out."""
     hosts = {w.wid: w.host for w in job.workers}
     out = []
     for e in entries if isinstance(entries, list) else ():
@@ -218,7 +220,7 @@ def left_out(job: JobFacts, entries: Any) -> list[Record]:
         host = hosts.get(wid, "an unknown host")
         why = one_line(e.get("reason"), 300) or "was not ready"
         out.append(Record(LEFT_OUT_KIND, f"worker {wid} on {host} left out of the resize ({phase}): {why}",
-                          {"n": e["n"], "wid": wid, "host": host, "phase": phase}))
+                          {"n": e["n"], "wid": wid, "host": host, "phase": phase}, at=instant(e.get("at"))))
     return out
 
 
@@ -226,7 +228,7 @@ def waiting(job: JobFacts, entries: Any) -> Record | None:
     """An event when the members the coordinator lists as waiting at a step barrier for
     busy members ([{"wid", "for": [wids], "since", "phase"}]) are not those this run's last
     "waiting" event names (the time they started does not count: the same wait is one
-    event, however often it is read)."""
+    event, however often it is read); dated when the first of them started waiting."""
     listed = [e for e in (entries or ()) if isinstance(e, Mapping) and is_int(e.get("wid"))
               and isinstance(e.get("for"), list) and e["for"] and all(is_int(x) for x in e["for"])]
     now = frozenset((e["wid"], tuple(sorted(e["for"])), one_line(e.get("phase"), 40)) for e in listed)
@@ -238,7 +240,8 @@ def waiting(job: JobFacts, entries: Any) -> Record | None:
              "since": e["since"] if isinstance(e.get("since"), (int, float)) else None} for e in listed]
     message = "; ".join(f"worker {d['wid']} waits for {workersone_line(d['for'])}"
                         + (f" ({d['phase']})" if d["phase"] else "") for d in data)
-    return Record(WAITING_KIND, message, {"waiting": data})
+    started = [t for t in (instant(d["since"]) for d in data) if t is not None]
+    return Record(WAITING_KIND, message, {"waiting": data}, at=min(started, default=None))
 
 
 def workersone_line(wids: list[int]) -> str:

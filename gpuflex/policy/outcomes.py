@@ -33,6 +33,7 @@ here judge the workers' ends:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Iterable, Mapping, Union
 
 from gpuflex.elastic.keys import ABORTED_EXIT, RUNTIME_EXITS, SHARDS_LOST_EXIT, STORE_LOST_EXIT
@@ -150,11 +151,14 @@ class Adopt:
 @dataclasses.dataclass(frozen=True)
 class Record:
     """An event (the journal makes one that repeats the job's last event a count there:
-    a host that stays unreachable is one event, however many commands see it)."""
+    a host that stays unreachable is one event, however many commands see it). `at`: when
+    it happened, as the record it comes from says (the coordinator's or a worker's clock:
+    `instant`); None: when the command noticed it."""
 
     kind: str
     message: str
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    at: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,6 +334,14 @@ def _current(job: JobFacts, workers: Iterable[WorkerFacts]) -> list[WorkerFacts]
 
 def is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def instant(v: Any) -> float | None:
+    """A time a coordinator's or worker's record gives (unix seconds): a finite number
+    above 0, not a bool; None otherwise (the event then takes the time it was noticed)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        return None
+    return float(v)
 
 
 def printable_lines(lines: Iterable[str]) -> tuple[str, ...]:
