@@ -82,7 +82,7 @@ class LM(nn.Module):
 def write_report(path, params, args, steps, step_log, samples):
     flat = torch.cat([p.reshape(-1).float() for p in params.values()])
     report = {"steps": steps, "epochs": args.epochs, "global_batch_size": args.global_batch_size,
-              "params_sha256": hashlib.sha256(bytes(flat.contiguous().view(torch.uint8).tolist())).hexdigest(),
+              "params_sha256": hashlib.sha256(bytes(flat.contiguous().view(torch.uint8).reshape(-1).tolist())).hexdigest(),
               "params": flat.tolist(), "samples": {str(e): v for e, v in samples.items()},
               "step_log": step_log}
     with open(path, "w") as f:

@@ -36,7 +36,7 @@ def make_model(hidden):
 def write_report(path, model, args, steps, step_log, samples):
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     report = {"steps": steps, "epochs": args.epochs, "global_batch_size": args.global_batch_size,
-              "params_sha256": hashlib.sha256(bytes(flat.contiguous().view(torch.uint8).tolist())).hexdigest(),
+              "params_sha256": hashlib.sha256(bytes(flat.contiguous().view(torch.uint8).reshape(-1).tolist())).hexdigest(),
               "params": flat.tolist(), "samples": {str(e): v for e, v in samples.items()},
               "step_log": step_log}
     with open(path, "w") as f:

@@ -47,7 +47,7 @@ def make_model(dropout):
 
 def flat(tensors):
     t = torch.cat([x.detach().reshape(-1).float() for x in tensors])
-    return hashlib.sha256(bytes(t.contiguous().view(torch.uint8).tolist())).hexdigest(), t.tolist()
+    return hashlib.sha256(bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist())).hexdigest(), t.tolist()
 
 
 def maybe_raise(args, step, rank):

@@ -108,7 +108,7 @@ def save_checkpoint(directory: str, state: dict) -> None:
 def write_report(path, model, args, steps, runs):
     flat = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     report = {"steps": steps, "epochs": args.epochs, "global_batch_size": args.global_batch_size,
-              "params_sha256": hashlib.sha256(bytes(flat.contiguous().view(torch.uint8).tolist())).hexdigest(),
+              "params_sha256": hashlib.sha256(bytes(flat.contiguous().view(torch.uint8).reshape(-1).tolist())).hexdigest(),
               "params": flat.tolist(), "runs": runs}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

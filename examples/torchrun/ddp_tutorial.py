@@ -57,7 +57,7 @@ def main() -> None:
         loss_fn(outputs, torch.randn(20, 5, generator=data)).backward()
         optimizer.step()
     params = [p.detach().clone() for p in model.parameters()]
-    digest = hashlib.sha256(b"".join(bytes(p.contiguous().view(torch.uint8).tolist()) for p in params)).hexdigest()
+    digest = hashlib.sha256(b"".join(bytes(p.contiguous().view(torch.uint8).reshape(-1).tolist()) for p in params)).hexdigest()
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"rank-{rank}.json"), "w") as f:
         json.dump({"rank": rank, "world_size": world, "hash": digest,

@@ -123,7 +123,7 @@ def write_report(path, model, args, steps, loss, best_val_loss, evals, step_log,
     t = torch.cat([p.detach().reshape(-1).float() for p in model.parameters()])
     with open(path, "w") as f:
         json.dump({"steps": steps, "loss": loss, "best_val_loss": best_val_loss, "evals": evals,
-                   "params_sha256": hashlib.sha256(bytes(t.contiguous().view(torch.uint8).tolist())).hexdigest(), "params": t.tolist(),
+                   "params_sha256": hashlib.sha256(bytes(t.contiguous().view(torch.uint8).reshape(-1).tolist())).hexdigest(), "params": t.tolist(),
                    "step_log": step_log, "samples": {str(e): v for e, v in samples.items()}}, f)
 
 
