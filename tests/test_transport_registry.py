@@ -111,3 +111,9 @@ def test_the_host_side_modules_need_only_the_standard_library(module):
     assert {m for m in loaded if m.startswith("gpuflex")} <= {"gpuflex", "gpuflex.hosts", "gpuflex.hosts.private",
                                                               module}
     assert not {"pydantic", "paramiko", "sqlalchemy"} & loaded
+
+
+def test_the_host_side_and_the_coordinator_name_process_group_marks_alike():
+    from gpuflex.elastic import run_dir
+    from gpuflex.hosts import hostops
+    assert hostops.GROUP_MARK == run_dir.GROUP_MARK
