@@ -3,9 +3,9 @@ side in one run, for a model whose parameters + AdamW state take each of --sizes
 
 Both start from 2 processes that trained a few steps with FSDP2 (fully_shard per layer) on
 gloo, and end with 3 processes holding the same state, sharded 3 ways:
-- in place (gpuflex.elastic.sharded): the newcomer is already running (gpuflex warms
+- in place (gpuflex.elastic.sharding.fsdp): the newcomer is already running (gpuflex warms
   newcomers up beside the job) and has reserved the memory its shards will fill
-  (gpuflex.elastic.pages, as `Sharding.prepare` does when it learns its generation); the
+  (gpuflex.elastic.sharding.pages, as `Sharding.prepare` does when it learns its generation); the
   survivors' stall is from the moment they stop training to the moment all three hold their
   new shards: a new process group, fully_shard undone and reapplied, every shard moved point
   to point, the checksum agreed. Side by side, the same without the reservation ("cold":
@@ -16,7 +16,7 @@ gloo, and end with 3 processes holding the same state, sharded 3 ways:
   of the load. torchrun's own rendezvous is not counted: the restart here is a lower bound.
 
 Peak extra memory per rank during the reshard: the tensors it holds for it (its old shards
-until the move ends, plus its new ones: gpuflex.elastic.sharded.Stats) and how far its
+until the move ends, plus its new ones: gpuflex.elastic.sharding.fsdp.Stats) and how far its
 resident set's peak rose during the reshard (ru_maxrss; 0 when the training peak, with a
 layer gathered, was higher).
 Run: .venv/bin/python benchmarks/fsdp_resize.py [--sizes 100e6,1e9] [--hidden 1024] [--repeat 5]
@@ -59,7 +59,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from gpuflex.elastic import pages, sharded
+    from gpuflex.elastic.sharding import pages, fsdp as sharded
 
     torch.set_num_threads(1)
     rank, out = args.rank, Path(args.out)

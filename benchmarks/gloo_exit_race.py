@@ -33,7 +33,7 @@ def worker(rank: int, port: int, pause: bool) -> None:
     from torch.distributed.fsdp import fully_shard
 
     if pause:
-        from gpuflex.elastic.collectives import _let_gloo_threads_finish
+        from gpuflex.elastic.membership.collectives import _let_gloo_threads_finish
         atexit.register(_let_gloo_threads_finish)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=dt.timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)

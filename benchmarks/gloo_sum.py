@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpuflex.elastic.gradients import exchange as launch_exchange, sum_exchanged
+from gpuflex.elastic.data.gradients import exchange as launch_exchange, sum_exchanged
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import free_port  # noqa: E402

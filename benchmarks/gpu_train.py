@@ -135,7 +135,7 @@ def elastic(args) -> None:
         x, y = mlp_data(args.samples, args.d_in)
         n = len(x)
         model = mlp(args.hidden, args.d_in)
-        from gpuflex.elastic.collectives import pick_device
+        from gpuflex.elastic.membership.collectives import pick_device
         model.to(pick_device())   # the device ElasticRun will pick: the worker's GPU, else CPU
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)

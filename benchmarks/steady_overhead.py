@@ -150,7 +150,7 @@ def measure(hidden: int, pairs: int, window: float, fsdp: bool,
                 gf.wait_workers_gone(job)
                 gf.status(job)
         ddp_steps = [list(map(float, ln.split())) for ln in ddp_log.read_text().splitlines()]
-        from gpuflex.elastic.checkpoints import load_checkpoint
+        from gpuflex.elastic.state.checkpoints import load_checkpoint
 
         ck = next((tmp / "gf" / "work").rglob("checkpoint.pt"))
         our_steps = load_checkpoint(str(ck))["logs"]["step_log"]

@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from elastic_fsdp import VOCAB, N, LM, Block, make_data  # noqa: E402
 
-from gpuflex.elastic.sampler import ElasticSampler  # noqa: E402  (index arithmetic only)
+from gpuflex.elastic.data.sampler import ElasticSampler  # noqa: E402  (index arithmetic only)
 
 
 def main():

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 from ddp_mlp import D_IN, D_OUT, N, make_data, make_model  # noqa: E402
 
-from gpuflex.elastic.sampler import ElasticSampler  # noqa: E402  (index arithmetic only)
+from gpuflex.elastic.data.sampler import ElasticSampler  # noqa: E402  (index arithmetic only)
 
 
 def main():

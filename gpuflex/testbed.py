@@ -13,7 +13,7 @@ a wrapper (runpy, as the fault tests do) imports it too.
 import argparse
 import time
 
-from gpuflex.elastic.env import WorkerEnv
+from gpuflex.elastic.protocol.env import WorkerEnv
 
 
 def add_device_args(ap: argparse.ArgumentParser) -> None:

@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 import torch
 
-from gpuflex.elastic import checkpoints
-from gpuflex.elastic.checkpoints import (HEAD, CheckpointError, load_checkpoint, load_newest_good,
+from gpuflex.elastic.state import checkpoints
+from gpuflex.elastic.state.checkpoints import (HEAD, CheckpointError, load_checkpoint, load_newest_good,
                                          previous_path, save_checkpoint)
-from gpuflex.elastic.commits import CHECKPOINT_FILE, NO_CHECKPOINT_EXIT, TrainingState
-from gpuflex.elastic.sampler import ElasticSampler
-from gpuflex.elastic.state import Registry
+from gpuflex.elastic.state.training import CHECKPOINT_FILE, NO_CHECKPOINT_EXIT, TrainingState
+from gpuflex.elastic.data.sampler import ElasticSampler
+from gpuflex.elastic.state.tree import Registry
 from tests.conftest import tmpfs
 
 

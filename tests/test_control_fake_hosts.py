@@ -13,7 +13,7 @@ from gpuflex.control import executor, scaling
 from gpuflex.control.pool import Pool
 from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
-from gpuflex.elastic.keys import STORE_LOST_EXIT
+from gpuflex.elastic.protocol.keys import STORE_LOST_EXIT
 from gpuflex.policy.placement import Assignment
 from gpuflex.states import JobState as J
 from gpuflex.states import WorkerState as W

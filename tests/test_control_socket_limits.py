@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from gpuflex.elastic import control
-from gpuflex.elastic.control import MAX_CLIENTS, MAX_DEPTH, MAX_LINE, REQUEST_TIMEOUT_S, ControlServer, too_deep
-from gpuflex.elastic.coordinator import Coordinator
-from gpuflex.elastic.failures import NEWCOMER_SPAN, check_members
-from gpuflex.elastic.generations import Generations
+from gpuflex.elastic.protocol import control_socket as control
+from gpuflex.elastic.protocol.control_socket import MAX_CLIENTS, MAX_DEPTH, MAX_LINE, REQUEST_TIMEOUT_S, ControlServer, too_deep
+from gpuflex.elastic.coordinator.main import Coordinator
+from gpuflex.elastic.coordinator.failures import NEWCOMER_SPAN, check_members
+from gpuflex.elastic.coordinator.generations import Generations
 from gpuflex.hosts.relay import unix_exchange
 from tests.fakes.store_fake import Clock, FakeStore
 

@@ -1,4 +1,4 @@
-"""The coordinator's generation logic (gpuflex.elastic.generations) against an in-memory
+"""The coordinator's generation logic (gpuflex.elastic.coordinator.generations) against an in-memory
 store and a hand-driven clock: which generation it publishes, when, and what it tells
 the workers. No processes, no sockets."""
 
@@ -8,11 +8,12 @@ import json
 
 import pytest
 
-from gpuflex.elastic import coordinator, keys
-from gpuflex.elastic.failures import (BACKSTOP_MIN, TRACEBACK_LINES, FailureStreak, cause_of,
+from gpuflex.elastic.coordinator import main as coordinator
+from gpuflex.elastic.protocol import keys
+from gpuflex.elastic.coordinator.failures import (BACKSTOP_MIN, TRACEBACK_LINES, FailureStreak, cause_of,
                                       crash_record, waiting_record)
-from gpuflex.elastic.forming import never_joined_reason
-from gpuflex.elastic.generations import HISTORY_KEPT, IDLE_TICK_S, Generations
+from gpuflex.elastic.coordinator.forming import never_joined_reason
+from gpuflex.elastic.coordinator.generations import HISTORY_KEPT, IDLE_TICK_S, Generations
 from tests.fakes.store_fake import Clock, FakeStore
 
 HB_TIMEOUT_S = 3.0

@@ -25,7 +25,7 @@ from gpuflex.control.pool import Pool
 from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
 from gpuflex.db.models import Job
-from gpuflex.elastic.keys import STORE_LOST_EXIT
+from gpuflex.elastic.protocol.keys import STORE_LOST_EXIT
 from gpuflex.states import JobState as J
 from gpuflex.states import WorkerState as W
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump

@@ -20,7 +20,7 @@ from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
 from gpuflex.db import queries
 from gpuflex.db.locks import database_lock
-from gpuflex.elastic.env import CONTROL
+from gpuflex.elastic.protocol.env import CONTROL
 from gpuflex.errors import JobError
 from gpuflex.states import WorkerState as W
 from tests.fakes.hosts import FakeHost, World

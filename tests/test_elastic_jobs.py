@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpuflex.elastic.checkpoints import load_checkpoint
-from gpuflex.elastic.keys import EVICTED_EXIT
+from gpuflex.elastic.state.checkpoints import load_checkpoint
+from gpuflex.elastic.protocol.keys import EVICTED_EXIT
 from gpuflex.hosts.hostops import group_alive
 from gpuflex.hosts.transport import unix_request
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for  # noqa: F401 (wait_for: imported from here too)

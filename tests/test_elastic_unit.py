@@ -11,10 +11,10 @@ import stat
 import pytest
 import torch
 
-from gpuflex.elastic.checkpoints import load_checkpoint, save_checkpoint
-from gpuflex.elastic.control import MAX_LINE, ControlServer
-from gpuflex.elastic.sampler import ElasticSampler, split
-from gpuflex.elastic.state import Registry, checksum_tensors, flatten, unflatten
+from gpuflex.elastic.state.checkpoints import load_checkpoint, save_checkpoint
+from gpuflex.elastic.protocol.control_socket import MAX_LINE, ControlServer
+from gpuflex.elastic.data.sampler import ElasticSampler, split
+from gpuflex.elastic.state.tree import Registry, checksum_tensors, flatten, unflatten
 from gpuflex.hosts.relay import unix_exchange
 
 
@@ -91,7 +91,7 @@ def test_light_state_is_captured_by_value_and_heavy_state_is_left_out():
 
 
 def test_undoing_a_step_restores_the_logs_also_across_an_epoch_edge(monkeypatch):
-    from gpuflex.elastic.runtime import ElasticRun
+    from gpuflex.elastic.run.runtime import ElasticRun
 
     monkeypatch.setenv("GPUFLEX_STORE", "127.0.0.1:1")   # distributed: it commits (never started here)
     model = torch.nn.Linear(2, 1)
@@ -218,7 +218,7 @@ def test_rng_state_round_trips_numpy_through_its_cheap_change_check():
     np = pytest.importorskip("numpy")
     import random
 
-    from gpuflex.elastic.state import rng_state, set_rng_state
+    from gpuflex.elastic.state.tree import rng_state, set_rng_state
 
     def draws():
         return (np.random.standard_normal(), np.random.rand(), random.random(), float(torch.rand(1)))
@@ -250,7 +250,7 @@ def test_rng_state_round_trips_numpy_through_its_cheap_change_check():
 def test_rng_state_round_trips_python_random_through_its_cheap_change_check():
     import random
 
-    from gpuflex.elastic import state
+    from gpuflex.elastic.state import tree as state
 
     random.seed(3)
     saved = state.rng_state()["python"]

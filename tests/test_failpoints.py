@@ -1,4 +1,4 @@
-"""Named failpoints (gpuflex/elastic/failpoints.py): the spec, the filters and hit counts,
+"""Named failpoints (gpuflex/elastic/protocol/failpoints.py): the spec, the filters and hit counts,
 each action (the ones that end or stop a process, in a subprocess), bad specs refused,
 no effect unarmed, every point placed in the code behind the one-global guard and listed
 in the docs, and the spec reaching a job's coordinator and workers."""
@@ -19,9 +19,9 @@ import torch
 from gpuflex.config import parse_config
 from gpuflex.control import launch
 from gpuflex.db.models import Job, Worker
-from gpuflex.elastic import failpoints, keys
-from gpuflex.elastic.checkpoints import load_checkpoint, previous_path, save_checkpoint
-from gpuflex.elastic.generations import Generations
+from gpuflex.elastic.protocol import failpoints, keys
+from gpuflex.elastic.state.checkpoints import load_checkpoint, previous_path, save_checkpoint
+from gpuflex.elastic.coordinator.generations import Generations
 from tests.fakes.store_fake import Clock, FakeStore
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def child(spec: str | None, body: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if k != failpoints.ENV}
     if spec is not None:
         env[failpoints.ENV] = spec
-    code = f"from gpuflex.elastic import failpoints\n{body}\nprint('after', flush=True)\n"
+    code = f"from gpuflex.elastic.protocol import failpoints\n{body}\nprint('after', flush=True)\n"
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -1,6 +1,6 @@
 """The fault matrix (issue 16 item 1; the table is in docs/architecture.md, "Fault
 matrix"): the cells no other test covers, each fault landed by a failpoint
-(gpuflex/elastic/failpoints.py) in one exact phase of one exact process.
+(gpuflex/elastic/protocol/failpoints.py) in one exact phase of one exact process.
 
 Faults from outside land wherever the victim happens to be on a loaded machine; a
 failpoint armed at submit (`--env GPUFLEX_FAILPOINTS=...`, which reaches the coordinator
@@ -32,9 +32,9 @@ from pathlib import Path
 
 import pytest
 
-from gpuflex.elastic import keys
-from gpuflex.elastic.failpoints import ENV as FAILPOINTS
-from gpuflex.elastic.keys import EVICTED_EXIT
+from gpuflex.elastic.protocol import keys
+from gpuflex.elastic.protocol.failpoints import ENV as FAILPOINTS
+from gpuflex.elastic.protocol.keys import EVICTED_EXIT
 from gpuflex.hosts.hostops import group_alive
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for
 from tests.test_elastic_jobs import ARGS, EXAMPLE, assert_matches_reference, example_argv, live_members, \
@@ -343,8 +343,8 @@ def test_a_worker_left_out_after_its_formation_failed_ends_instead_of_waiting(mo
     until the job finished. A real store and Rendezvous; the formation's group fails."""
     from types import SimpleNamespace
 
-    from gpuflex.elastic.formation import Formation
-    from gpuflex.elastic.rendezvous import Evicted
+    from gpuflex.elastic.membership.joining import Formation
+    from gpuflex.elastic.membership.rendezvous import Evicted
     from tests.test_liveness import Job as StoreJob
 
     job = StoreJob([3, 4, 5], hb_timeout_s=3)   # generation 1: members 3, 4, 5

@@ -34,11 +34,11 @@ from typing import Iterator
 
 import pytest
 
-from gpuflex.elastic.checkpoints import load_checkpoint
-from gpuflex.elastic.commits import CHECKPOINT_FILE
-from gpuflex.elastic.env import WORKER_ID
-from gpuflex.elastic.failpoints import ENV as FAILPOINTS
-from gpuflex.elastic.keys import EVICTED_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.state.checkpoints import load_checkpoint
+from gpuflex.elastic.state.training import CHECKPOINT_FILE
+from gpuflex.elastic.protocol.env import WORKER_ID
+from gpuflex.elastic.protocol.failpoints import ENV as FAILPOINTS
+from gpuflex.elastic.protocol.keys import EVICTED_EXIT, STORE_LOST_EXIT
 from gpuflex.hosts.hostops import group_alive
 from tests.conftest import db_rows, wait_for
 from tests.test_elastic_jobs import assert_matches_reference, example_argv, live_members, reference, step_of
@@ -108,7 +108,7 @@ def left_out_and_stopped(cli, job: dict, wid: int, members: list[int]) -> None:
 def test_a_wid_filter_at_a_place_without_one_is_the_workers_own_id():
     """checkpoint.write passes no wid: a rule filtered on one fires in that worker only
     (its GPUFLEX_WORKER_ID), and in no process without an id; a wid the place passes wins."""
-    code = ("import sys\nfrom gpuflex.elastic import failpoints\n"
+    code = ("import sys\nfrom gpuflex.elastic.protocol import failpoints\n"
             "failpoints.hit('steady.collective', wid=int(sys.argv[1]))\n"
             "failpoints.hit('checkpoint.write', step=5)\nprint('after')\n")
 
@@ -129,7 +129,7 @@ def test_a_wid_filter_at_a_place_without_one_is_the_workers_own_id():
 def test_a_hit_filter_counts_the_reaches_another_rule_fired_at():
     """Two rules on one place and one worker: the one filtered `hit=2` fires at the second
     reach, though the other rule fired at the first (it used to count from the second)."""
-    from gpuflex.elastic import failpoints
+    from gpuflex.elastic.protocol import failpoints
 
     failpoints.arm("resize.detect@wid=1=oserror:ENOSPC;resize.detect@wid=1,hit=2=raise")
     try:
@@ -148,8 +148,8 @@ def test_a_member_woken_after_two_recoveries_ends_instead_of_waiting():
     (generation 3, whose `prev` does not). It looks first at generation 3, the newest: it
     must still see that 2 left it out and end (Evicted, exit 3). It used to wait for a
     generation that would include it until the job finished. A real store and Rendezvous."""
-    from gpuflex.elastic import keys
-    from gpuflex.elastic.rendezvous import Evicted
+    from gpuflex.elastic.protocol import keys
+    from gpuflex.elastic.membership.rendezvous import Evicted
     from tests.test_liveness import Job as StoreJob
 
     job = StoreJob([3, 4, 5], hb_timeout_s=3)   # generation 1: members 3, 4, 5

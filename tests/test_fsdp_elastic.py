@@ -37,14 +37,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
-from gpuflex.elastic import pages, reshard
-from gpuflex.elastic.collectives import backward
-from gpuflex.elastic.formation import StateMismatch
-from gpuflex.elastic.keys import SHARDS_LOST_EXIT, STORE_LOST_EXIT
-from gpuflex.elastic.micro import lockstep_bounds, micro_bounds
-from gpuflex.elastic.runtime import ElasticRun
-from gpuflex.elastic.sampler import ElasticSampler
-from gpuflex.elastic.sharding import Sharding
+from gpuflex.elastic.sharding import pages, reshard
+from gpuflex.elastic.membership.collectives import backward
+from gpuflex.elastic.membership.joining import StateMismatch
+from gpuflex.elastic.protocol.keys import SHARDS_LOST_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.data.micro import lockstep_bounds, micro_bounds
+from gpuflex.elastic.run.runtime import ElasticRun
+from gpuflex.elastic.data.sampler import ElasticSampler
+from gpuflex.elastic.sharding.sharded_run import Sharding
 from gpuflex.hosts.relay import unix_request
 from tests.test_elastic_jobs import ej, elastic_cli, live_members, scale, step_of, wait_for  # noqa: F401 (ej: the fixture)
 from tests.conftest import cleanup_jobs, db_rows, exits_without_teardown
@@ -192,7 +192,7 @@ def test_a_newcomer_reserves_its_share_before_it_meets_the_others_and_a_holder_d
         asked.append(1)
         return 3 * own   # parameters and AdamW's two moments
 
-    caplog.set_level("INFO", logger="gpuflex.elastic.sharding")
+    caplog.set_level("INFO", logger="gpuflex.elastic.sharding.sharded_run")
     glibc = pages._glibc() is not None
 
     def reserved() -> list[tuple[int, int]]:

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from gpuflex.elastic.keys import SHARDS_LOST_EXIT
+from gpuflex.elastic.protocol.keys import SHARDS_LOST_EXIT
 from tests.sshbed import bed_cli, ssh_hosts  # noqa: F401 (ssh_hosts: a fixture)
 from tests.test_elastic_jobs import live_members, scale, step_of, wait_for
 from tests.test_fsdp_elastic import ARGS, EXAMPLE, STEPS, B, N, close, reference, resumed_steps

@@ -21,9 +21,9 @@ import pytest
 from gpuflex.control.launch import Layout, visible_gpus
 from gpuflex.db.models import Job
 from gpuflex.cli.render import forming_text
-from gpuflex.elastic.env import WorkerEnv
-from gpuflex.elastic.failures import Heartbeats
-from gpuflex.elastic.forming import NOT_JOINED_ADVICE, FormationWatch, never_joined_reason
+from gpuflex.elastic.protocol.env import WorkerEnv
+from gpuflex.elastic.coordinator.failures import Heartbeats
+from gpuflex.elastic.coordinator.forming import NOT_JOINED_ADVICE, FormationWatch, never_joined_reason
 from gpuflex.hosts.hostops import group_alive
 from gpuflex.policy.lifecycle import Finish, JobFacts, Requeue, WorkerFacts, gang_failure
 from gpuflex.states import JobState, WorkerState

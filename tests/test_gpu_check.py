@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from gpuflex.control.launch import submit_environment
-from gpuflex.elastic.collectives import group_backend, pick_backend
-from gpuflex.elastic.env import BACKEND
+from gpuflex.elastic.membership.collectives import group_backend, pick_backend
+from gpuflex.elastic.protocol.env import BACKEND
 
 ROOT = Path(__file__).resolve().parents[1]
 

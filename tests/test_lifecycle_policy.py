@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from gpuflex.elastic.forming import never_joined_reason
-from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, ORPHAN_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.coordinator.forming import never_joined_reason
+from gpuflex.elastic.protocol.keys import ABORTED_EXIT, EVICTED_EXIT, ORPHAN_EXIT, STORE_LOST_EXIT
 from gpuflex.policy.lifecycle import (Adopt, EndWorker, Finish, JobFacts, Observation, ProcSeen,
                                       Record, Requeue, SetState, WorkerFacts, decide, outcome)
 from gpuflex.states import JobState as J

@@ -1,4 +1,4 @@
-"""Liveness from heartbeats (gpuflex.elastic.liveness): the step barrier waits for a busy
+"""Liveness from heartbeats (gpuflex.elastic.membership.liveness): the step barrier waits for a busy
 member and fails, for every member alike, when one is silent, crashed, gone or the job was
 aborted; crash records; a state mismatch named by tensor and member.
 
@@ -22,15 +22,15 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from gpuflex.elastic import keys
-from gpuflex.elastic.auth import Signer
-from gpuflex.elastic.formation import Formation
-from gpuflex.elastic.state_copy import tensor_paths
-from gpuflex.elastic.keys import vote_key
-from gpuflex.elastic.liveness import (StepBarrier, crash_record, install_crash_hook, outcome_key,
+from gpuflex.elastic.protocol import keys
+from gpuflex.elastic.protocol.auth import Signer
+from gpuflex.elastic.membership.joining import Formation
+from gpuflex.elastic.state.copy_header import tensor_paths
+from gpuflex.elastic.protocol.keys import vote_key
+from gpuflex.elastic.membership.liveness import (StepBarrier, crash_record, install_crash_hook, outcome_key,
                                       report_crash)
-from gpuflex.elastic.rendezvous import Aborted, Rendezvous
-from gpuflex.elastic.state import flatten
+from gpuflex.elastic.membership.rendezvous import Aborted, Rendezvous
+from gpuflex.elastic.state.tree import flatten
 from tests.conftest import GpuflexCLI, cleanup_jobs, wait_for
 
 SECRET = "liveness-test-secret"
@@ -276,8 +276,8 @@ def contributions(state: FakeState, rank: int, world: int, differing: int = 2) -
     """What `state` held on `rank` adds to each of the verify's collectives (the first
     tensor of each is recomputed by the formation for rank 0 itself); `differing`: the
     index of the part that differs (2: bn1.running_mean, after weight and bias)."""
-    from gpuflex.elastic.state_copy import skeleton_crc
-    from gpuflex.elastic.state import checksum_tensors
+    from gpuflex.elastic.state.copy_header import skeleton_crc
+    from gpuflex.elastic.state.tree import checksum_tensors
     skeleton, tensors = flatten(state.capture()["objects"])
     crc = checksum_tensors(tensors) ^ skeleton_crc(skeleton)
     first = torch.tensor([crc, state.step, state.position, -crc, -state.step, -state.position])
@@ -291,7 +291,7 @@ def contributions(state: FakeState, rank: int, world: int, differing: int = 2) -
 def test_a_registered_scalar_that_differs_is_a_mismatch_named_as_such():
     """Registered state must be equal on every member: a scalar only rank 0 updated (a
     best_val_loss) is caught by the checksum, not carried silently."""
-    from gpuflex.elastic.state_copy import NON_TENSOR
+    from gpuflex.elastic.state.copy_header import NON_TENSOR
     mine, theirs = model_state(0.0), model_state(0.0)
     mine["extra.best"], theirs["extra.best"] = {"val_loss": 1.5}, {"val_loss": 1e9}
     verdicts: dict[str, str] = {}
@@ -480,9 +480,9 @@ def test_a_failed_collective_of_a_sharded_run_ends_it_as_a_lost_store_once_the_s
     store answers; StoreLost once the store is gone (a member that saw it die first has
     exited, which is what failed the others' collective), so every member of a job whose
     store was killed exits STORE_LOST_EXIT and the job's record says so."""
-    from gpuflex.elastic.formation import ShardsLost
-    from gpuflex.elastic.rendezvous import StoreLost
-    from gpuflex.elastic.sharded_steps import ShardedSteps
+    from gpuflex.elastic.membership.joining import ShardsLost
+    from gpuflex.elastic.membership.rendezvous import StoreLost
+    from gpuflex.elastic.run.sharded_steps import ShardedSteps
 
     job = make_job([0])
     job.worker(0)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from gpuflex.elastic.coordinator import Coordinator, run
-from gpuflex.elastic.failures import Heartbeats, OrphanWatch
-from gpuflex.elastic.generations import Generations
-from gpuflex.elastic.keys import ORPHAN_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.coordinator.main import Coordinator, run
+from gpuflex.elastic.coordinator.failures import Heartbeats, OrphanWatch
+from gpuflex.elastic.coordinator.generations import Generations
+from gpuflex.elastic.protocol.keys import ORPHAN_EXIT, STORE_LOST_EXIT
 from gpuflex.hosts.hostops import group_alive, read_exit
 from gpuflex.policy.lifecycle import Observation, ProcSeen, Record, Requeue, decide
 from gpuflex.states import JobState as J

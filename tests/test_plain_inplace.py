@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 
 from gpuflex.config import HostConfig
-from gpuflex.elastic import run_dir
-from gpuflex.elastic.forming import never_joined_reason
-from gpuflex.elastic.keys import ABORTED_EXIT, ORPHAN_EXIT
+from gpuflex.elastic.protocol import run_dir
+from gpuflex.elastic.coordinator.forming import never_joined_reason
+from gpuflex.elastic.protocol.keys import ABORTED_EXIT, ORPHAN_EXIT
 from gpuflex.hosts.hostops import group_alive
 from gpuflex.hosts.transport import LocalTransport, SpawnSpec
 from tests.conftest import FINAL_STATES, GpuflexCLI, cleanup_jobs, db_rows, py
@@ -99,7 +99,7 @@ def test_under_watch_the_job_ends_the_same_way_once(pj, home, db_path):
 
 # ---- the coordinator's end, on its host ------------------------------------------------------
 IGNORES_TERM = "import signal, sys, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nopen(sys.argv[1], 'w').close()\ntime.sleep(600)\n"
-ENDS = ("import sys, threading\nfrom gpuflex.elastic.coordinator import on_end\n"
+ENDS = ("import sys, threading\nfrom gpuflex.elastic.coordinator.main import on_end\n"
         "on_end(sys.argv[1], 1.0)(dict(reason='r', cause=sys.argv[2], at=1.0))\n"
         "[t.join() for t in threading.enumerate() if t is not threading.current_thread()]\n")
 

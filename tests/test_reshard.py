@@ -1,4 +1,4 @@
-"""Dim-0 shards moved from one world size to another point to point (gpuflex.elastic.reshard):
+"""Dim-0 shards moved from one world size to another point to point (gpuflex.elastic.sharding.reshard):
 the cut matches torch.chunk (FSDP2's), the plan covers every row once, and real gloo
 processes end with exactly the rows a fresh cut at the new size gives, without anyone
 holding the whole tensor."""
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpuflex.elastic import reshard
+from gpuflex.elastic.sharding import reshard
 from tests.conftest import exits_without_teardown
 
 

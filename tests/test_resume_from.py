@@ -19,7 +19,7 @@ from gpuflex.control.pool import Pool
 from gpuflex.control.resume import check_checkpoint_dir
 from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
-from gpuflex.elastic.env import RESUME_FROM, WorkerEnv
+from gpuflex.elastic.protocol.env import RESUME_FROM, WorkerEnv
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import resume_path
 from tests.conftest import db_dump, py

@@ -20,12 +20,12 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from gpuflex.elastic.buffers import BufferSync, check_rule
-from gpuflex.elastic.collectives import Collectives
-from gpuflex.elastic.loader import Prefetcher
-from gpuflex.elastic.micro import micro_bounds, warm_up_steps
-from gpuflex.elastic.runtime import ElasticRun
-from gpuflex.elastic.sampler import ElasticSampler
+from gpuflex.elastic.state.buffers import BufferSync, check_rule
+from gpuflex.elastic.membership.collectives import Collectives
+from gpuflex.elastic.data.loader import Prefetcher
+from gpuflex.elastic.data.micro import micro_bounds, warm_up_steps
+from gpuflex.elastic.run.runtime import ElasticRun
+from gpuflex.elastic.data.sampler import ElasticSampler
 from gpuflex.hosts.relay import unix_request
 
 ROOT = Path(__file__).resolve().parents[1]

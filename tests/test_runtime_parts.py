@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from gpuflex.elastic.agreement import Agreement
-from gpuflex.elastic.collectives import Collectives
-from gpuflex.elastic.sampler import ElasticSampler
-from gpuflex.elastic.signals import StepSignals
-from gpuflex.elastic.worker_control import Progress
+from gpuflex.elastic.membership.agreement import Agreement
+from gpuflex.elastic.membership.collectives import Collectives
+from gpuflex.elastic.data.sampler import ElasticSampler
+from gpuflex.elastic.protocol.signals import StepSignals
+from gpuflex.elastic.membership.worker_control import Progress
 from tests.conftest import exits_without_teardown
 from tests.test_runtime_api import free_port
 

@@ -1,4 +1,4 @@
-"""FSDP2 state resharded in place (gpuflex.elastic.sharded) across 1 -> 3 -> 2 -> 4 real gloo
+"""FSDP2 state resharded in place (gpuflex.elastic.sharding.fsdp) across 1 -> 3 -> 2 -> 4 real gloo
 processes: the final parameters equal an unsharded single-process run of the same global
 batches, a newcomer receives only its own rows, and a corrupted move is refused by the
 checksum instead of being trained on."""
@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from gpuflex.elastic import pages, reshard, sharded
-from gpuflex.elastic.collectives import backward
+from gpuflex.elastic.sharding import pages, reshard, fsdp as sharded
+from gpuflex.elastic.membership.collectives import backward
 from tests.conftest import exits_without_teardown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,7 +199,7 @@ def test_a_distributed_checkpoint_written_by_3_resumes_on_2_exactly(tmp_path):
 
 _FAULTS = r"""
 import resource, sys, torch
-from gpuflex.elastic import pages
+from gpuflex.elastic.sharding import pages
 reserved = pages.reserve(int(sys.argv[1]))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 shards = [torch.empty(1 << 20) for _ in range(16)]   # 64 MB of new shards, as to_empty makes them

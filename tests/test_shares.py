@@ -9,13 +9,13 @@ import random
 import pytest
 import torch
 
-from gpuflex.elastic import codec
-from gpuflex.elastic.sampler import ElasticSampler
-from gpuflex.elastic.micro import has_batch_norm
-from gpuflex.elastic.shares import (REPLAN_GAIN, REPLAN_MIN_S, at_least, estimates, even_shares, predicted_step_s,
+from gpuflex.elastic.state import codec
+from gpuflex.elastic.data.sampler import ElasticSampler
+from gpuflex.elastic.data.micro import has_batch_norm
+from gpuflex.elastic.data.shares import (REPLAN_GAIN, REPLAN_MIN_S, at_least, estimates, even_shares, predicted_step_s,
                                     proportional, rescale, speed_shares, worth_replanning)
-from gpuflex.elastic.split_plan import EXCHANGE_EVERY, Meter, SplitPlan, split_mode
-from gpuflex.elastic.state import TensorRef, flatten
+from gpuflex.elastic.data.split_plan import EXCHANGE_EVERY, Meter, SplitPlan, split_mode
+from gpuflex.elastic.state.tree import TensorRef, flatten
 
 CASES = [
     # (weights, total, ids, expected)
@@ -200,7 +200,7 @@ def test_the_loader_never_serves_a_batch_read_for_an_old_plan():
     requests of the old shares are discarded, and each batch served is the new plan's."""
     from torch.utils.data import TensorDataset
 
-    from gpuflex.elastic.loader import Prefetcher
+    from gpuflex.elastic.data.loader import Prefetcher
 
     ds = TensorDataset(torch.arange(100).float())
     sampler = ElasticSampler(100, 10, epochs=2, seed=4)

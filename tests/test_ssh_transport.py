@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from gpuflex.cli import app
 from gpuflex.config import HostConfig, load_config
-from gpuflex.elastic.control import ControlServer
+from gpuflex.elastic.protocol.control_socket import ControlServer
 from gpuflex.errors import CommandTimeout, TransportError
 from gpuflex.hosts import hostops
 from gpuflex.hosts.fanout import fan_out

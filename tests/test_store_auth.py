@@ -1,4 +1,4 @@
-"""The job store's authentication, without processes: signed records (gpuflex.elastic.auth),
+"""The job store's authentication, without processes: signed records (gpuflex.elastic.protocol.auth),
 the coordinator's logic ignoring forged ones and putting its own back, a worker ignoring a
 forged generation, the state header as signed JSON (no pickle), and the store listening
 only where it is told."""
@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from gpuflex.elastic import keys
-from gpuflex.elastic.auth import Forged, Signer, sign, verify
-from gpuflex.elastic.collectives import Collectives
-from gpuflex.elastic.coordinator import serve_store
-from gpuflex.elastic.state_copy import header_text, read_header
-from gpuflex.elastic.generations import Generations
-from gpuflex.elastic.rendezvous import Rendezvous, StoreLost
-from gpuflex.elastic.state import TensorRef, flatten
+from gpuflex.elastic.protocol import keys
+from gpuflex.elastic.protocol.auth import Forged, Signer, sign, verify
+from gpuflex.elastic.membership.collectives import Collectives
+from gpuflex.elastic.coordinator.main import serve_store
+from gpuflex.elastic.state.copy_header import header_text, read_header
+from gpuflex.elastic.coordinator.generations import Generations
+from gpuflex.elastic.membership.rendezvous import Rendezvous, StoreLost
+from gpuflex.elastic.state.tree import TensorRef, flatten
 from tests.fakes.store_fake import Clock, FakeStore
 
 SECRET = "5e" * 32

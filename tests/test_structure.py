@@ -136,6 +136,57 @@ def test_the_runtime_imports_only_torch_the_standard_library_and_itself():
     assert bad == {}
 
 
+def _elastic_part(module: str) -> str | None:
+    """The sub-package of gpuflex.elastic a module belongs to ("" for the package itself)."""
+    if module == "gpuflex.elastic":
+        return ""
+    if module.startswith("gpuflex.elastic."):
+        return module.split(".")[2]
+    return None
+
+
+def _crossings(select, allowed) -> dict[str, list[str]]:
+    bad: dict[str, list[str]] = {}
+    for name in MODULES:
+        if select(name):
+            hits = sorted(m for m in imported(name, TREES[name]) if not allowed(m))
+            if hits:
+                bad[name] = hits
+    return bad
+
+
+def test_the_elastic_sub_packages_are_the_ones_the_package_docstring_lists():
+    listed = {line.split()[0].rstrip("/") for line in TREES["gpuflex.elastic"].body[0].value.value.splitlines()
+              if line.startswith("    ") and line.split()[0].endswith("/")}
+    found = {p.name for p in (PKG / "elastic").iterdir() if (p / "__init__.py").exists()}
+    assert listed == found and found >= {"protocol", "coordinator", "membership", "state", "sharding", "data", "run"}
+    assert not [p.name for p in (PKG / "elastic").glob("*.py") if p.name != "__init__.py"]
+
+
+def test_the_protocol_imports_no_torch_and_no_other_part_of_the_runtime():
+    """What the control side and the coordinator share with the workers: it must load on a
+    machine without torch and must not drag the worker's code into gpuflex's processes."""
+    assert _crossings(lambda n: _elastic_part(n) == "protocol",
+                      lambda m: not m.startswith("torch") and _elastic_part(m) in (None, "", "protocol")) == {}
+
+
+def test_the_coordinator_never_imports_a_workers_membership_state_or_data():
+    assert _crossings(lambda n: _elastic_part(n) == "coordinator",
+                      lambda m: _elastic_part(m) in (None, "", "protocol", "coordinator")) == {}
+
+
+def test_the_control_side_imports_only_the_runtimes_protocol():
+    assert _crossings(lambda n: n.startswith("gpuflex.") and _elastic_part(n) is None,
+                      lambda m: _elastic_part(m) in (None, "", "protocol")) == {}
+
+
+def test_the_direction_rules_catch_a_crossing():
+    tree = ast.parse("from gpuflex.elastic.state import tree\nimport torch\n")
+    hits = {m for m in imported("gpuflex.elastic.protocol.keys", tree)
+            if m.startswith("torch") or _elastic_part(m) not in (None, "", "protocol")}
+    assert hits == {"gpuflex.elastic.state", "gpuflex.elastic.state.tree", "torch"}
+
+
 def test_no_tensor_is_read_through_numpy():
     """`Tensor.numpy()` imports numpy, which gpuflex does not require (a GPU host has torch
     and the standard library): it failed every formation of a wheel install (issue 26)."""
@@ -159,7 +210,7 @@ def test_the_examples_read_no_tensor_through_numpy():
 def test_the_store_protocol_and_worker_environment_are_imported_without_torch():
     import subprocess
 
-    code = ("import sys, gpuflex.elastic.keys, gpuflex.elastic.env, gpuflex.control.launch; "
+    code = ("import sys, gpuflex.elastic.protocol.keys, gpuflex.elastic.protocol.env, gpuflex.control.launch; "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

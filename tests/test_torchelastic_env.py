@@ -23,7 +23,7 @@ import pytest
 from gpuflex.config import parse_config
 from gpuflex.control import launch
 from gpuflex.db.models import Job, Worker
-from gpuflex.elastic.env import WorkerEnv
+from gpuflex.elastic.protocol.env import WorkerEnv
 from tests.conftest import GpuflexCLI, cleanup_jobs, wait_for, write_config
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")

@@ -114,6 +114,6 @@ def test_the_host_side_modules_need_only_the_standard_library(module):
 
 
 def test_the_host_side_and_the_coordinator_name_process_group_marks_alike():
-    from gpuflex.elastic import run_dir
+    from gpuflex.elastic.protocol import run_dir
     from gpuflex.hosts import hostops
     assert hostops.GROUP_MARK == run_dir.GROUP_MARK

@@ -181,7 +181,7 @@ def test_the_venvs_hold_the_wheel_torch_and_pips_packages_and_nothing_of_the_sou
     """Every module gpuflex loads comes from the venv's own site-packages, the torch folder
     or the standard library; numpy, a test-only package here, is not there at all."""
     for venv, imports in ((installed.control, "gpuflex.cli, gpuflex.db.engine, gpuflex.elastic"),
-                          (installed.host, "gpuflex.hosts.hostops, gpuflex.elastic.coordinator, gpuflex.elastic")):
+                          (installed.host, "gpuflex.hosts.hostops, gpuflex.elastic.coordinator.main, gpuflex.elastic")):
         files, stdlib = loaded_files(venv, imports, lab)
         allowed = [venv.site, installed.torch_dir, *stdlib]
         assert [f for f in files if not any(f.is_relative_to(d) for d in allowed)] == []
@@ -229,7 +229,7 @@ def test_a_gpu_host_needs_only_torch_beside_gpuflex():
         "                                   'click', 'rich', 'paramiko', 'filelock'):\n"
         "            raise ImportError('not on a GPU host: ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import gpuflex.hosts.hostops, gpuflex.hosts.relay, gpuflex.elastic.coordinator, gpuflex.elastic\n"
+        "import gpuflex.hosts.hostops, gpuflex.hosts.relay, gpuflex.elastic.coordinator.main, gpuflex.elastic\n"
         "from gpuflex.elastic import ElasticRun\n"
     )
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -82,7 +82,7 @@ def forming_text(forming: dict[str, Any] | None, now: float | None = None) -> st
         text += ", waiting for " + (f"worker {wids[0]}" if len(wids) == 1 else "workers " + ", ".join(map(str, wids)))
     phase = forming.get("phase")
     text += f" ({phase})" if isinstance(phase, str) and phase else ""
-    hint = forming.get("hint")   # an in-place job of a plain script (gpuflex.elastic.forming)
+    hint = forming.get("hint")   # an in-place job of a plain script (gpuflex.elastic.coordinator.forming)
     return text + (f"; {hint}" if isinstance(hint, str) and hint else "")
 
 

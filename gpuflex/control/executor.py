@@ -24,7 +24,7 @@ from gpuflex.control.observe import coordinator_request
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
-from gpuflex.elastic import failpoints
+from gpuflex.elastic.protocol import failpoints
 from gpuflex.errors import TransportError
 from gpuflex.policy import lifecycle as P
 from gpuflex.policy.placement import Assignment

@@ -1,6 +1,6 @@
 """What gpuflex starts on hosts for a job: the coordinator (store) and the workers.
 
-Every worker gets the GPUFLEX_* contract and torchrun's (gpuflex.elastic.env), so an
+Every worker gets the GPUFLEX_* contract and torchrun's (gpuflex.elastic.protocol.env), so an
 unmodified torch.distributed script runs as a gang; a gang's or restart job's workers get
 the rest of torchrun's agent's too (is_torchelastic_launched() is True), but those of a
 torchrun command, whose own agent sets them. torchrun's variables need the whole
@@ -23,10 +23,10 @@ from sqlalchemy.orm import object_session
 from gpuflex.config import Config, HostConfig
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
-from gpuflex.elastic import env as env_contract
-from gpuflex.elastic import failpoints
+from gpuflex.elastic.protocol import env as env_contract
+from gpuflex.elastic.protocol import failpoints
 from gpuflex.jobspec import INPLACE, SPLIT_EVEN, torchrun_args
-from gpuflex.elastic.env import SPEED_HINT, SPLIT, STRAGGLER_FACTOR, WorkerEnv
+from gpuflex.elastic.protocol.env import SPEED_HINT, SPLIT, STRAGGLER_FACTOR, WorkerEnv
 from gpuflex.hosts import hostops
 from gpuflex.hosts.transport import SpawnSpec, Transport
 from gpuflex.policy.speeds import speed_hint
@@ -183,7 +183,7 @@ def visible_gpus(job: Job, layout: Layout, rank: int, own: tuple[int, ...]) -> t
 def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank: int, world: int,
                 layout: Layout | None = None) -> SpawnSpec:
     """The worker's process: the job's command with the GPUFLEX_* and torchrun contracts
-    (gpuflex.elastic.env) in the environment recorded at submit; `layout` (None: the
+    (gpuflex.elastic.protocol.env) in the environment recorded at submit; `layout` (None: the
     job's rows stand in, see `rows_layout`) gives the torchrun variables."""
     d = job_dir(host, job)
     layout = layout if layout is not None and rank in layout.places else rows_layout(job, worker, rank)

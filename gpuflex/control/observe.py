@@ -19,7 +19,7 @@ from gpuflex.control import launch as L
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
-from gpuflex.elastic import run_dir
+from gpuflex.elastic.protocol import run_dir
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy import split as split_policy
 from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, LEFT_OUT_KIND, RETRY_CAUSES,
@@ -114,7 +114,7 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
 
 def recorded_abort(pool: Pool, job: Job) -> dict[str, Any] | None:
     """The abort record the coordinator left in the run's directory on its host when it ended
-    the job (gpuflex.elastic.run_dir), parsed; None when there is none or it cannot be read."""
+    the job (gpuflex.elastic.protocol.run_dir), parsed; None when there is none or it cannot be read."""
     if job.socket_dir is None or job.store_host is None:
         return None
     try:

@@ -1,6 +1,6 @@
 """The checkpoint a job starts from (issue 13, `submit --resume-from PATH`): the checkpoint
 directory of an earlier job, which an in-place job's workers are given as
-GPUFLEX_RESUME_FROM (gpuflex.elastic.env) and read whatever world size wrote it.
+GPUFLEX_RESUME_FROM (gpuflex.elastic.protocol.env) and read whatever world size wrote it.
 
 Checked at submit, before anything is written or probed. The path is made absolute and
 normalised (gpuflex.jobspec.resume_path). Where every host of the pool is this machine,
@@ -9,7 +9,7 @@ be a directory the caller can read, hold gpuflex's checkpoint (`checkpoint.pt` o
 `checkpoint.prev.pt`), and it, those files and everything under a sharded job's `dcp/`
 must belong to the caller with no write permission for group or others. A sharded
 checkpoint's DCP metadata is a pickle: gpuflex never reads what another user could have
-written (the worker checks again before it reads: gpuflex.elastic.shard_checkpoints). On
+written (the worker checks again before it reads: gpuflex.elastic.sharding.checkpoints). On
 SSH hosts the path names a directory over there, which the worker checks when it starts.
 """
 
@@ -22,7 +22,7 @@ from gpuflex.config import Config
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import resume_path
 
-CHECKPOINT_FILES = ("checkpoint.pt", "checkpoint.prev.pt")   # gpuflex.elastic.checkpoints' pair
+CHECKPOINT_FILES = ("checkpoint.pt", "checkpoint.prev.pt")   # gpuflex.elastic.state.checkpoints' pair
 DCP_DIR = "dcp"                                              # a sharded job's shards, beside them
 WHERE = "gpuflex status JOB --json shows a job's checkpoint_dir"
 

@@ -30,7 +30,7 @@ from gpuflex.control.executor import Ops
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
-from gpuflex.elastic import failpoints
+from gpuflex.elastic.protocol import failpoints
 from gpuflex.errors import GpuflexError, JobError, UsageError
 from gpuflex.policy.placement import Assignment, place
 

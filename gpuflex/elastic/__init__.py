@@ -9,11 +9,20 @@
         optimizer.step(); optimizer.zero_grad()
         logged = run.global_mean(loss)                     # the global batch's mean
 
-(runtime.py's docstring has the whole picture; docs/converting.md the conversion.)
+(run/runtime.py's docstring has the whole picture; docs/converting.md the conversion.)
 
-The names below are loaded on first use, so the torch-free modules of this package
-(`keys`, the store protocol, and `env`, the worker environment contract) can be imported
-by the control side without importing torch.
+The sub-packages, by what they are about:
+
+    protocol/     torch-free: store keys and exit codes, the worker environment, signing,
+                  the control socket, run-directory files (the control side imports only this)
+    coordinator/  the per-job coordinator process: generations, forming, failures, resizes
+    membership/   a worker in a generation: rendezvous, joining, liveness, agreement, collectives
+    state/        training state: the state tree, commits, codec, checkpoints, buffers
+    sharding/     FSDP2 state: a sharded run, resharding in place, shard checkpoints
+    data/         samplers, loader, micro-batches, shares and split plans, gradients
+    run/          ElasticRun: start-up, the script's calls, data-parallel and sharded steps
+
+The names below are loaded on first use, so `protocol` can be imported without torch.
 """
 
 from __future__ import annotations
@@ -21,10 +30,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from gpuflex.elastic.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.protocol.keys import ABORTED_EXIT, EVICTED_EXIT, STORE_LOST_EXIT
 
-_LAZY = {"ElasticRun": "gpuflex.elastic.runtime", "Batch": "gpuflex.elastic.sampler",
-         "ElasticSampler": "gpuflex.elastic.sampler", "ElasticLoader": "gpuflex.elastic.loader"}
+_LAZY = {"ElasticRun": "gpuflex.elastic.run.runtime", "Batch": "gpuflex.elastic.data.sampler",
+         "ElasticSampler": "gpuflex.elastic.data.sampler", "ElasticLoader": "gpuflex.elastic.data.loader"}
 
 __all__ = ["ABORTED_EXIT", "Batch", "ElasticLoader", "ElasticRun", "ElasticSampler", "EVICTED_EXIT",
            "STORE_LOST_EXIT"]

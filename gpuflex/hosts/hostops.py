@@ -28,7 +28,7 @@ from typing import Any, Iterator
 
 from gpuflex.hosts.private import exclusive_dir, open_private, private_dir, remove_own_dir
 
-# a run's process-group marks: this prefix and the group's id. gpuflex.elastic.run_dir reads
+# a run's process-group marks: this prefix and the group's id. gpuflex.elastic.protocol.run_dir reads
 # them with the same prefix (a test holds the two equal); not imported from there, because this
 # module runs under the host's python with nothing but the standard library.
 GROUP_MARK = "group-"

@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from gpuflex.elastic.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
+from gpuflex.elastic.protocol.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
 from gpuflex.policy.outcomes import (  # noqa: F401 (the policy's inputs and actions, re-exported)
     CRASH_CAUSE, CRASH_KIND, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, TRACEBACK_LINES, Action, Adopt,
     Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,

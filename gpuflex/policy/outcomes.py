@@ -36,7 +36,7 @@ import dataclasses
 import math
 from typing import Any, Iterable, Mapping, Union
 
-from gpuflex.elastic.keys import ABORTED_EXIT, RUNTIME_EXITS, SHARDS_LOST_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.protocol.keys import ABORTED_EXIT, RUNTIME_EXITS, SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.states import JobState, WorkerState
 
 INPLACE = "inplace"      # jobs.elastic of a job resized in place (gpuflex.jobspec.INPLACE)

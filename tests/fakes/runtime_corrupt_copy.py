@@ -17,8 +17,8 @@ import sys
 
 import torch
 
-from gpuflex.elastic import env
-from gpuflex.elastic.commits import TrainingState
+from gpuflex.elastic.protocol import env
+from gpuflex.elastic.state.training import TrainingState
 
 
 def corrupt_after_applying(apply_tree):

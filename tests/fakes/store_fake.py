@@ -1,5 +1,5 @@
 """An in-memory job store and a hand-driven clock, for testing the coordinator's
-generation logic (gpuflex.elastic.generations) without processes."""
+generation logic (gpuflex.elastic.coordinator.generations) without processes."""
 
 from __future__ import annotations
 
