@@ -26,8 +26,8 @@ from gpuflex.elastic.protocol import keys
 from gpuflex.elastic.protocol.auth import Signer
 from gpuflex.elastic.membership.joining import Formation
 from gpuflex.elastic.state.copy_header import tensor_paths
-from gpuflex.elastic.protocol.keys import vote_key
-from gpuflex.elastic.membership.liveness import (StepBarrier, crash_record, install_crash_hook, outcome_key,
+from gpuflex.elastic.protocol.keys import arrivals_key, counter_key
+from gpuflex.elastic.membership.liveness import (StepBarrier, bounded, crash_record, install_crash_hook, outcome_key,
                                       report_crash)
 from gpuflex.elastic.membership.rendezvous import Aborted, Rendezvous
 from gpuflex.elastic.state.tree import flatten
@@ -120,7 +120,7 @@ def test_every_member_passes_each_barrier_and_spent_outcomes_are_deleted(make_jo
     runs = [cross_in_thread(b, 3, times=5) for b in barriers]
     assert join(*runs) == [[None] * 5] * 3
     assert all(b.crossed == 5 for b in barriers)
-    assert job.store.get(outcome_key(G, 5)) == b"ok"
+    assert job.signer.verify(outcome_key(G, 5), job.store.get(outcome_key(G, 5))) == "ok"
     wait_until(lambda: not any(job.store.check([outcome_key(G, n)]) for n in range(1, 5)),
                "the outcomes nobody reads any more to be deleted")
 
@@ -146,7 +146,103 @@ def test_a_voting_barrier_gives_every_member_the_sum_of_the_votes_and_cleans_up(
         assert not t.is_alive(), "a barrier did not return (bounded wait)"
     expected = [(5 << 40) + 1 + (1 << 20), 0, 7]
     assert sums == {0: expected, 1: expected, 2: expected}
-    wait_until(lambda: not any(job.store.check([vote_key(G, n)]) for n in (1, 2)), "the spent vote sums to be deleted")
+    wait_until(lambda: not any(job.store.check([arrivals_key(G, n)]) for n in (1, 2)), "the spent arrivals to be deleted")
+
+
+# ---- a forger at the store's port (issue 28): it can delay a barrier, never decide it --------------
+class Forger:
+    """Another local user at the job store's port: no secret, any key written."""
+
+    def __init__(self, job: "Job") -> None:
+        self.store = TCPStore("127.0.0.1", job.store.port, is_master=False, timeout=dt.timedelta(seconds=BOUND_S))
+
+    def fail_ahead(self, barriers: range) -> None:
+        """The attack first seen: "fail: ..." written ahead into the coming barriers' outcomes."""
+        for n in barriers:
+            self.store.set(outcome_key(G, n), "fail: attacker text\x1b[31m")
+
+    def arrivals(self, barriers: range, world: int, vote: int) -> None:
+        """Arrival lines for every member with a vote of its choosing, unsigned and signed with
+        a guessed secret, and the counter pushed to "everyone arrived"."""
+        for n in barriers:
+            for w in range(world):
+                self.store.append(arrivals_key(G, n), f"{w} {vote}\n{w} {Signer('guess').for_run('run-1').sign(f'{arrivals_key(G, n)}#{w}', str(vote))}\n")
+        self.store.add(counter_key(G), world * len(barriers))
+
+
+def cross_all(barriers: list[StepBarrier], world: int, votes: dict[int, list[int]] | None = None,
+              times: int = 3) -> tuple[dict[int, list], dict[int, list[int]]]:
+    results: dict[int, list] = {w: [] for w in range(len(barriers))}
+    sums: dict[int, list[int]] = {w: [] for w in range(len(barriers))}
+
+    def run(w: int) -> None:
+        for i in range(times):
+            results[w].append(barriers[w].cross(G, world, "boundary", vote=votes[w][i] if votes else None))
+            sums[w].append(barriers[w].voted)
+
+    threads = [threading.Thread(target=run, args=(w,), daemon=True) for w in range(len(barriers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(BOUND_S)
+        assert not t.is_alive(), "a barrier did not return (bounded wait)"
+    return results, sums
+
+
+def test_outcomes_forged_ahead_of_the_barriers_are_ignored_and_every_member_passes(make_job):
+    job = make_job([0, 1, 2])
+    Forger(job).fail_ahead(range(1, 6))
+    barriers = [job.worker(w) for w in (0, 1, 2)]
+    results, _ = cross_all(barriers, 3, times=5)
+    assert results == {0: [None] * 5, 1: [None] * 5, 2: [None] * 5}
+    assert sum(r.forged.count for r in job.rdzvs) >= 1   # seen, logged, not acted on
+    assert job.signer.verify(outcome_key(G, 5), job.store.get(outcome_key(G, 5))) == "ok"
+
+
+def test_forged_arrivals_and_counts_change_no_vote_and_let_nobody_through_early(make_job):
+    """The counter says "everyone arrived" before anyone did and the arrivals hold the forger's
+    votes: the sums are still exactly the members' own."""
+    job = make_job([0, 1, 2])
+    Forger(job).arrivals(range(1, 4), 3, vote=1 << 30)
+    barriers = [job.worker(w) for w in (0, 1, 2)]
+    votes = {0: [5, 0, 0], 1: [1, 0, 0], 2: [0, 0, 7]}
+    results, sums = cross_all(barriers, 3, votes)
+    assert results == {0: [None] * 3, 1: [None] * 3, 2: [None] * 3}
+    assert sums == {w: [6, 0, 7] for w in (0, 1, 2)}
+
+
+def test_a_forged_count_does_not_pass_a_barrier_a_member_has_not_reached(make_job):
+    job = make_job([0, 1])
+    Forger(job).arrivals(range(1, 2), 2, vote=0)   # count at 2: "both arrived"
+    b0, b1 = job.worker(0), job.worker(1)
+    first = cross_in_thread(b0, 2)
+    time.sleep(0.5)
+    assert first["thread"].is_alive() and b0.crossed == 0   # it waits for worker 1 all the same
+    assert join(first, cross_in_thread(b1, 2)) == [[None], [None]]
+
+
+def test_a_forged_outcome_is_replaced_exactly_and_an_honest_one_is_never_overwritten(make_job):
+    """A member that read a forged outcome re-decides from the verified arrivals and swaps
+    exactly the bytes it read: a forged value is replaced, an honest one written meanwhile
+    (another member's "fail") stays, so every member still reads one outcome."""
+    job = make_job([0, 1])
+    b0 = job.worker(0)
+    for w in (0, 1):   # both arrived, as their own lines say
+        job.store.append(arrivals_key(G, 1), f"{w} {job.signer.sign(f'{arrivals_key(G, 1)}#{w}', '0')}\n")
+    forged = b"fail: forged"
+    job.store.set(outcome_key(G, 1), forged)
+    assert job.signer.verify(outcome_key(G, 1), b0._decide(G, 1, 2, False, forged)) == "ok"
+    honest = job.signer.sign(outcome_key(G, 2), "fail: worker 1 crashed")
+    for w in (0, 1):
+        job.store.append(arrivals_key(G, 2), f"{w} {job.signer.sign(f'{arrivals_key(G, 2)}#{w}', '0')}\n")
+    job.store.set(outcome_key(G, 2), honest)
+    assert b0._decide(G, 2, 2, False, forged) == honest.encode()
+    assert b0._decide(G, 3, 2, False, forged) is None   # no arrivals yet: nothing to decide
+
+
+def test_a_reason_read_from_the_store_is_escaped_and_bounded():
+    assert bounded("worker 3 crashed\x1b[31m\n") == "worker 3 crashed\\x1b[31m\\n"
+    assert len(bounded("x" * 10_000)) == 300
 
 
 def test_a_busy_member_is_waited_for_without_failing_and_shown_as_waited_for(make_job):
@@ -455,12 +551,15 @@ def test_compiled_workers_warm_up_through_the_loop_before_they_are_ready_and_lea
     place it expects, not primary, its gradients dropped; the state before the pass is put
     back (rank 0's is the first generation's) or replaced by the copy, so the job still ends
     equal to a standalone run."""
-    report, warm = home / "r.json", home / "warm"
-    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--compile", "--epochs", "6", "--step-sleep", "0.15",
-                     "--warm-log", str(warm), "--report", str(report)], "--workers", "1:2")
+    report, warm, hold = home / "r.json", home / "warm", home / "hold"
+    hold.touch()   # the pace is held until both resizes are done (a loaded machine's compiles are slow)
+    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--compile", "--epochs", "6", "--step-sleep", "0.5",
+                     "--sleep-while", str(hold), "--warm-log", str(warm), "--report", str(report)],
+                    "--workers", "1:2")
     poll(lj, job["id"], lambda j: (j.get("step") or 0) >= 3 and j["world_size"] == 2, "steps at world size 2")
     lj.ok("scale", str(job["id"]), "1", "--wait", "--timeout", str(E2E_DEADLINE_S))
     lj.ok("scale", str(job["id"]), "2", "--wait", "--timeout", str(E2E_DEADLINE_S))
+    hold.unlink()
     done = lj.wait_final(job["id"], E2E_DEADLINE_S)
     assert done["state"] == "succeeded", done
     places = {}
@@ -493,3 +592,65 @@ def test_a_failed_collective_of_a_sharded_run_ends_it_as_a_lost_store_once_the_s
     job.store = None   # the job store's server goes with its last reference
     with pytest.raises(StoreLost):
         run._no_undo("peer gone")
+
+
+def _store_of_job_with(marker: str) -> str:
+    """GPUFLEX_STORE of a running worker whose command line holds `marker` (as an attacker
+    finds the port with `ss -ltn`; root reads the environment)."""
+    for d in Path("/proc").iterdir():
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            env = dict(v.split(b"=", 1) for v in (d / "environ").read_bytes().split(b"\0") if b"=" in v)
+        except (OSError, ValueError):
+            continue
+        if any(marker.encode() in a for a in argv) and b"GPUFLEX_STORE" in env:
+            return env[b"GPUFLEX_STORE"].decode()
+    return ""
+
+
+FORGED_TEXT = "text-of-the-forger-7f3a"
+
+
+def test_a_job_under_a_forger_at_its_store_port_succeeds_exact(lj, tmp_path_factory, home):
+    """Issue 28's attack and its kin on a real job: outcomes forged ahead with "fail: ..."
+    for every coming barrier, arrival lines with the forger's votes, counts pushed to
+    "everyone arrived". The job ends succeeded, equal to the standalone run, and no text
+    of the forger's reaches its events or its reason."""
+    report = home / "r.json"
+    job = lj.submit([sys.executable, JOB, *JOB_ARGS, "--epochs", "3", "--step-sleep", "0.02",
+                     "--report", str(report)], "--workers", "3")
+    poll(lj, job["id"], lambda j: len(members_of(j)) == 3, "three members")
+    address = wait_for_value(lambda: _store_of_job_with(str(report)), "the job's store address")
+    host, _, port = address.rpartition(":")
+    forger = TCPStore(host, int(port), is_master=False, timeout=dt.timedelta(seconds=BOUND_S))
+    stop = threading.Event()
+
+    def attack() -> None:
+        rounds = 0
+        while not stop.is_set() and rounds < 400:   # bounded: at most 400 rounds of writes
+            rounds += 1
+            try:
+                for g in range(1, 4):
+                    for n in range(1, 200):
+                        forger.set(outcome_key(g, n), f"fail: {FORGED_TEXT}")
+                    forger.add(counter_key(g), 3)
+                    forger.append(arrivals_key(g, rounds % 150 + 1), "0 1073741824\n1 5\n")
+            except Exception:   # the job ended and its store with it
+                return
+            stop.wait(0.2)
+
+    t = threading.Thread(target=attack, daemon=True)
+    t.start()
+    try:
+        done = lj.wait_final(job["id"], E2E_DEADLINE_S)
+    finally:
+        stop.set()
+        t.join(BOUND_S)
+    assert done["state"] == "succeeded", done
+    events = lj("events", str(job["id"])).stdout
+    assert FORGED_TEXT not in events and FORGED_TEXT not in json.dumps(done)
+    assert_matches(json.loads(report.read_text()), reference(tmp_path_factory, 3))
+
+
+def wait_for_value(fn: Callable[[], Any], what: str) -> Any:
+    return wait_until(fn, what)

@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-while", metavar="PATH",
+                    help="sleep --step-sleep after a step only while PATH exists (a test holds the pace)")
     ap.add_argument("--busy-at", type=int, default=-1)
     ap.add_argument("--busy-s", type=float, default=0.0)
     ap.add_argument("--raise-at", type=int, default=-1)
@@ -74,7 +76,7 @@ def main():
             run.backward(loss)
             opt.step()
             sched.step()
-            if args.step_sleep:
+            if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
                 time.sleep(args.step_sleep)
     if run.is_primary and args.report:
         write_report(args.report, model, args, run.step, run.step_log, run.samples)

@@ -11,27 +11,35 @@ even while the training thread is busy), and gives up only when one of them is d
 failure). A frozen (SIGSTOP) or partitioned member is thus fenced within the heartbeat
 timeout, and a busy one is waited for without rollback.
 
-The hot path is two store round trips: one `add` on a per-generation counter, then, for
-all but the last arriver, one blocking `get` of the barrier's outcome key (the store
-answers when it is set), and for the last arriver the `compare_set` that sets it.
-The outcome is decided once, by `compare_set` on that key: "ok" from the last arriver, or
-a failure reason from a member that gave up. A voting barrier (`cross(..., vote=v)`)
-carries a small sum too: a member with a non-zero vote adds it to the barrier's vote key
-before it arrives, so the last arriver reads the whole sum (one more round trip, its own)
-and writes it into the outcome; a member with nothing to say makes no extra call. Every
-member reads the same outcome, so a barrier that failed leaves nobody inside a collective
-the others will not enter, and a member that arrives after the others gave up (a frozen
-one, resumed) reads the failure.
+The hot path: each member appends its signed arrival ("wid vote") to the barrier's
+arrivals key (the store answers nothing: no round trip), then one `add` on a
+per-generation counter, then, for all but the last arriver, one blocking `get` of the
+barrier's outcome key (the store answers when it is set). The last arriver reads the
+arrivals (one round trip), and only when every member's arrival verifies does it decide:
+`compare_set` of the signed outcome, "ok" or, at a voting barrier (`cross(..., vote=v)`),
+"ok SUM" with the sum of the verified votes. A member that gave up writes "fail: reason",
+signed, by the same `compare_set`, so the outcome is decided once and every member reads
+the same one: a barrier that failed leaves nobody inside a collective the others will
+not enter, and a member that arrives after the others gave up (a frozen one, resumed)
+reads the failure.
+
+Whoever can reach the store's port can write any key. So nothing unsigned decides here:
+an outcome that does not verify (one written ahead of the barrier, or over the real one)
+is logged as forged and never acted on; a member that reads one re-decides from the
+verified arrivals (the same bytes any member would write: the outcome is a function of
+them) and replaces exactly the forged value, or, while arrivals are missing, waits as for
+any member. A forged count can only make a member check the arrivals early; a forged
+arrival line does not verify and counts for nothing; so a forger can delay a barrier,
+never end it, change its votes or put its text in a reason.
 Who is missing, the staleness of heartbeats and the `waiting/{wid}` record are the
 heartbeat thread's work, on its own connection (`Rendezvous.on_beat`), and only while
 the training thread has waited for more than CHECK_AFTER_S.
 
-Store keys (unsigned: a forged outcome or arrival can only let a member into a collective
-early, where the process-group timeout still fences it as before, or delay it):
-barrier/{g}            the arrivals counter of generation g (n-th barrier done at n x world)
-barrier/{g}/{n}        the n-th barrier's outcome: "ok" (a voting barrier: "ok SUM") or "fail: reason"
-barrier/{g}/{n}/vote   a voting barrier's sum of the members' votes, each added before its arrival
-barrier/{g}/at/{wid}   the last barrier a waiting member arrived at (who is missing)
+Store keys (keys.py has them all):
+barrier/{g}            the arrivals counter of generation g (n-th barrier done at n x world): a hint
+barrier/{g}/{n}/in     the n-th barrier's arrivals: a line "wid SIGNED-VOTE" per member
+barrier/{g}/{n}        its outcome, signed: "ok" (a voting barrier: "ok SUM") or "fail: reason"
+barrier/{g}/at/{wid}   the last barrier a waiting member arrived at (who is missing): a hint
 """
 
 from __future__ import annotations
@@ -47,16 +55,19 @@ import traceback
 from typing import Any, Callable, Iterator, TypeVar
 
 from gpuflex.elastic.protocol import keys
-from gpuflex.elastic.protocol.keys import arrival_key, counter_key, outcome_key, vote_key
+from gpuflex.elastic.protocol.auth import Forged
+from gpuflex.elastic.protocol.keys import arrival_key, arrivals_key, counter_key, outcome_key
 from gpuflex.elastic.membership.rendezvous import Rendezvous, StoreLost
 
 log = logging.getLogger(__name__)
 
-OK = b"ok"
+OK = "ok"
 CHECK_AFTER_S = 0.2    # a wait shorter than this costs the heartbeat thread nothing
 CHECK_EVERY_S = 0.25   # how often a long wait looks at the missing members
 POST_AFTER_S = 1.0     # a wait longer than this is shown (waiting/{wid})
 WAIT_SLICE_S = 10.0    # the training thread's wait, in slices (a dead heartbeat thread cannot hang it)
+FORGED_POLL_S = 0.05   # how often a member that read a forged outcome looks again
+REASON_CHARS = 300     # a failure reason read from the store, at most
 TRACEBACK_LINES = 15
 
 
@@ -103,31 +114,69 @@ class StepBarrier:
         self.n += 1
         n, rdzv = self.n, self.rdzv
         done = outcome_key(g, n)
-        if vote:
-            rdzv.add(vote_key(g, n), vote)
+        rdzv.append(arrivals_key(g, n), f"{self.wid} {rdzv.sign(_arrival(arrivals_key(g, n), self.wid), str(vote or 0))}\n")
+        outcome = None
         if rdzv.add(counter_key(g), 1) >= n * world:
-            total = rdzv.add(vote_key(g, n), 0) if vote is not None else 0
-            outcome = rdzv.compare_set(done, "", f"{OK.decode()} {total}" if total else OK.decode())
-            if n > 1:   # every member arrived here, so each has read barrier n-1's outcome
+            outcome = self._decide(g, n, world, vote is not None, b"")
+            if outcome is not None and n > 1:   # every member arrived here, so each has read barrier n-1's outcome
                 with self._lock:
-                    self._spent += [outcome_key(g, n - 1), vote_key(g, n - 1)]
-        else:
+                    self._spent += [outcome_key(g, n - 1), arrivals_key(g, n - 1)]
+        try:
+            value = self._read(done, outcome)
+            while value is None:   # not decided yet, or a forged outcome: decide it or wait
+                with self._lock:
+                    if self._wait is None:
+                        self._wait = _Wait(g, n, phase, time.monotonic(), time.time())
+                outcome = rdzv.wait_get(done, WAIT_SLICE_S)
+                if outcome is not None and self._read(done, outcome) is None:
+                    outcome = self._decide(g, n, world, vote is not None, outcome)
+                    if outcome is None:
+                        time.sleep(FORGED_POLL_S)
+                value = self._read(done, outcome)
+        finally:
             with self._lock:
-                self._wait = _Wait(g, n, phase, time.monotonic(), time.time())
-            try:
-                outcome = None
-                while outcome is None:
-                    outcome = rdzv.wait_get(done, WAIT_SLICE_S)
-            finally:
-                with self._lock:
-                    self._wait = None
-                    self.waiting_for = []
-        word, _, total = outcome.partition(b" ")
+                self._wait = None
+                self.waiting_for = []
+        word, _, total = value.partition(" ")
         if word == OK:
             self.crossed += 1
             self.voted = int(total) if total.isdigit() else 0
             return None
-        return outcome.decode(errors="replace").removeprefix("fail: ")
+        return bounded(value.removeprefix("fail: "))
+
+    def _read(self, key: str, outcome: bytes | None) -> str | None:
+        """The outcome's verified text; None when there is none yet or it is forged (logged)."""
+        if outcome is None:
+            return None
+        try:
+            return self.rdzv.signer.verify(key, outcome)
+        except Forged as e:
+            self.rdzv.forged.note(key, outcome, e.reason)
+            return None
+
+    def _decide(self, g: int, n: int, world: int, voting: bool, over: bytes) -> bytes | None:
+        """Barrier n's outcome once every member's arrival verifies, put in place of `over`
+        (b"": an absent outcome; else the forged value read): the outcome after, which may
+        be another member's. None while some member's arrival is missing."""
+        key = arrivals_key(g, n)
+        votes: dict[int, int] = {}
+        for line in (self.rdzv.peek(key) or b"").split(b"\n"):
+            wid, _, signed = line.partition(b" ")
+            if not wid.isdigit() or int(wid) in votes:
+                continue
+            try:
+                vote = self.rdzv.signer.verify(_arrival(key, int(wid)), signed)
+            except Forged as e:
+                self.rdzv.forged.note(key, line, e.reason)
+                continue
+            if vote.isdigit():
+                votes[int(wid)] = int(vote)
+        if len(votes) < world:
+            return None
+        total = sum(votes.values())
+        text = f"{OK} {total}" if voting and total else OK
+        return self.rdzv.compare_set(outcome_key(g, n), over,
+                                     self.rdzv.sign(outcome_key(g, n), text))
 
     def cross_noted(self, group: Any, g: int, world: int, phase: str, vote: int | None = None) -> bool:
         """`cross` before a step's collectives on `group` (Collectives): False when it
@@ -209,7 +258,12 @@ class StepBarrier:
         why = self._gone(store, records, w, missing, now)
         if why is not None:
             log.info("gpuflex[w%d]: giving up the %s barrier: %s", self.wid, w.phase, why)
-            store.compare_set(outcome_key(w.g, w.n), "", f"fail: {why}")
+            key, signed = outcome_key(w.g, w.n), self.rdzv.sign(outcome_key(w.g, w.n), f"fail: {why}")
+            now_there = store.compare_set(key, "", signed)
+            try:
+                self.rdzv.signer.verify(key, now_there)
+            except Forged:   # a forged outcome is in the way: replace exactly it (not one written since)
+                store.compare_set(key, now_there, signed)
         return missing
 
     def _gone(self, store: Any, records: Any, w: _Wait, missing: list[int], now: float) -> str | None:
@@ -229,6 +283,17 @@ class StepBarrier:
             elif now - seen[1] >= self.hb_timeout_s:   # the same words each time: a repeat is recognised
                 return f"worker {m} sent no heartbeat for {self.hb_timeout_s:g}s (at the {w.phase} barrier)"
         return None
+
+
+def _arrival(key: str, wid: int) -> str:
+    """What a member's arrival line is signed as: its key and its worker id."""
+    return f"{key}#{wid}"
+
+
+def bounded(text: str, limit: int = REASON_CHARS) -> str:
+    """Text read from the store, fit for a reason: non-printable characters escaped, cut to `limit`."""
+    out = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text[:limit])
+    return out[:limit]
 
 
 T = TypeVar("T")

@@ -38,6 +38,9 @@ class Evicted(Exception):
     pass
 
 
+_ABSENT = "\x00absent"   # no record's value: text records hold no NUL
+
+
 class Leaving(Exception):
     """This worker was retired (a verified shrink, or released before it ever joined): exit 0."""
 
@@ -193,9 +196,19 @@ class Rendezvous:
     def add(self, key: str, amount: int) -> int:
         return self._call(self.store.add, key, amount)
 
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+    def compare_set(self, key: str, expected: str | bytes, desired: str) -> bytes:
         """`desired` if `key` is absent (expected "") or holds `expected`; the value after."""
         return self._call(self.store.compare_set, key, expected, desired)
+
+    def append(self, key: str, value: str) -> None:
+        """Append to `key` (created when absent): the store answers nothing, so it costs no round trip."""
+        self._call(self.store.append, key, value)
+
+    def peek(self, key: str) -> bytes | None:
+        """The value of `key`, None when absent, without waiting for it (one round trip: a
+        compare_set whose expected value no key holds creates nothing)."""
+        value = self._call(self.store.compare_set, key, _ABSENT, _ABSENT)
+        return None if value == _ABSENT.encode() else value
 
     def wait_get(self, key: str, timeout_s: float) -> bytes | None:
         """The value of `key` once it exists (one round trip: the store answers when it is

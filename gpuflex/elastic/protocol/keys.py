@@ -59,12 +59,16 @@ abort            signed JSON {reason, cause, at}: written by the coordinator whe
                  the runtime within the formation deadline (cause "never-joined": a plain
                  script); `at`: its wall-clock time. Every worker exits ABORTED_EXIT and the
                  job fails with the reason (read up to ABORT_REASON_CHARS, never cut shorter)
-barrier/{g}      unsigned counter of arrivals at generation g's step barriers (liveness.py:
-                 the n-th barrier is passed at n x world); barrier/{g}/{n} its outcome ("ok"
-                 or "fail: reason", decided once for every member); barrier/{g}/at/{wid} the
-                 last barrier a waiting member reached (who is missing). Unsigned: a forged
-                 one can only let a member into a collective early (the process-group
-                 timeout still fences it) or delay it
+barrier/{g}      counter of arrivals at generation g's step barriers (liveness.py: the
+                 n-th barrier is passed at n x world), a hint: a forged count makes the
+                 member that reads it check the arrivals, no more. barrier/{g}/{n}/in the
+                 arrivals themselves, one signed line "wid vote" appended by each member;
+                 barrier/{g}/{n} the outcome, signed ("ok", "ok SUM" or "fail: reason"),
+                 decided once for every member by a member that verified all the arrivals
+                 (or one that gave up); a forged outcome is overwritten by a member that
+                 verified the arrivals and is never acted on. barrier/{g}/at/{wid} the last
+                 barrier a waiting member reached (who is missing): a hint, a forged one
+                 can only make the others wait for a member longer
 abort            see above; the coordinator also writes it when failures with different
                  causes follow each other too often without training progress
 events           unsigned counter every worker bumps after writing a key the coordinator acts
@@ -173,8 +177,8 @@ def outcome_key(g: int, n: int) -> str:
     return f"barrier/{g}/{n}"
 
 
-def vote_key(g: int, n: int) -> str:
-    return f"barrier/{g}/{n}/vote"
+def arrivals_key(g: int, n: int) -> str:
+    return f"barrier/{g}/{n}/in"
 
 
 def arrival_key(g: int, wid: int) -> str:
