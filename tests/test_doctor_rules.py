@@ -74,9 +74,9 @@ VERDICTS = {
     "gpuflex of another version": (dict(facts=facts(gpuflex_version="0.2.0")), "gpuflex", Verdict.FAIL,
                                    "0.2.0 on gpu01, 0.1.0 here", "install gpuflex 0.1.0"),
     "torch missing": (dict(facts=facts(torch=dict(error="ModuleNotFoundError: torch"))), "torch", Verdict.FAIL,
-                      "not importable", "torch>=2.3"),
+                      "not importable", "torch>=2.11"),
     "torch too old": (dict(facts=facts(torch=dict(version="2.1.2"))), "torch", Verdict.FAIL,
-                      "needs torch>=2.3", "torch>=2.3"),
+                      "needs torch>=2.11", "torch>=2.11"),
     "torch of another minor": (dict(facts=facts(torch=dict(version="2.11.0+cu126"))), "torch", Verdict.WARN,
                                "2.11.0+cu126 on gpu01, 2.13.0 here", "torch 2.13.*"),
     "torch without gloo": (dict(facts=facts(torch=dict(gloo=False))), "torch", Verdict.FAIL, "without gloo",
@@ -152,7 +152,7 @@ def test_the_local_host_passes_ssh_and_clock_as_this_machine():
 
 def test_torch_min_is_pyprojects():
     text = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert re.search(r'"torch>=(\d+)\.(\d+)"', text).groups() == tuple(map(str, TORCH_MIN))
+    assert re.search(r'"torch>=(\d+)\.(\d+),<\d+\.\d+"', text).groups() == tuple(map(str, TORCH_MIN))
 
 
 def test_facts_from_another_process_are_checked_once_where_they_enter():

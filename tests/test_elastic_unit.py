@@ -214,7 +214,7 @@ def test_a_slow_client_gets_a_timeout_and_does_not_block_others(server):
         slow.close()
 
 
-def test_rng_state_round_trips_numpy_through_its_cheap_change_check():
+def test_rng_state_round_trips_numpy_with_and_without_a_cached_gaussian():
     np = pytest.importorskip("numpy")
     import random
 
@@ -228,14 +228,14 @@ def test_rng_state_round_trips_numpy_through_its_cheap_change_check():
         if odd:
             np.random.standard_normal()
         saved = rng_state()
-        again = rng_state()   # unchanged: the cheap check reuses the last read
+        again = rng_state()   # unchanged: read again alike
         assert saved["numpy"][3] == again["numpy"][3]
         first = draws()
         set_rng_state(saved)
         assert draws() == first
         set_rng_state(again)
         assert draws() == first
-    # a cached Gaussian consumed without the twister moving: the state must not be reused
+    # a cached Gaussian consumed without the twister moving: still a different state
     np.random.seed(1)
     np.random.standard_normal()            # makes a pair: one cached
     before = rng_state()
@@ -247,21 +247,21 @@ def test_rng_state_round_trips_numpy_through_its_cheap_change_check():
     assert np.random.standard_normal() == expected
 
 
-def test_rng_state_round_trips_python_random_through_its_cheap_change_check():
+def test_rng_state_round_trips_python_random_with_and_without_a_cached_gaussian():
     import random
 
     from gpuflex.elastic.state import tree as state
 
     random.seed(3)
     saved = state.rng_state()["python"]
-    assert state.rng_state()["python"] is saved   # unchanged: the last full read is reused
+    assert state.rng_state()["python"] == saved   # unchanged: read again alike
     assert saved == random.getstate()
     first = [random.random() for _ in range(3)]
     moved = state.rng_state()["python"]
     assert moved != saved and moved == random.getstate()
     state.set_rng_state({**state.rng_state(), "python": saved})
     assert [random.random() for _ in range(3)] == first
-    # a cached Gaussian consumed without the twister moving: the state must not be reused
+    # a cached Gaussian consumed without the twister moving: still a different state
     random.gauss(0.0, 1.0)                 # makes a pair, keeps one in gauss_next
     before = state.rng_state()["python"]
     random.gauss(0.0, 1.0)                 # takes it; the twister's words stay as they were
@@ -270,4 +270,3 @@ def test_rng_state_round_trips_python_random_through_its_cheap_change_check():
     expected = random.gauss(0.0, 1.0)
     state.set_rng_state({**state.rng_state(), "python": after})
     assert random.gauss(0.0, 1.0) == expected
-    assert state._random_watch.addr is not None   # CPython here: the cheap path was the one tested

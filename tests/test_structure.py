@@ -160,7 +160,8 @@ def test_the_elastic_sub_packages_are_the_ones_the_package_docstring_lists():
               if line.startswith("    ") and line.split()[0].endswith("/")}
     found = {p.name for p in (PKG / "elastic").iterdir() if (p / "__init__.py").exists()}
     assert listed == found and found >= {"protocol", "coordinator", "membership", "state", "sharding", "data", "run"}
-    assert not [p.name for p in (PKG / "elastic").glob("*.py") if p.name != "__init__.py"]
+    assert sorted(p.name for p in (PKG / "elastic").glob("*.py")) == ["__init__.py", "torch_compat.py"]
+    assert "torch_compat.py" in TREES["gpuflex.elastic"].body[0].value.value
 
 
 def test_the_protocol_imports_no_torch_and_no_other_part_of_the_runtime():
@@ -261,3 +262,55 @@ def test_no_module_reaches_into_another_modules_private_names():
 def test_modules_stay_readable_in_size(name):
     lines = MODULES[name].read_text().count("\n")
     assert lines <= 420, f"{name} has {lines} lines"
+
+
+# What gpuflex.elastic.torch_compat wraps: torch's (numpy's, CPython's) private fields and
+# modules. Named anywhere else, as an attribute, a string or an import, they are a use.
+WRAPPED = {"_foreach_copy_", "_execution_engine", "_world", "_shutdown_workers", "_BatchNorm", "_dynamo",
+           "OptimizedModule", "_fsdp_param_group", "_module_info", "_orig_size", "_parameters", "_buffers",
+           "_composable", "_composable_state", "_module_state_mapping", "REGISTRY_KEY", "STATE_KEY",
+           "_pre_forward_hook_handle", "_post_forward_hook_handle", "_is_fsdp_managed_module",
+           "_fsdp_use_orig_params", "mtrand", "_rand", "_bit_generator", "_inst"}
+PUBLIC_UNDERSCORED = {"_exit"}   # os._exit: documented, and no other way to end without cleanup
+
+
+def foreign_private_uses(name: str, tree: ast.Module, owned: set[str]) -> list[str]:
+    """Where module `name` uses a private name of torch, numpy or CPython: a name in WRAPPED
+    (attribute, string or import), a `torch._x` / `numpy._x` module path, or any underscored
+    attribute that no gpuflex module defines (read off something other than self or cls)."""
+    hits = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            paths = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [f"{node.module or ''}.{a.name}" for a in node.names]
+            for path in paths:
+                parts = path.split(".")
+                if parts[0] in ("torch", "numpy") and any(p.startswith("_") and not p.startswith("__")
+                                                          or p in WRAPPED for p in parts[1:]):
+                    hits.append(f"{name}:{node.lineno} imports {path}")
+        elif isinstance(node, ast.Attribute):
+            private = node.attr.startswith("_") and not node.attr.startswith("__")
+            on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if node.attr in WRAPPED or (private and not on_self and node.attr not in owned
+                                        and node.attr not in PUBLIC_UNDERSCORED):
+                hits.append(f"{name}:{node.lineno} uses .{node.attr}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if node.value in WRAPPED or node.value.startswith(("torch._", "numpy._")):
+                hits.append(f"{name}:{node.lineno} names {node.value!r}")
+    return hits
+
+
+def test_only_torch_compat_uses_private_names_of_torch_numpy_or_cpython():
+    owned = set().union(*private_definitions().values())
+    hits = [h for name, tree in TREES.items() if name != "gpuflex.elastic.torch_compat"
+            for h in foreign_private_uses(name, tree, owned)]
+    assert hits == []
+
+
+def test_the_private_name_finder_finds_each_kind_of_use():
+    tree = ast.parse("import torch._dynamo\nfrom torch.distributed import _composable_state\n"
+                     "torch._foreach_copy_(a, b)\nm._buffers['x']\ngetattr(c10d, '_world')\n"
+                     "it._some_new_field\nself._mine\nos._exit(0)\nx._owned\n")
+    assert sorted(foreign_private_uses("m", tree, {"_owned"})) == [
+        "m:1 imports torch._dynamo", "m:2 imports torch.distributed._composable_state",
+        "m:3 uses ._foreach_copy_", "m:4 uses ._buffers", "m:5 names '_world'", "m:6 uses ._some_new_field"]

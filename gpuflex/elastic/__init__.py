@@ -22,6 +22,9 @@ The sub-packages, by what they are about:
     data/         samplers, loader, micro-batches, shares and split plans, gradients
     run/          ElasticRun: start-up, the script's calls, data-parallel and sharded steps
 
+and one module beside them, torch_compat.py: every use of a private field of torch (numpy,
+CPython), each wrapped in a function that fails loudly where a torch release moved it.
+
 The names below are loaded on first use, so `protocol` can be imported without torch.
 """
 

@@ -11,7 +11,7 @@ The rules (README's "gpuflex doctor" and docs/architecture.md say the same):
   `command_timeout_s`. gpuflex must be importable there at exactly the control host's
   version (fail otherwise: the control host drives hostops, the relay and the
   coordinator there through argv and JSON that only the version names). torch must be
-  importable, at least TORCH_MIN (pyproject's `torch>=2.3`) and with gloo (fail); its
+  importable, at least TORCH_MIN (pyproject's `torch>=2.11`) and with gloo (fail); its
   major.minor differing from the control host's is a warning: whether two hosts' torches
   form a group is what the pair check finds out.
 - nvidia-smi, gpus, cuda (skipped on a `cpu:N` host: "no GPUs configured"): the probe's

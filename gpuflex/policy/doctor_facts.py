@@ -13,7 +13,7 @@ import enum
 import re
 from typing import Any
 
-TORCH_MIN = (2, 3)                 # pyproject.toml: torch>=2.3
+TORCH_MIN = (2, 11)                # pyproject.toml: torch>=2.11,<2.14
 CLOCK_WARN_S = 2.0
 CLOCK_FAIL_S = 30.0
 DISK_WARN_BYTES = 5 << 30          # 5 GiB: a few checkpoints of a mid-size model

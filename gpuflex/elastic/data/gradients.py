@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from gpuflex.elastic import torch_compat
 from gpuflex.elastic.protocol import env
 from gpuflex.elastic.membership.agreement import Agreement
 from gpuflex.elastic.membership.collectives import Collectives
@@ -157,7 +158,7 @@ class GradPlan:
                 p.grad = torch.zeros_like(p)
         small = [params[i].grad for i in self.packed]
         if small:
-            torch._foreach_copy_(self.views, small)
+            torch_compat.foreach_copy_(self.views, small)
         if self.fuse:
             self.flat[self.n:].copy_(self.agreement.build(done_step=True))
         if not self.launch_rest():
@@ -176,4 +177,4 @@ class GradPlan:
         if self.fuse:
             self.agreement.summed(self.flat[self.n:])
         if small:
-            torch._foreach_copy_(small, self.views)
+            torch_compat.foreach_copy_(small, self.views)

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, TensorDataset, default_collate
 
+from gpuflex.elastic import torch_compat
 from gpuflex.elastic.data.sampler import Batch, ElasticSampler
 
 Key = tuple   # (step, rank, world size, the plan's shares or None)
@@ -97,6 +98,7 @@ class Prefetcher:
                                  prefetch_factor=prefetch_factor,
                                  generator=torch.Generator().manual_seed(sampler.seed))
         self.it: Iterator[Any] | None = iter(self.loader)   # forks the workers now
+        self._shutdown: Callable[[], None] | None = torch_compat.loader_shutdown(self.it)
         self.discarded = 0
         self.served = -1   # the step of the last batch given
 
@@ -118,9 +120,9 @@ class Prefetcher:
 
     def close(self) -> None:
         """End the worker processes."""
-        it, self.it = self.it, None
-        if it is not None and hasattr(it, "_shutdown_workers"):
-            it._shutdown_workers()
+        shutdown, self.it, self._shutdown = self._shutdown, None, None
+        if shutdown is not None:
+            shutdown()
 
 
 class ElasticLoader:

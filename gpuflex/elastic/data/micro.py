@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from gpuflex.elastic import torch_compat
 from gpuflex.elastic.membership.collectives import Collectives
 from gpuflex.elastic.data.sampler import Batch, split as even_split, split_by
 
@@ -125,20 +126,18 @@ def share(batch: Batch | None) -> float:
 
 def warm_up_steps(model: torch.nn.Module, warm_up: int | None) -> int:
     """The forward/backward passes a newcomer runs before it says it is ready: as given, else
-    1 for a torch.compile'd module (its first pass compiles, which may take a minute), else 0.
-    The compiled module's class is recognised by name, so torch._dynamo is not imported here."""
+    1 for a torch.compile'd module (its first pass compiles, which may take a minute), else 0."""
     if warm_up is not None:
         if warm_up < 0:
             raise ValueError(f"warm_up must be >= 0, got {warm_up}")
         return warm_up
-    cls = type(model)
-    return 1 if cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo") else 0
+    return 1 if torch_compat.is_compiled_module(model) else 0
 
 
 def has_batch_norm(model: torch.nn.Module) -> bool:
     """Whether `model` normalizes with its batch's statistics in train mode (BatchNorm of any
     dimension, SyncBatchNorm): such a model cannot train on a single sample."""
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    return any(torch_compat.is_batch_norm(m) for m in model.modules())
 
 
 def global_mean(group: Collectives, value: float | torch.Tensor, weight: float, local_only: bool = False) -> float:

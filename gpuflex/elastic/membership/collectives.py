@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from gpuflex.elastic import torch_compat
 from gpuflex.elastic.protocol import keys
 from gpuflex.elastic.protocol.env import BACKEND
 from gpuflex.elastic.protocol.logs import describe
@@ -76,8 +77,7 @@ def backward(loss: torch.Tensor, backend: str) -> None:
     if backend != "gloo" or loss.grad_fn is None or loss.numel() != 1:   # torch's own errors, too
         loss.backward()
         return
-    torch.autograd.Variable._execution_engine.run_backward(   # what backward() calls, less the stash
-        (loss,), (torch.ones_like(loss),), False, False, (), allow_unreachable=True, accumulate_grad=True)
+    torch_compat.run_backward_without_context(loss)   # what backward() calls, less the stash
 
 
 def _let_gloo_threads_finish() -> None:
@@ -222,8 +222,6 @@ def _name_world_group_alike() -> None:
     during gloo's connect) would name its next group "1" while the others name theirs "0":
     their connects wait for each other's keys until every formation fails (seen in
     tests/test_fault_matrix_phases.py). No world group exists here, so the next one is
-    named "0" on every member, as after a destroy."""
-    c10d = dist.distributed_c10d
-    world = getattr(c10d, "_world", None)
-    if not dist.is_initialized() and world is not None and hasattr(world, "group_count"):
-        world.group_count = 0
+    named "0" on every member, as after a destroy. A torch without the counter fails here,
+    loudly: skipping the reset would leave such formations failing as above."""
+    torch_compat.reset_group_counter()

@@ -19,8 +19,8 @@ script holds, and the optimizer object stay the same. So a resize here:
 
 No rank gathers a full tensor: a rank's extra memory is its old shards (held until the move
 ends) plus its new ones; `Stats` says how much that was. Stripping reaches into FSDP2's
-module registration (`_composable_state`, the composable-API registry keys); it is written
-against torch 2.13, and tests/test_sharded.py fails loudly if a torch release changes it.
+state and module registration, which has no public way back: that is
+gpuflex.elastic.torch_compat.undo_fully_shard, which fails loudly if a torch release changes it.
 """
 
 from __future__ import annotations
@@ -32,23 +32,22 @@ import shutil
 from typing import Any, Callable, Iterable, Sequence, Union
 
 import torch
-import torch._dynamo  # noqa: F401  (fully_shard's first call imports it: 0.4 s, paid here, ahead of a resize)
 import torch.distributed as dist
 from torch import nn
-from torch.distributed import _composable_state
 from torch.distributed import checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed._composable.contract import REGISTRY_KEY, STATE_KEY
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from gpuflex.elastic import torch_compat
 from gpuflex.elastic.sharding import reshard
 from gpuflex.elastic.sharding.checkpoints import SafeReader, alone, write_rank
 
 # which submodules get their own fully_shard (the root always gets one): a module class or
 # classes, or a function of the root returning the modules
 ShardSpec = Union[type, tuple, Callable[[nn.Module], Iterable[nn.Module]], None]
-_FSDP_FLAGS = ("_is_fsdp_managed_module", "_fsdp_use_orig_params")
+
+torch_compat.preload_dynamo()   # fully_shard's first call imports it: 0.4 s, paid here, ahead of a resize
 
 
 def targets(model: nn.Module, shard: ShardSpec) -> list[nn.Module]:
@@ -74,27 +73,7 @@ def apply(model: nn.Module, shard: ShardSpec, mesh: DeviceMesh) -> None:
 def strip(model: nn.Module) -> None:
     """Undo fully_shard on every module of `model`: each sharded parameter becomes a
     full-shape parameter on the meta device again (no memory), so `apply` can shard anew."""
-    for m in list(model.modules()):
-        if not isinstance(m, FSDPModule):
-            continue
-        state = fully_shard.state(m)
-        handles = (getattr(state, "_pre_forward_hook_handle", None), getattr(state, "_post_forward_hook_handle", None))
-        for h in {id(h): h for h in handles if h is not None}.values():
-            h.remove()
-        group = state._fsdp_param_group
-        for fp in group.fsdp_params if group is not None else ():
-            info = fp._module_info
-            meta = nn.Parameter(torch.empty(fp._orig_size, device="meta", dtype=fp.sharded_param.dtype),
-                                requires_grad=fp.sharded_param.requires_grad)
-            for mod, name in [(info.module, info.param_name), *zip(info.shared_modules, info.shared_param_names)]:
-                mod._parameters[name] = meta
-        m.__class__ = next(c for c in type(m).__bases__ if c is not FSDPModule)
-        m.__dict__.pop(REGISTRY_KEY, None)
-        m.__dict__.pop(STATE_KEY, None)
-        _composable_state._module_state_mapping.pop(m, None)
-    for m in model.modules():
-        for flag in _FSDP_FLAGS:
-            m.__dict__.pop(flag, None)
+    torch_compat.undo_fully_shard(model)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

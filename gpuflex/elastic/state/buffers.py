@@ -24,9 +24,18 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gpuflex.elastic import torch_compat
 from gpuflex.elastic.membership.collectives import Collectives
 
 RULES = ("broadcast", "average")
+
+
+def buffer_slots(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str]]:
+    """Where each buffer of `model` lives, (module, name), in `modules()` order: a buffer is
+    read there each time (`getattr(module, name)`), since `.to()` replaces it. A tensor
+    registered under two names is at both places, as the modules hold it."""
+    return [(m, name) for m in model.modules()
+            for name, _ in m.named_buffers(recurse=False, remove_duplicate=False)]
 
 
 def check_rule(rule: str) -> str:
@@ -47,9 +56,8 @@ class BufferSync:
     def buffers(self) -> list[torch.Tensor]:
         """The live buffers (looked up where they live: `.to()` replaces them)."""
         if self._slots is None:
-            self._slots = [(m, name) for m in self.model.modules() for name, b in m._buffers.items()
-                           if b is not None]
-        return [m._buffers[name] for m, name in self._slots]
+            self._slots = buffer_slots(self.model)
+        return [getattr(m, name) for m, name in self._slots]
 
     def needed(self) -> bool:
         return self.group.world_size > 1 and bool(self.buffers())
@@ -72,10 +80,10 @@ class BufferSync:
         flat, views = self._flat(bufs)
         with torch.no_grad():
             if self.group.rank == 0:
-                torch._foreach_copy_(views, bufs)
+                torch_compat.foreach_copy_(views, bufs)
             dist.broadcast(flat, src=0, group=self.group.pg)
             if self.group.rank != 0:
-                torch._foreach_copy_(bufs, views)
+                torch_compat.foreach_copy_(bufs, views)
 
     def _flat(self, bufs: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One uint8 buffer with a view of each buffer's dtype and shape, made once per layout."""

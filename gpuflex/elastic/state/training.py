@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from gpuflex.elastic.state.buffers import BufferSync
+from gpuflex.elastic.state.buffers import BufferSync, buffer_slots
 from gpuflex.elastic.state.checkpoints import CheckpointError, load_newest_good, save_checkpoint
 from gpuflex.elastic.sharding.checkpoints import UnsafeCheckpoint, path_of
 from gpuflex.elastic.data.sampler import ElasticSampler
@@ -77,10 +77,9 @@ class TrainingState:
         """The light commit of every step boundary (parameters and optimizer state need none)."""
         if self.distributed:
             if self._buffer_slots is None:   # where the buffers live (`.to()` replaces them)
-                self._buffer_slots = [(m, name) for m in self.model.modules() for name in m._buffers
-                                      if m._buffers[name] is not None]
+                self._buffer_slots = buffer_slots(self.model)
             self._light = LightCommit(self.step, rng_state(), self.registry.capture_light(),
-                                      [m._buffers[n].detach().clone() for m, n in self._buffer_slots],
+                                      [getattr(m, n).detach().clone() for m, n in self._buffer_slots],
                                       self._lens())
 
     def undo_step(self) -> None:
@@ -92,7 +91,7 @@ class TrainingState:
         set_rng_state(c.rng)
         with torch.no_grad():
             for (m, name), saved in zip(self._buffer_slots or [], c.buffers):
-                m._buffers[name].copy_(saved)
+                getattr(m, name).copy_(saved)
         self.step = c.step
         del self.step_log[c.lens["step_log"]:]
         epoch = c.lens["epoch"]

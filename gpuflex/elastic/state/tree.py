@@ -9,7 +9,6 @@ received copy in one 64-byte-aligned buffer per (dtype, device).
 from __future__ import annotations
 
 import copy
-import ctypes
 import dataclasses
 import random
 import sys
@@ -53,92 +52,16 @@ def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
     return skeleton
 
 
-class _NumpyWatch:
-    """numpy's global RNG state, re-read only when it may have changed.
-
-    `np.random.get_state()` takes ~30 us, most of a light commit. Its Mersenne Twister
-    words and position are read instead through the bit generator's documented ctypes
-    address (~0.4 us); when they are as at the last full read, and that read had no cached
-    Gaussian (the one part outside those words: a Gaussian pair is only ever made by
-    advancing the twister, so `has_gauss` cannot turn 0 -> 1 without the words changing),
-    the state is the same and the last read is reused.
-    """
-
-    MT_BYTES = 624 * 4 + 4
-
-    def __init__(self) -> None:
-        self.raw: bytes | None = None
-        self.state: Any = None
-        try:
-            self.addr: int | None = int(_np.random.mtrand._rand._bit_generator.ctypes.state_address)
-        except Exception:   # another numpy layout: read it in full every time
-            self.addr = None
-
-    def get(self) -> Any:
-        if self.addr is None:
-            return _np.random.get_state()
-        raw = ctypes.string_at(self.addr, self.MT_BYTES)
-        if raw != self.raw or self.state is None or self.state[3]:
-            self.state, self.raw = _np.random.get_state(), raw
-        return self.state
-
-
-_numpy_watch: _NumpyWatch | None = None
-
-
-class _PythonRandomWatch:
-    """`random`'s global state, re-read only when it has changed.
-
-    `random.getstate()` builds a 625-int tuple, ~8 us a step. The hidden instance's
-    Mersenne Twister position and words (CPython: an `int index` and `uint32_t state[624]`
-    right after the object header) are compared as bytes instead, with `gauss_next` (the
-    one part kept in Python). The layout is checked against `getstate()` once; where it
-    does not match (another Python), the state is read in full every time.
-    """
-
-    N = 624
-
-    def __init__(self) -> None:
-        self.inst = random._inst
-        self.addr: int | None = None
-        self.raw: bytes | None = None
-        self.state: Any = None
-        self.gauss: Any = None
-        if sys.implementation.name != "cpython":
-            return
-        addr = id(self.inst) + object.__basicsize__
-        _, words, _ = self.inst.getstate()
-        raw = ctypes.string_at(addr, 4 * (self.N + 1))
-        seen = memoryview(raw).cast("I")
-        if tuple(seen[1:]) + (int.from_bytes(raw[:4], sys.byteorder, signed=True),) == words:
-            self.addr = addr
-
-    def get(self) -> Any:
-        if self.addr is None:
-            return random.getstate()
-        raw = ctypes.string_at(self.addr, 4 * (self.N + 1))
-        gauss = self.inst.gauss_next
-        if raw != self.raw or gauss != self.gauss:   # the first read: self.raw is None
-            self.state, self.raw, self.gauss = random.getstate(), raw, gauss
-        return self.state
-
-
-_random_watch: _PythonRandomWatch | None = None
-
-
 def rng_state() -> dict[str, Any]:
-    global _numpy_watch, _random_watch
-    if _random_watch is None:
-        _random_watch = _PythonRandomWatch()
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": _random_watch.get()}
+    """Every global RNG's state, through the public getters: `random.getstate()` and
+    `np.random.get_state()` take ~8 and ~30 us, invisible in benchmarks/steady_overhead.py."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     # numpy's global RNG exists once numpy.random is imported (numpy 2 imports it lazily;
     # torch imports it when torch._dynamo loads, e.g. at an optimizer's first step).
     if _np is not None and "numpy.random" in sys.modules:
-        if _numpy_watch is None:
-            _numpy_watch = _NumpyWatch()
-        state["numpy"] = _numpy_watch.get()
+        state["numpy"] = _np.random.get_state()
     return state
 
 
@@ -234,10 +157,6 @@ class Registry:
                 obj.update(tree[name])
             else:
                 obj.load_state_dict(tree[name])
-
-
-def layout_of(tensors: list[torch.Tensor]) -> tuple:
-    return tuple((t.dtype, t.device, tuple(t.shape)) for t in tensors)
 
 
 def _elem_size(dtype: torch.dtype) -> int:
