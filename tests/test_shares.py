@@ -255,21 +255,46 @@ def test_the_plan_is_committed_undone_and_loaded_with_the_state_and_reported(mon
 
 
 @pytest.mark.parametrize("shares, least, ids, expected", [
+    ([30, 33, 1], 2, None, [30, 32, 2]),        # a share of 1 is filled from the largest
+    ([20, 20, 1, 1], 2, [4, 3, 2, 1], [19, 19, 2, 2]),  # the largest first, ties to the smaller id (3)
+    ([30, 33, 1], 1, None, [30, 33, 1]),        # least 1: nothing to move
+    ([5, 2, 0], 3, None, [3, 2, 2]),            # 7 samples cannot give 3 members 3 each: the even split
+    ([1], 2, None, [1]),                         # alone: it keeps the batch
+    ([4, 1, 0], 2, None, [2, 2, 1]),            # ... nor 5 samples 2 each to 3 members
+    ([6, 1, 0], 2, None, [3, 2, 2]),            # a 0 is filled too: nobody gets an empty batch
+])
+def test_at_least_gives_every_member_its_least_and_keeps_the_total(shares, least, ids, expected):
+    assert at_least(shares, least, ids) == expected
+    assert sum(at_least(shares, least, ids)) == sum(shares)
+
+
+@pytest.mark.parametrize("shares, least, ids, expected", [
     ([30, 33, 1], 2, None, [30, 34, 0]),        # a share of 1 goes to the largest
     ([20, 20, 1, 1], 2, [4, 3, 2, 1], [20, 22, 0, 0]),  # ties to the smaller id (3), each moved
     ([30, 33, 1], 1, None, [30, 33, 1]),        # least 1: nothing to move
     ([5, 2, 0], 3, None, [7, 0, 0]),            # a 0 stays 0
     ([1], 2, None, [1]),                         # alone: it keeps the batch
 ])
-def test_at_least_moves_small_shares_and_keeps_the_total(shares, least, ids, expected):
-    assert at_least(shares, least, ids) == expected
-    assert sum(at_least(shares, least, ids)) == sum(shares)
+def test_with_empty_batches_allowed_small_shares_move_whole_and_keep_the_total(shares, least, ids, expected):
+    assert at_least(shares, least, ids, empty_ok=True) == expected
+    assert sum(at_least(shares, least, ids, empty_ok=True)) == sum(shares)
 
 
 def test_a_batch_norm_model_is_never_given_a_share_of_one():
-    """A speed split that would give the slowest member 1 sample gives it 0 with BatchNorm."""
+    """A speed split that would give the slowest member 1 sample gives it 2 with BatchNorm
+    (0 only where the script takes an empty batch)."""
     speeds = [0.001, 0.001, 0.025]   # the third 25x slower: 1 sample of 64 by speed
     assert speed_shares(speeds, 64) == [32, 31, 1]
-    assert speed_shares(speeds, 64, least=2) == [33, 31, 0]
+    assert speed_shares(speeds, 64, least=2) == [31, 31, 2]
+    assert speed_shares(speeds, 64, least=2, empty_ok=True) == [33, 31, 0]
+
+
+def test_a_member_far_slower_than_the_others_still_gets_a_sample():
+    """Issue 28: rank 0's evaluation counted as slowness planned {0: 0, ...} and the script's
+    collate of an empty batch raised. By default every member gets at least one sample."""
+    assert speed_shares([8.0, 0.001, 0.0006], 32) == [1, 12, 19]
+    assert speed_shares([0.0, 0.001, 0.001], 32) == [1, 15, 16]   # not measured yet: infinitely slow
+
+
     bn = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2))
     assert has_batch_norm(bn) and not has_batch_norm(torch.nn.Linear(2, 2))

@@ -9,8 +9,11 @@ full-batch mean at any split.
 Pure functions, the same on every rank: given the same numbers (exchanged at a step
 boundary, see split.py) every rank computes the same shares. Rounding is the largest
 remainder method: each member gets the floor of its exact share, and the samples left go
-to the largest fractional parts, ties to the smaller member id. A very slow member may
-get 0: it still joins the step's gradient collective, with zero gradients and weight 0
+to the largest fractional parts, ties to the smaller member id. Every member then gets at
+least one sample (two for a model with BatchNorm), taken from the largest shares: a script
+may not survive an empty batch (its collate, its loss), so a share of 0 happens only when
+the script says it can take one (`ElasticRun(empty_batches=True)`). A member with an empty
+share still joins the step's gradient collective, with zero gradients and weight 0
 (runtime.backward), so the collectives line up and the sum is unchanged.
 
 Re-planning is hysteretic: a new plan replaces the current one on a membership change,
@@ -57,26 +60,40 @@ def proportional(weights: Sequence[float], total: int, ids: Sequence[int] | None
 
 
 def speed_shares(sec_per_sample: Sequence[float], total: int, ids: Sequence[int] | None = None,
-                 least: int = 1) -> list[int]:
+                 least: int = 1, empty_ok: bool = False) -> list[int]:
     """Shares proportional to speed (1 / seconds per sample); a member with no positive
     measurement counts as infinitely slow unless none has one (then even). No member gets
-    fewer than `least` samples unless it gets none (`at_least`)."""
-    return at_least(proportional([1.0 / s if s > 0 else 0.0 for s in sec_per_sample], total, ids), least, ids)
+    fewer than `least` samples (`at_least`; with `empty_ok`, unless it gets none)."""
+    return at_least(proportional([1.0 / s if s > 0 else 0.0 for s in sec_per_sample], total, ids), least, ids,
+                    empty_ok)
 
 
-def at_least(shares: Sequence[int], least: int, ids: Sequence[int] | None = None) -> list[int]:
-    """`shares` with every share below `least` but above 0 given to the largest share (ties
-    to the smaller id), the total unchanged: a model with BatchNorm cannot train on one
-    sample in train mode ("Expected more than 1 value per channel"), so a slow member's
-    share of 1 becomes 0 (it still joins the step's collectives, with weight 0)."""
+def at_least(shares: Sequence[int], least: int, ids: Sequence[int] | None = None,
+             empty_ok: bool = False) -> list[int]:
+    """`shares` with no member below `least` (a model with BatchNorm cannot train on one
+    sample in train mode: "Expected more than 1 value per channel"), the total unchanged:
+    a short share is filled one sample at a time from the largest share (ties to the
+    smaller id) that stays at `least` or more. Where the total cannot give every member
+    `least`, the even split. `empty_ok` (the script takes an empty batch): a share below
+    `least` goes instead, whole, to the largest share, and the member gets 0."""
     out = list(shares)
     ids = list(range(len(out))) if ids is None else list(ids)
-    for i, n in enumerate(out):
-        if 0 < n < least:
+    if empty_ok:
+        for i, n in enumerate(out):
+            if 0 < n < least:
+                top = min(range(len(out)), key=lambda j: (-out[j], ids[j]))
+                if top != i:
+                    out[top] += n
+                    out[i] = 0
+        return out
+    total = sum(out)
+    if total < least * len(out):
+        return proportional([1.0] * len(out), total, ids)
+    for i in sorted(range(len(out)), key=lambda k: ids[k]):
+        while out[i] < least:
             top = min(range(len(out)), key=lambda j: (-out[j], ids[j]))
-            if top != i:
-                out[top] += n
-                out[i] = 0
+            out[top] -= 1
+            out[i] += 1
     return out
 
 

@@ -98,10 +98,11 @@ class SplitPlan:
     rank's local part (mode, hint, meter, the generation last exchanged in)."""
 
     def __init__(self, global_batch_size: int, split: str | None = None,
-                 environ: Mapping[str, str] | None = None, least: int = 1) -> None:
+                 environ: Mapping[str, str] | None = None, least: int = 1, empty_ok: bool = False) -> None:
         env = os.environ if environ is None else environ
         self.mode = split_mode(split, env)
-        self.least = least   # the smallest share a speed split gives a member, unless 0 (BatchNorm: 2)
+        self.least = least   # the smallest share a speed split gives a member (BatchNorm: 2)
+        self.empty_ok = empty_ok   # the script takes an empty batch: a share below `least` may become 0
         self.hint = _positive(env, SPEED_HINT, 1.0)
         self.straggler_factor = _positive(env, STRAGGLER_FACTOR, DEFAULT_STRAGGLER_FACTOR, least=1.0)
         self.global_batch_size = global_batch_size
@@ -158,7 +159,7 @@ class SplitPlan:
         self._mark_stragglers(wids, measured, now)
         b = self.global_batch_size
         even = even_shares(len(wids), b)
-        new = speed_shares(est, b, wids, self.least) if self.mode == "speed" else even
+        new = speed_shares(est, b, wids, self.least, self.empty_ok) if self.mode == "speed" else even
         if wids != self.members:
             new = new if worth_replanning(even, new, est) else even   # speeds must earn an uneven split
             reason = "membership" if self.members else "start"
