@@ -133,6 +133,17 @@ def test_the_run_keeps_every_public_name_it_had_as_one_class_of_mixins():
     assert (run.model, run.optimizer, run.rank, run.world_size, run.step, run.is_primary) == (model, opt, 0, 1, 0, True)
 
 
+def test_the_loader_keeps_persistent_workers_true_and_refuses_false():
+    """Its read-ahead workers live for the whole run: True (a converted DataLoader call's)
+    is what happens, False cannot be done and is not silently ignored."""
+    model = make_model()
+    run = ElasticRun(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), num_samples=60,
+                     global_batch_size=16, steps=1)
+    with pytest.raises(ValueError, match="persistent_workers=False"):
+        run.loader(data(), persistent_workers=False)
+    assert len(run.loader(data(), persistent_workers=True)) == 1
+
+
 def test_register_refuses_a_taken_name_and_a_late_call_and_its_dict_is_undone(monkeypatch):
     monkeypatch.setenv("GPUFLEX_STORE", "127.0.0.1:1")   # distributed: it commits (never started here)
     model = make_model()

@@ -219,7 +219,16 @@ class ElasticRun:
     def loader(self, dataset: Any, num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None,
                prefetch_factor: int | None = None, persistent_workers: bool = True) -> ElasticLoader:
         """This rank's share of each step of the current epoch inside `run.epochs()`, else of every
-        remaining step; `num_workers > 0`: read ahead by processes that live for the whole run."""
+        remaining step; `num_workers > 0`: read ahead by processes that live for the whole run.
+
+        `persistent_workers` is accepted as DataLoader's is, so a converted call keeps it: the
+        read-ahead DataLoader is iterated once for the whole run (data/loader.py), so its
+        workers always persist; False, which asks for workers ended after each epoch, is a
+        ValueError rather than silently not done."""
+        if not persistent_workers:
+            raise ValueError("run.loader(persistent_workers=False): the read-ahead workers live for the "
+                             "whole run (across epochs and resizes) and cannot end after each epoch; "
+                             "drop the argument")
         ctx, sampler = self.ctx, self.ctx.sampler
         pre = Prefetcher(dataset, sampler, num_workers, pin_memory, collate_fn, prefetch_factor) \
             if num_workers else None
