@@ -24,10 +24,10 @@ from gpuflex.elastic.run.context import RunContext, StepStrategy
 
 
 class Boundary:
-    """The step boundary over `ctx`, for a run whose step strategy is `steps`."""
+    """The step boundary over `ctx`, for a run whose step strategy is `strategy`."""
 
-    def __init__(self, ctx: RunContext, steps: StepStrategy) -> None:
-        self.ctx, self.steps = ctx, steps
+    def __init__(self, ctx: RunContext, strategy: StepStrategy) -> None:
+        self.ctx, self.strategy = ctx, strategy
 
     def switch_to(self) -> int:
         """Rank 0's part of the agreement: a newer generation to switch to, or 0."""
@@ -50,23 +50,23 @@ class Boundary:
         ctx.step_started = None
         why = ctx.group.take_failure()
         if why is not None:   # this step's gradient all-reduce failed: undo it
-            self.steps.no_undo(why)
+            self.strategy.no_undo(why)
             state.undo_step()
             ctx.joined(ctx.formation.recover(ctx.generation, why))
             return ctx.more()
         agreement = ctx.agreement
-        rode = self.steps.vote_rode()   # the vote arrived with the step's own collective or barrier
+        rode = self.strategy.vote_rode()   # the vote arrived with the step's own collective or barrier
         fence = ctx.buffers.needed()   # the buffers' sync is a collective after user code: a barrier first
         if rode:
             flags = agreement.agree(done_step) if not fence or ctx.cross("boundary") else None
-        elif self.steps.vote_rides_barrier():
+        elif self.strategy.vote_rides_barrier():
             flags = agreement.unpack(ctx.barrier.voted) if ctx.cross("boundary", agreement.pack()) else None
         else:
             flags = agreement.agree(done_step) if ctx.cross("boundary") else None
         flags = flags if flags is None or ctx.buffers.sync(share(ctx.batch)) else None   # failed: a failed vote
         if flags is None:   # the agreement failed, after this rank completed its step
             why = ctx.group.take_failure()
-            self.steps.no_undo(why)
+            self.strategy.no_undo(why)
             if done_step:
                 ids = ctx.sampler.global_batch(state.step)[2].tolist() if ctx.track_samples else None
                 state.confirm_step(ids, now, ctx.world_size)
@@ -124,6 +124,6 @@ class Boundary:
         failed is reported at once through the progress record (the control side turns each
         new failure into an event)."""
         ctx = self.ctx
-        written = self.steps.checkpoint(agreed)
+        written = self.strategy.checkpoint(agreed)
         if not written and ctx.state.last_checkpoint_error and ctx.rdzv is not None and ctx.rank == 0:
             ctx.progress.report(ctx.state.step_log, ctx.rdzv, force=True)

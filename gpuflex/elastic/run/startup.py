@@ -23,10 +23,10 @@ from gpuflex.elastic.state.tree import copy_value
 
 
 class StartUp:
-    """The run's start and join, over `ctx`; `steps` is the run's step strategy."""
+    """The run's start and join, over `ctx`; `strategy` is the run's step strategy."""
 
-    def __init__(self, ctx: RunContext, steps: StepStrategy) -> None:
-        self.ctx, self.steps = ctx, steps
+    def __init__(self, ctx: RunContext, strategy: StepStrategy) -> None:
+        self.ctx, self.strategy = ctx, strategy
         self.pre_warm: dict[str, Any] | None = None   # the state before the warm-up passes, put back after
 
     def ensure_started(self) -> None:
@@ -53,7 +53,7 @@ class StartUp:
         ctx.barrier = StepBarrier(ctx.rdzv, ctx.wid, env.heartbeat_timeout_s)
         install_crash_hook(lambda rec: (report_crash(ctx.rdzv, ctx.wid, rec), ctx.close()),
                            lambda: f"step {ctx.state.step} of generation {ctx.generation} (rank {ctx.rank})")
-        self.steps.prepare()   # the gradient buffer touched; a sharded run's hook for FSDP's collectives
+        self.strategy.prepare()   # the gradient buffer touched; a sharded run's hook for FSDP's collectives
         ctx.warming_up = ctx.warm_up_steps > 0
         if not ctx.warming_up:
             self.join()
