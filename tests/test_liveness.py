@@ -579,19 +579,20 @@ def test_a_failed_collective_of_a_sharded_run_ends_it_as_a_lost_store_once_the_s
     store answers; StoreLost once the store is gone (a member that saw it die first has
     exited, which is what failed the others' collective), so every member of a job whose
     store was killed exits STORE_LOST_EXIT and the job's record says so."""
+    from types import SimpleNamespace
+
     from gpuflex.elastic.membership.joining import ShardsLost
     from gpuflex.elastic.membership.rendezvous import StoreLost
     from gpuflex.elastic.run.sharded_steps import ShardedSteps
 
     job = make_job([0])
     job.worker(0)
-    run = ShardedSteps()
-    run.sharding, run.generation, run.rdzv = object(), G, job.rdzvs[0]
+    steps = ShardedSteps(SimpleNamespace(generation=G, rdzv=job.rdzvs[0]))   # what no_undo reads of a context
     with pytest.raises(ShardsLost, match="a collective of generation 1 failed \\(peer gone\\)"):
-        run._no_undo("peer gone")
+        steps.no_undo("peer gone")
     job.store = None   # the job store's server goes with its last reference
     with pytest.raises(StoreLost):
-        run._no_undo("peer gone")
+        steps.no_undo("peer gone")
 
 
 def _store_of_job_with(marker: str) -> str:

@@ -116,6 +116,34 @@ def test_accumulate_refuses_tensors_that_are_not_this_ranks_share():
         run.backward(torch.nn.functional.mse_loss(model(x), y))
 
 
+PUBLIC = {"accumulate", "agreement", "all_reduce", "backend", "backward", "barrier", "batch", "buffers",
+          "checkpoint_dir", "checkpoint_interval_s", "destroy_process_group", "device", "distributed", "env",
+          "epoch", "epochs", "formation", "full_parameters", "generation", "global_mean", "group", "is_primary",
+          "loader", "micro", "model", "optimizer", "pg", "pg_timeout_s", "progress", "rank", "rdzv", "register",
+          "registry", "sampler", "samples", "scheduler", "sharding", "signals", "split", "state", "status", "step",
+          "step_log", "stopped", "store_address", "track_samples", "warm_up_steps", "warming_up", "wid",
+          "world_size"}
+
+
+def test_the_run_keeps_every_public_name_it_had_as_one_class_of_mixins():
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = ElasticRun(model=model, optimizer=opt, num_samples=60, global_batch_size=16, steps=1)
+    assert PUBLIC - set(dir(run)) == set()
+    assert (run.model, run.optimizer, run.rank, run.world_size, run.step, run.is_primary) == (model, opt, 0, 1, 0, True)
+
+
+def test_the_loader_keeps_persistent_workers_true_and_refuses_false():
+    """Its read-ahead workers live for the whole run: True (a converted DataLoader call's)
+    is what happens, False cannot be done and is not silently ignored."""
+    model = make_model()
+    run = ElasticRun(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), num_samples=60,
+                     global_batch_size=16, steps=1)
+    with pytest.raises(ValueError, match="persistent_workers=False"):
+        run.loader(data(), persistent_workers=False)
+    assert len(run.loader(data(), persistent_workers=True)) == 1
+
+
 def test_register_refuses_a_taken_name_and_a_late_call_and_its_dict_is_undone(monkeypatch):
     monkeypatch.setenv("GPUFLEX_STORE", "127.0.0.1:1")   # distributed: it commits (never started here)
     model = make_model()
@@ -132,7 +160,7 @@ def test_register_refuses_a_taken_name_and_a_late_call_and_its_dict_is_undone(mo
     run.state.undo_step()           # ... is undone, the script's scalars with it
     assert best == {"val_loss": 9.0}
     assert run.state.capture()["objects"]["extra.best"] == {"val_loss": 9.0}   # carried and checkpointed
-    run._started = True
+    run.ctx.started = True   # the loop has begun
     with pytest.raises(RuntimeError, match="before the loop"):
         run.register("late", {})
 

@@ -258,6 +258,68 @@ def test_no_module_reaches_into_another_modules_private_names():
     assert bad == []
 
 
+def self_as_any(tree: ast.Module) -> list[int]:
+    """The lines of methods whose `self` is annotated `Any` (or `typing.Any`)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.args.args:
+            first = node.args.args[0]
+            ann = first.annotation
+            if first.arg == "self" and (isinstance(ann, ast.Name) and ann.id == "Any"
+                                        or isinstance(ann, ast.Attribute) and ann.attr == "Any"):
+                out.append(node.lineno)
+    return out
+
+
+def test_no_method_types_its_self_as_any():
+    """`self: Any` is how a mixin reaches the attributes of the class it is mixed into: it
+    hides which object a method works on (ElasticRun's parts were such mixins; they hold
+    a RunContext instead)."""
+    hits = sorted(f"{name}:{line}" for name, tree in TREES.items() for line in self_as_any(tree))
+    assert hits == []
+
+
+def gpuflex_bases(tree: ast.Module) -> dict[str, list[str]]:
+    """Each class of a module with its bases that are gpuflex classes: defined in the module,
+    or reached through a name imported from gpuflex (`Base`, `module.Base`)."""
+    ours = {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("gpuflex")):
+            ours.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Import):
+            ours.update((a.asname or a.name).split(".")[0] for a in node.names if a.name.startswith("gpuflex"))
+    out: dict[str, list[str]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            roots = []
+            for base in node.bases:
+                root = base
+                while isinstance(root, ast.Attribute):
+                    root = root.value
+                if isinstance(root, ast.Name) and root.id in ours:
+                    roots.append(ast.unparse(base))
+            out[node.name] = roots
+    return out
+
+
+def test_the_run_is_composed_not_mixed():
+    """ElasticRun's parts (gpuflex/elastic/run/) are objects over one RunContext, not mixins:
+    no class there inherits from more than one gpuflex class."""
+    mixed = {f"{name}.{cls}": bases for name, tree in TREES.items() if name.startswith("gpuflex.elastic.run.")
+             for cls, bases in gpuflex_bases(tree).items() if len(bases) > 1}
+    assert mixed == {}
+
+
+def test_the_shape_checks_catch_a_mixin_and_a_self_typed_any():
+    tree = ast.parse("from typing import Any, Protocol\nfrom gpuflex.elastic.run.startup import StartUp\n"
+                     "from gpuflex.elastic.run import user_calls\nclass Local: pass\n"
+                     "class Run(StartUp, user_calls.UserCalls, Protocol): pass\n"
+                     "class Steps(Local, Exception):\n    def backward(self: Any) -> None: ...\n"
+                     "    def fine(self) -> None: ...\n")
+    assert gpuflex_bases(tree) == {"Local": [], "Run": ["StartUp", "user_calls.UserCalls"], "Steps": ["Local"]}
+    assert self_as_any(tree) == [7]
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_modules_stay_readable_in_size(name):
     lines = MODULES[name].read_text().count("\n")

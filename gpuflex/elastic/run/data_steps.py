@@ -1,66 +1,112 @@
-"""What a data-parallel step does in `run.backward` (mixed into ElasticRun, whose attributes
-it uses): the loss weighted by the rank's share of the global batch, the gradients summed
-over the members by the gradient plan (gradients.py), whose large all-reduces start during
-backward once the process's first backward is done (it may compile), after the step
-barrier. A sharded run's backward is ShardedSteps'; a warming-up newcomer's only compiles.
+"""`DataParallelSteps`: the step strategy of a data-parallel run (a whole model on every
+member). `run.backward` is its `backward`: the loss weighted by the rank's share of the
+global batch, the gradients summed over the members by the gradient plan (gradients.py),
+whose large all-reduces start during backward once the process's first backward is done
+(it may compile), after the step barrier; a warming-up newcomer's backward only compiles.
+
+A step strategy is what the runtime asks of a kind of run besides the step loop: its
+`backward`, its preparation at start-up (`prepare`), whether the boundary's vote rode the
+step's own collective (`vote_rode`) or rides a barrier (`vote_rides_barrier`), what a
+failed collective means (`no_undo`: here nothing, the boundary undoes the step), its
+checkpoint, and `full_parameters`. The sharded one (sharded_steps.py) answers the same.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
-from gpuflex.elastic.protocol import failpoints
-from gpuflex.elastic.membership.collectives import backward
 from gpuflex.elastic.data.gradients import GradPlan, drop_grads
 from gpuflex.elastic.data.micro import share
+from gpuflex.elastic.membership.collectives import backward
 from gpuflex.elastic.membership.rendezvous import StoreLost
+from gpuflex.elastic.protocol import failpoints
+from gpuflex.elastic.run.context import RunContext
+
+
+def warm_up_backward(ctx: RunContext, loss: torch.Tensor) -> None:
+    """A warming-up newcomer's backward: it compiles what the first step would; the state
+    it receives on joining replaces the rest, so its gradients are dropped."""
+    loss.backward()
+    ctx.last_loss = loss.detach()
+    drop_grads(ctx.model)
 
 
 class DataParallelSteps:
-    """Mixed into ElasticRun (runtime.py)."""
+    """A data-parallel run's steps over `ctx` (see the module docstring)."""
 
-    def backward(self: Any, loss: torch.Tensor) -> None:
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+        self.grad_plan: GradPlan | None = None   # made at start-up under gpuflex, else at the first reduce
+        self.overlap = False   # the process's first backward is not overlapped (it may compile)
+
+    def backward(self, loss: torch.Tensor) -> None:
         """Backward of this rank's *mean* loss over its share, weighted by the share's part
         of the global batch, then the gradients summed over the members: exactly the
         full-batch mean gradient, at any world size (as DDP's average is at a fixed one)."""
-        batch, micro = self.batch, self.micro.take()
-        if self.micro.backward_before_last(loss):   # accumulating: the last micro-batch reduces
+        ctx = self.ctx
+        batch, micro = ctx.batch, ctx.micro.take()
+        if ctx.micro.backward_before_last(loss):   # accumulating: the last micro-batch reduces
             return
-        if self.sharding is not None and not self.warming_up:   # FSDP reduce-scatters (sums) in backward
-            return self._backward_sharded(loss, batch, micro)
-        if self.warming_up:   # compiles what the first step would; the received state replaces the rest
-            loss.backward()
-            self._overlap, self._last_loss = True, loss.detach()
-            return drop_grads(self.model)
-        overlap, self._overlap = self._overlap, True   # a first backward may compile: not overlapped
-        if self.world_size > 1:   # the large gradients' all-reduces start during backward
-            if self._grad_plan is None:
-                self._grad_plan = self._make_grad_plan()
-            if overlap and self._cross("backward"):
-                self._grad_plan.arm()
+        if ctx.warming_up:
+            self.overlap = True
+            return warm_up_backward(ctx, loss)
+        overlap, self.overlap = self.overlap, True   # a first backward may compile: not overlapped
+        world = ctx.world_size
+        if world > 1:   # the large gradients' all-reduces start during backward
+            if self.grad_plan is None:
+                self.grad_plan = self.make_grad_plan()
+            if overlap and ctx.cross("backward"):
+                self.grad_plan.arm()
         if batch is not None and len(batch.indices) == 0:   # more ranks than samples this step
-            for p in self.model.parameters():
+            for p in ctx.model.parameters():
                 p.grad = torch.zeros_like(p)
         else:
             weight = micro.weight if micro is not None else share(batch)
-            backward(loss * weight if weight != 1.0 else loss, self.backend)
+            backward(loss * weight if weight != 1.0 else loss, ctx.group.backend)
         if batch is not None:   # this rank's compute of the step: to the end of its backward, less barriers
-            self.split.meter.add(time.perf_counter() - self._t_step - self._waited, len(batch.indices))
-        self._last_loss = loss.detach()
-        if failpoints.ARMED and self.world_size > 1: failpoints.hit("steady.collective", **self._where())
-        if self.world_size > 1 and not overlap and self._cross("backward"):   # then reduce
-            self._grad_plan.arm()
-        if self.world_size > 1 and self.group.failure is not None:
-            drop_grads(self.model)
-        elif self.world_size > 1:
+            ctx.split.meter.add(time.perf_counter() - ctx.t_step - ctx.waited, len(batch.indices))
+        ctx.last_loss = loss.detach()
+        if failpoints.ARMED and world > 1: failpoints.hit("steady.collective", **ctx.where())
+        if world > 1 and not overlap and ctx.cross("backward"):   # then reduce
+            self.grad_plan.arm()
+        if world > 1 and ctx.group.failure is not None:
+            drop_grads(ctx.model)
+        elif world > 1:
             try:
-                self._grad_plan.reduce()
+                self.grad_plan.reduce()
             except StoreLost as e:   # raised at the boundary, where the runtime exits cleanly
-                drop_grads(self.model)
-                self._store_lost = e
+                drop_grads(ctx.model)
+                ctx.store_lost = e
 
-    def _make_grad_plan(self: Any) -> GradPlan:
-        return GradPlan(self.model, self.group, self.agreement, self.sampler.num_samples)
+    def make_grad_plan(self) -> GradPlan:
+        ctx = self.ctx
+        return GradPlan(ctx.model, ctx.group, ctx.agreement, ctx.sampler.num_samples)
+
+    def prepare(self) -> None:
+        """At start-up under gpuflex: the gradient buffer (and hooks) made and touched, so a
+        first step does not pay for them."""
+        if any(p.requires_grad for p in self.ctx.model.parameters()):
+            self.grad_plan = self.make_grad_plan()
+            self.grad_plan.flat.zero_()
+
+    def vote_rode(self) -> bool:
+        """The boundary's vote rode this step's gradient all-reduce (its barrier was crossed
+        and the plan fuses the vote into it)."""
+        ctx = self.ctx
+        return ctx.crossed == (ctx.generation, ctx.state.step, "backward") and self.grad_plan.fuse
+
+    def vote_rides_barrier(self) -> bool:
+        return False   # a data-parallel step's vote rides its all-reduce, else has one of its own
+
+    def no_undo(self, why: str | None) -> None:
+        """A failed collective: nothing here; the boundary undoes the step and recovers."""
+
+    def checkpoint(self, agreed: bool) -> bool:
+        """Rank 0 writes the checkpoint (state/checkpoints.py); False: it failed or was not due."""
+        return self.ctx.state.checkpoint(self.ctx.rank, self.ctx.world_size)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter, by name (a copy)."""
+        return {n: p.detach().clone() for n, p in self.ctx.model.named_parameters()}

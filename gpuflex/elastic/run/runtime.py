@@ -11,71 +11,70 @@ Under gpuflex (GPUFLEX_STORE set) the run joins the job's current generation and
 resizes and faults in place; without it the same script runs alone. At each step boundary
 the members agree, in one small all-reduce (riding the gradients' where it can; a sharded
 step's rides the step barrier), on the samples of the step just done, on stopping, on a
-checkpoint and on a switch to a newer generation (agreement.py); then the state is
+checkpoint and on a switch to a newer generation (boundary.py); then the state is
 committed in memory. A collective that fails (a dead peer) is noted and handled at the next
 boundary: the survivors report it, the coordinator publishes the next generation, and the
-members continue from the newest state any of them holds (formation.py). Before a step's
-collectives the members pass a barrier over the job store (liveness.py): a busy member is
-waited for, a silent one fenced. With `shard=` the model is sharded with FSDP2 over each
-generation and resharded in place (sharding.py, sharded_steps.py).
+members continue from the newest state any of them holds (membership/joining.py). Before a
+step's collectives the members pass a barrier over the job store (membership/liveness.py):
+a busy member is waited for, a silent one fenced. With `shard=` the model is sharded with
+FSDP2 over each generation and resharded in place (sharding/, sharded_steps.py).
+
+`ElasticRun` is this file's step loop over parts it composes (run/__init__.py lists them):
+they share one `RunContext` (context.py), and the run's public attributes are the
+context's, read through it.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import logging
-import os
 import signal
-import sys
 import threading
 import time
+from operator import attrgetter
 from typing import Any, Iterator
 
 import torch
+import torch.distributed as dist
 
-from gpuflex.elastic.protocol import failpoints, keys
-from gpuflex.elastic.membership.agreement import Agreement
-from gpuflex.elastic.state.buffers import BufferSync
-from gpuflex.elastic.membership.collectives import Collectives, pick_device
-from gpuflex.elastic.state.training import TrainingState
-from gpuflex.elastic.run.data_steps import DataParallelSteps
-from gpuflex.elastic.protocol.env import WorkerEnv
-from gpuflex.elastic.membership.joining import Formation, Formed, ShardsLost
-from gpuflex.elastic.data.gradients import GradPlan
-from gpuflex.elastic.protocol.keys import ABORTED_EXIT, EVICTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
-from gpuflex.elastic.membership.liveness import StepBarrier, close_after, close_at_exit
 from gpuflex.elastic.data.loader import ElasticLoader, Prefetcher
-from gpuflex.elastic.data.micro import Accumulation, has_batch_norm, share, warm_up_steps
-from gpuflex.elastic.membership.rendezvous import Aborted, Evicted, Leaving, Rendezvous, StoreLost
+from gpuflex.elastic.data.micro import Accumulation, has_batch_norm, warm_up_steps
 from gpuflex.elastic.data.sampler import Batch, ElasticSampler
-from gpuflex.elastic.run.sharded_steps import ShardedSteps
-from gpuflex.elastic.protocol.signals import StepSignals
-from gpuflex.elastic.data.split_plan import SplitPlan, exchange
-from gpuflex.elastic.run.startup import StartUp
-from gpuflex.elastic.state.tree import Registry
-from gpuflex.elastic.run.user_calls import UserCalls
+from gpuflex.elastic.data.split_plan import SplitPlan
+from gpuflex.elastic.membership.agreement import Agreement
+from gpuflex.elastic.membership.collectives import Collectives, pick_device
+from gpuflex.elastic.membership.liveness import close_after, close_at_exit
 from gpuflex.elastic.membership.worker_control import Progress
+from gpuflex.elastic.protocol import failpoints
+from gpuflex.elastic.protocol.env import WorkerEnv
+from gpuflex.elastic.protocol.signals import StepSignals
+from gpuflex.elastic.run.boundary import Boundary
+from gpuflex.elastic.run.context import RunContext
+from gpuflex.elastic.run.data_steps import DataParallelSteps
+from gpuflex.elastic.run.sharded_steps import ShardedSteps, shard_model
+from gpuflex.elastic.run.startup import StartUp
+from gpuflex.elastic.run.user_calls import UserCalls
+from gpuflex.elastic.state.buffers import BufferSync
+from gpuflex.elastic.state.training import TrainingState
+from gpuflex.elastic.state.tree import Registry
 
-log = logging.getLogger(__name__)
+
+def _shared(name: str, doc: str | None = None) -> property:
+    """A run's attribute that is its context's (read-only), read in one C-level lookup."""
+    return property(attrgetter(f"ctx.{name}"), doc=doc)
 
 
-class ElasticRun(StartUp, UserCalls, DataParallelSteps, ShardedSteps):
+class ElasticRun:
     """Drives an elastic data-parallel training loop; see the module docstring.
 
-    Its parts: `signals` (stop, checkpoint and poke requests), `state` (the step, the logs,
-    the registered objects, commits and checkpoints), `group` (the process group and its
-    failures), `agreement` (the step-boundary vote), the gradient plan, and, under gpuflex,
-    `rdzv` (the job store) and `formation` (joining generations), and `split` (the split
-    plan: each member's share of a step, by measured speed or even; split_plan.py). The calls
-    a script makes inside a step (all_reduce, accumulate, global_mean, register) come from
-    UserCalls; the start and join from StartUp; `backward` from DataParallelSteps; a sharded
-    run's steps from ShardedSteps."""
-
-    barrier: StepBarrier | None = None   # under gpuflex: the step barrier (liveness.py)
-    warming_up = False   # a worker's passes through the loop before it says it is ready (no state yet)
-    _pre_warm: dict[str, Any] | None = None   # the state before them, put back after
-    _overlap, _crossed = False, ()       # the process's first backward is not overlapped; the last barrier
+    Its parts, each over the one `ctx` (context.py): `strategy`, the step strategy
+    (`DataParallelSteps`, or `ShardedSteps` with `shard=`): `backward`, what a failed
+    collective means, checkpoints; `startup` (`StartUp`): the start under gpuflex and the
+    join; `boundary` (`Boundary`): what happens between two steps; `calls` (`UserCalls`):
+    all_reduce, accumulate, global_mean, register. The context's collaborators are the
+    run's attributes: `signals` (stop, checkpoint and poke requests), `state` (the step, the
+    logs, the registered objects, commits and checkpoints), `group` (the process group and
+    its failures), `agreement` (the step-boundary vote), `split` (each member's share of a
+    step, by measured speed or even; data/split_plan.py), and, under gpuflex, `rdzv` (the job
+    store) and `formation` (joining generations)."""
 
     def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  num_samples: int, global_batch_size: int, epochs: int | None = None,
@@ -84,299 +83,180 @@ class ElasticRun(StartUp, UserCalls, DataParallelSteps, ShardedSteps):
                  warm_up: int | None = None, track_samples: bool = False,
                  checkpoint_dir: str | None = None, checkpoint_interval_s: float | None = None,
                  split: str | None = None, shard: Any = None) -> None:
-        self.device = pick_device()
-        self.sharding = None   # shard=: FSDP2 over each generation; optimizer (and scheduler) are factories
+        device = pick_device()
+        sharding = None   # shard=: FSDP2 over each generation; optimizer (and scheduler) are factories
         if shard is not None:
-            optimizer, scheduler = self._shard(model, optimizer, scheduler, shard)
-        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
-        self.sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, steps=steps, seed=seed)
-        self.split = SplitPlan(global_batch_size, split,   # "speed" | "even"; None: GPUFLEX_SPLIT, else "speed"
-                               least=2 if has_batch_norm(model) else 1)
-        heavy = self.sharding is None   # a sharded run's model and optimizer state move as shards only
-        self.registry = Registry.of(model=model if heavy else None, optimizer=optimizer if heavy else None,
-                                    scheduler=scheduler, scaler=scaler, extra=extra)
+            sharding, optimizer, scheduler = shard_model(model, optimizer, scheduler, shard, device)
+        sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, steps=steps, seed=seed)
+        plan = SplitPlan(global_batch_size, split,   # "speed" | "even"; None: GPUFLEX_SPLIT, else "speed"
+                         least=2 if has_batch_norm(model) else 1)
+        heavy = sharding is None   # a sharded run's model and optimizer state move as shards only
+        registry = Registry.of(model=model if heavy else None, optimizer=optimizer if heavy else None,
+                               scheduler=scheduler, scaler=scaler, extra=extra)
         if not heavy:
-            self.registry.add("sharded.param_groups", self.sharding.param_groups)
-        self.registry.add("split", self.split)   # committed with each step, copied to newcomers, checkpointed
-        self.warm_up_steps = warm_up_steps(model, warm_up)   # a newcomer's passes before it is ready
-        self.track_samples, self.stopped = track_samples, False
-        env = self.env = WorkerEnv.from_environ()
-        self.wid, self.store_address, self.pg_timeout_s = env.worker_id, env.store, env.pg_timeout_s
-        self.checkpoint_dir = checkpoint_dir or env.checkpoint_dir
-        self.checkpoint_interval_s = float(checkpoint_interval_s or env.checkpoint_interval_s)
-        self.rank, self.world_size, self.generation = 0, 1, 0
-        self.group = Collectives(self.device, self.pg_timeout_s)
-        self.buffers = BufferSync(model, self.group, buffers)
-        self.state = TrainingState(registry=self.registry, model=model, sampler=self.sampler, buffers=self.buffers,
-                                   distributed=self.distributed, checkpoint_dir=self.checkpoint_dir,
-                                   resume_from=env.resume_from)
-        self.signals = StepSignals()
-        self.agreement = Agreement(batch_size=global_batch_size, track_samples=track_samples,
-                                   signals=self.signals, group=self.group, switch_to=self._switch_to)
-        self.progress = Progress(global_batch_size, self.status)
-        self.micro = Accumulation()
-        self.rdzv: Rendezvous | None = None
-        self.formation: Formation | None = None
-        self.batch: Batch | None = None       # the step being trained now
-        self._last_loss: torch.Tensor | None = None
-        self._step_started: float | None = None
-        self._t_step = self._waited = 0.0   # this step's start (perf_counter) and time at its barriers
-        self._started = self._in_epochs = False
-        self._store_lost: StoreLost | None = None
-        self._grad_plan: GradPlan | None = None
-        self._pending_timings: dict[str, Any] | None = None
-        self._formed_at: float | None = None   # the end of the last formation, until its first step
-        self._formed_kind = ""
-        self._control = None
+            registry.add("sharded.param_groups", sharding.param_groups)
+        registry.add("split", plan)   # committed with each step, copied to newcomers, checkpointed
+        passes = warm_up_steps(model, warm_up)   # a newcomer's passes before it is ready
+        env = WorkerEnv.from_environ()
+        checkpoint_dir = checkpoint_dir or env.checkpoint_dir
+        group = Collectives(device, env.pg_timeout_s)
+        buffer_sync = BufferSync(model, group, buffers)
+        state = TrainingState(registry=registry, model=model, sampler=sampler, buffers=buffer_sync,
+                              distributed=env.store is not None, checkpoint_dir=checkpoint_dir,
+                              resume_from=env.resume_from)
+        ctx = self.ctx = RunContext(
+            env=env, device=device, model=model, optimizer=optimizer, scheduler=scheduler, sharding=sharding,
+            sampler=sampler, split=plan, registry=registry, group=group, buffers=buffer_sync, state=state,
+            signals=StepSignals(), micro=Accumulation(), checkpoint_dir=checkpoint_dir,
+            checkpoint_interval_s=float(checkpoint_interval_s or env.checkpoint_interval_s),
+            warm_up_steps=passes, track_samples=track_samples)
+        self.strategy = ShardedSteps(ctx) if sharding is not None else DataParallelSteps(ctx)
+        if sharding is not None:
+            sharding.on_forward = self.strategy.forward_barrier
+        self.startup, self.boundary = StartUp(ctx, self.strategy), Boundary(ctx, self.strategy)
+        self.calls = UserCalls(ctx)
+        ctx.agreement = Agreement(batch_size=global_batch_size, track_samples=track_samples,
+                                  signals=ctx.signals, group=group, switch_to=self.boundary.switch_to)
+        ctx.progress = Progress(global_batch_size, ctx.status)
+        # The script's calls in a step are the parts' own bound methods on the instance, so a
+        # call costs what a method of the run costs (the class's methods below document them).
+        self.backward, self.accumulate = self.strategy.backward, self.calls.accumulate
+        self.all_reduce, self.global_mean = self.calls.all_reduce, self.calls.global_mean
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: self.signals.request_stop())
+            signal.signal(signal.SIGTERM, lambda *_: ctx.signals.request_stop())
 
-    # ---- public properties ---------------------------------------------------------------
+    # ---- public attributes: the context's ------------------------------------------------------
     @property
     def is_primary(self) -> bool:
-        return self.rank == 0 and not self.warming_up
+        return self.ctx.rank == 0 and not self.ctx.warming_up
 
-    # the training state's counters and logs, read through the run
-    step = property(lambda self: self.state.step, doc="Global steps done (across epochs).")
-    epoch = property(lambda self: self.state.epoch, doc="The current epoch.")
-    step_log = property(lambda self: self.state.step_log, doc="[step, time, world size] per step done.")
-    samples = property(lambda self: self.state.samples, doc="Sample ids per epoch (track_samples).")
+    step = _shared("state.step", "Global steps done (across epochs).")
+    epoch = _shared("state.epoch", "The current epoch.")
+    step_log = _shared("state.step_log", "[step, time, world size] per step done.")
+    samples = _shared("state.samples", "Sample ids per epoch (track_samples).")
+    distributed = _shared("distributed", "Under gpuflex (GPUFLEX_STORE set).")
+    backend = _shared("group.backend", "gloo or nccl.")
+    pg = _shared("group.pg", "This generation's process group.")
+    rank = _shared("rank", "This member's rank in the current generation.")
+    world_size = _shared("world_size", "The current generation's members.")
+    generation = _shared("generation", "The current generation (0 before the first).")
+    batch = _shared("batch", "The step being trained now (its Batch).")
+    warming_up = _shared("warming_up", "A newcomer's passes through the loop before it is ready.")
+    stopped = _shared("stopped", "A stop was agreed (or came while waiting for a generation).")
+    wid = _shared("wid", "This worker's id in the job.")
+    store_address = _shared("env.store", "The job store's address (None alone).")
+    pg_timeout_s = _shared("env.pg_timeout_s")
+    env, device, sharding = _shared("env"), _shared("device"), _shared("sharding")
+    model, optimizer, scheduler = _shared("model"), _shared("optimizer"), _shared("scheduler")
+    sampler, split, registry = _shared("sampler"), _shared("split"), _shared("registry")
+    state, group, buffers = _shared("state"), _shared("group"), _shared("buffers")
+    signals, agreement, progress = _shared("signals"), _shared("agreement"), _shared("progress")
+    micro, warm_up_steps, track_samples = _shared("micro"), _shared("warm_up_steps"), _shared("track_samples")
+    checkpoint_dir, checkpoint_interval_s = _shared("checkpoint_dir"), _shared("checkpoint_interval_s")
+    rdzv, formation, barrier = _shared("rdzv"), _shared("formation"), _shared("barrier")
 
-    distributed = property(lambda self: self.store_address is not None, doc="Under gpuflex (GPUFLEX_STORE set).")
-    backend = property(lambda self: self.group.backend, doc="gloo or nccl.")
-    pg = property(lambda self: self.group.pg, doc="This generation's process group.")
+    # ---- the script's calls --------------------------------------------------------------------
+    # (bound on the instance from the parts in __init__; these say what they are)
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of this rank's mean loss over its share, weighted, and the gradients
+        summed over the members (the step strategy's: data_steps.py, sharded_steps.py)."""
+        self.strategy.backward(loss)
+
+    def accumulate(self, *tensors: torch.Tensor, micro_batch_size: int | None = None,
+                   steps: int | None = None) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Micro-batches of this rank's share (UserCalls.accumulate)."""
+        return self.calls.accumulate(*tensors, micro_batch_size=micro_batch_size, steps=steps)
+
+    def all_reduce(self, tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> bool:
+        """A user collective that a dead peer cannot crash; False if it failed (UserCalls)."""
+        return self.calls.all_reduce(tensor, op)
+
+    def global_mean(self, value: float | torch.Tensor) -> float:
+        """The global batch's mean of this rank's mean (UserCalls.global_mean)."""
+        return self.calls.global_mean(value)
+
+    def register(self, name: str, obj: Any) -> Any:
+        """More state, checkpointed and carried to newcomers; before the loop (UserCalls.register)."""
+        return self.calls.register(name, obj)
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by name. In a sharded run it all-gathers each one: every
+        member calls it, inside the loop (e.g. in the last step, for a report)."""
+        return self.strategy.full_parameters()
+
+    def status(self) -> dict[str, Any]:
+        """This worker's status record (RunContext.status)."""
+        return self.ctx.status()
+
+    def destroy_process_group(self) -> None:
+        """Drop this generation's group (see Collectives.close)."""
+        self.ctx.group.close()
 
     # ---- the loop -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
         """Every remaining step of the run, across epochs."""
-        yield from close_after(self._steps(epoch=None), self._close)
+        yield from close_after(self._steps(epoch=None), self.ctx.close)
 
     def epochs(self) -> Iterator[int]:
         """The epochs still to run (a resumed or newly joined worker starts inside one);
         iterate `run.loader(dataset)` in each, as with a DistributedSampler."""
+        ctx = self.ctx
         try:
-            with self._guard():
-                self._ensure_started()
-            self._in_epochs = True
-            if self.warming_up:   # one pass of the user's epoch body: the loader gives the warm-up batches
-                yield self.epoch
-                with self._guard():
-                    self._join()
-            while self._more():
-                yield self.epoch
+            with ctx.guard():
+                self.startup.ensure_started()
+            ctx.in_epochs = True
+            if ctx.warming_up:   # one pass of the user's epoch body: the loader gives the warm-up batches
+                yield ctx.state.epoch
+                with ctx.guard():
+                    self.startup.join()
+            while ctx.more():
+                yield ctx.state.epoch
         except BaseException:   # left early: the crash hook reports an exception before the close
-            close_at_exit(self._close)
+            close_at_exit(ctx.close)
             raise
-        self._close()
+        ctx.close()
 
     def loader(self, dataset: Any, num_workers: int = 0, pin_memory: bool = False, collate_fn: Any = None,
                prefetch_factor: int | None = None, persistent_workers: bool = True) -> ElasticLoader:
         """This rank's share of each step of the current epoch inside `run.epochs()`, else of every
-        remaining step; `num_workers > 0`: read ahead by processes that live for the whole run."""
-        pre = Prefetcher(dataset, self.sampler, num_workers, pin_memory, collate_fn, prefetch_factor) if num_workers else None
-        return ElasticLoader(lambda: (self._steps(self.epoch), self.sampler.steps_per_epoch) if self._in_epochs
-                             else (iter(self), self.sampler.total_steps - self.step), dataset, collate_fn, pre)
+        remaining step; `num_workers > 0`: read ahead by processes that live for the whole run.
+
+        `persistent_workers` is accepted as DataLoader's is, so a converted call keeps it: the
+        read-ahead DataLoader is iterated once for the whole run (data/loader.py), so its
+        workers always persist; False, which asks for workers ended after each epoch, is a
+        ValueError rather than silently not done."""
+        if not persistent_workers:
+            raise ValueError("run.loader(persistent_workers=False): the read-ahead workers live for the "
+                             "whole run (across epochs and resizes) and cannot end after each epoch; "
+                             "drop the argument")
+        ctx, sampler = self.ctx, self.ctx.sampler
+        pre = Prefetcher(dataset, sampler, num_workers, pin_memory, collate_fn, prefetch_factor) \
+            if num_workers else None
+        return ElasticLoader(lambda: (self._steps(ctx.state.epoch), sampler.steps_per_epoch) if ctx.in_epochs
+                             else (iter(self), sampler.total_steps - ctx.state.step), dataset, collate_fn, pre)
 
     def _steps(self, epoch: int | None) -> Iterator[Batch]:
-        with self._guard():
-            self._ensure_started()
-            if self.warming_up:
-                yield from self._warm_up_passes()
+        ctx, startup, boundary = self.ctx, self.startup, self.boundary
+        with ctx.guard():
+            startup.ensure_started()
+            if ctx.warming_up:
+                yield from startup.warm_up_passes()
                 if epoch is not None:   # epochs() joins once the user's warm-up pass is over
                     return
-                self._join()
+                startup.join()
             # Every member meets the first batch of a generation straight from its
             # formation (survivors return from the switch into the same spot), so the
             # collectives line up; the boundary comes after each step.
-            while self._more() and (epoch is None or self.epoch == epoch):
-                self._plan_split()
-                batch = self.sampler.batch(self.state.step, self.rank, self.world_size,
-                                           self.split.shares_for(self.world_size))
-                self.batch = batch
-                self.agreement.begin_step(batch)
-                self._step_started = time.time()
-                self._t_step, self._waited = time.perf_counter(), 0.0
-                if failpoints.ARMED and self._formed_at is not None and self._formed_kind == "resize":
-                    failpoints.hit("resize.first_step", **self._where())
+            state, sampler, split, agreement = ctx.state, ctx.sampler, ctx.split, ctx.agreement
+            while ctx.more() and (epoch is None or state.epoch == epoch):
+                boundary.plan_split()
+                batch = sampler.batch(state.step, ctx.rank, ctx.world_size, split.shares_for(ctx.world_size))
+                ctx.batch = batch
+                agreement.begin_step(batch)
+                ctx.step_started = time.time()
+                ctx.t_step, ctx.waited = time.perf_counter(), 0.0
+                if failpoints.ARMED and ctx.formed_at is not None and ctx.formed_kind == "resize":
+                    failpoints.hit("resize.first_step", **ctx.where())
                 yield batch
-                if not self._boundary():
+                if not boundary.after_step():
                     return
-
-    def _ensure_started(self) -> None:
-        if not self._started:
-            self._started = True
-            self._start()
-
-    @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
-        """The runtime's own ways out become exit codes, with the store and sockets closed."""
-        try:
-            yield
-        except StoreLost as e:
-            log.info("gpuflex: %s; exiting with %d so the job restarts from its last checkpoint",
-                     e, STORE_LOST_EXIT)
-            self._close()
-            os._exit(STORE_LOST_EXIT)
-        except (Evicted, Aborted) as e:
-            log.info("gpuflex: worker %d %s; exiting", self.wid, f"aborted: {e}" if isinstance(e, Aborted) else e)
-            self._close()
-            sys.exit(ABORTED_EXIT if isinstance(e, Aborted) else EVICTED_EXIT)
-        except Leaving:
-            self._close()
-            sys.exit(0)
-        except ShardsLost as e:   # the job restarts from its distributed checkpoint (sharding.py)
-            log.error("gpuflex: worker %d: %s", self.wid, e)
-            self._close(done=False)   # not done: the control side sees the exit code and restarts the job
-            logging.shutdown()
-            os._exit(SHARDS_LOST_EXIT)
-
-    # ---- start, boundary, switch ---------------------------------------------------------------
-    def _switch_to(self) -> int:
-        """Rank 0's part of the agreement: a newer generation to switch to, or 0."""
-        g = 0 if self.rank != 0 or self.rdzv is None else self.rdzv.newer_generation(
-            self.generation, self.signals.take_poke())
-        if failpoints.ARMED and g: failpoints.hit("resize.detect", **dict(self._where(), new=g))
-        return g
-
-    def _joined(self, formed: Formed | None) -> None:
-        """A formation ended: in a new generation, or (None) stopped while waiting for one."""
-        if formed is None:
-            self.stopped = True
-            return
-        self.rank, self.world_size, self.generation = formed.rank, formed.world_size, formed.generation
-        self._formed_at, self._formed_kind = formed.at, formed.kind
-        self._pending_timings = formed.timings
-
-    def _boundary(self) -> bool:
-        """Confirm the step just done, then agree on what happens next. False: stop."""
-        now = time.time()
-        done_step = self._step_started is not None
-        state = self.state
-        if self._store_lost is not None:
-            raise self._store_lost
-        if self.rdzv is not None and self.rdzv.lost.is_set():   # seen by the heartbeat thread
-            raise StoreLost("the job store stopped answering heartbeats")
-        self._step_started = None
-        why = self.group.take_failure()
-        if why is not None:   # this step's gradient all-reduce failed: undo it
-            self._no_undo(why)
-            state.undo_step()
-            self._joined(self.formation.recover(self.generation, why))
-            return self._more()
-        rode = self._crossed == (self.generation, state.step, "backward") and self._grad_plan.fuse   # the vote
-        rode = rode or self._crossed == (self.generation, state.step, "forward") and self.agreement.held
-        fence = self.buffers.needed()   # the buffers' sync is a collective after user code: a barrier first
-        if rode:
-            flags = self.agreement.agree(done_step) if not fence or self._cross("boundary") else None
-        elif self._vote_rides_barrier():
-            flags = self.agreement.unpack(self.barrier.voted) if self._cross("boundary", self.agreement.pack()) \
-                else None
-        else:
-            flags = self.agreement.agree(done_step) if self._cross("boundary") else None
-        flags = flags if flags is None or self.buffers.sync(share(self.batch)) else None   # failed: a failed vote
-        if flags is None:   # the agreement failed, after this rank completed its step
-            why = self.group.take_failure()
-            self._no_undo(why)
-            if done_step:
-                ids = self.sampler.global_batch(state.step)[2].tolist() if self.track_samples else None
-                state.confirm_step(ids, now, self.world_size)
-            state.commit()
-            self._joined(self.formation.recover(self.generation, why))
-            return self._more()
-        switch_to, stop, ckpt, ids = flags
-        if done_step:
-            state.confirm_step(ids, now, self.world_size)
-        state.commit()
-        if self._formed_at is not None and done_step:
-            first, self._formed_at = now - self._formed_at, None
-            self.formation.log(f"first step of generation {self.generation}: {first:.3f}s")
-            if self._pending_timings is not None:   # rank 0
-                self._pending_timings["first_step"] = first
-                self.rdzv.set(keys.timings(self.generation), json.dumps(self._pending_timings))
-                self._pending_timings = None
-        if stop:
-            self.stopped = True
-            if failpoints.ARMED: failpoints.hit("cancel.stop", **self._where())
-            self._checkpoint()
-            return False
-        if state.step >= self.sampler.total_steps:
-            self._checkpoint()
-            if self.rdzv is not None and self.rank == 0:
-                self.rdzv.set(keys.FINISHED, "1")
-            return False
-        if ckpt or (self.rank == 0 and time.monotonic() - state.last_checkpoint >= self.checkpoint_interval_s):
-            self._checkpoint(agreed=ckpt)
-        if self.rank == 0 and self.rdzv is not None:
-            self.progress.report(state.step_log, self.rdzv)
-        if switch_to > self.generation:
-            self._joined(self.formation.switch(switch_to, agreed_at=now, agree_s=self.agreement.last_s))
-            return self._more()
-        return True
-
-    def _cross(self, phase: str, vote: int | None = None) -> bool:
-        """The step barrier before this step's collectives: False (noted as a failed collective)
-        when a member it waits for is dead, crashed or gone (see liveness.py). `vote`: a
-        voting barrier (the boundary's agreement riding it)."""
-        self._crossed = (self.generation, self.state.step, phase)
-        t = time.perf_counter()
-        ok = self.barrier is None or self.barrier.cross_noted(self.group, self.generation, self.world_size, phase,
-                                                              vote)
-        self._waited += time.perf_counter() - t
-        return ok
-
-    def _plan_split(self) -> None:
-        """At the top of a step, when due (a new generation's first step, every few steps):
-        the members' measurements exchanged, and the split re-planned from them if worth it."""
-        sp, step = self.split, self.state.step
-        if not sp.due(step, self.generation):
-            return
-        sp.exchanged_in = self.generation
-        row = sp.row(self.wid, time.time())
-        if self.world_size == 1:
-            rows = [row]
-        else:
-            rows = exchange(self.group, self.rank, self.world_size, row) if self._cross("split") else None
-        if rows is not None and sp.decide(rows, step, self.generation) is not None:
-            if failpoints.ARMED: failpoints.hit("split.replan", **self._where())   # made, not yet committed
-
-    def _checkpoint(self, agreed: bool = True) -> None:
-        """Rank 0 writes a checkpoint (a sharded run: every member, ShardedSteps); one that
-        failed is reported at once through the progress record (the control side turns each
-        new failure into an event)."""
-        written = self._checkpoint_shards(agreed) if self.sharding is not None \
-            else self.state.checkpoint(self.rank, self.world_size)
-        if not written and self.state.last_checkpoint_error and self.rdzv is not None and self.rank == 0:
-            self.progress.report(self.state.step_log, self.rdzv, force=True)
-
-    def _where(self) -> dict[str, int]:
-        """This worker's place, for a failpoint's filters."""
-        return {"wid": self.wid, "rank": self.rank, "gen": self.generation, "step": self.step}
-
-    def _more(self) -> bool:
-        return self.state.step < self.sampler.total_steps and not self.stopped
-
-    def status(self) -> dict[str, Any]:
-        loss = self._last_loss
-        return {"wid": self.wid, "rank": self.rank, "world_size": self.world_size, "generation": self.generation,
-                "step": self.step, "epoch": self.epoch, "samples_per_s": round(self.progress.rate, 2),
-                "loss": None if loss is None else float(loss), "checkpoint_failures": self.state.checkpoint_failures,
-                "checkpoint_error": self.state.last_checkpoint_error,
-                "waiting_for": list(self.barrier.waiting_for) if self.barrier else [], "time": time.time(),
-                **self.split.record()}
-
-    def _close(self, done: bool = True) -> None:
-        if getattr(self, "_closed", False):
-            return
-        self._closed = True
-        if self.rdzv is not None:
-            with contextlib.suppress(StoreLost):
-                if done:
-                    self.rdzv.set(keys.done(self.wid), "1")
-            self.rdzv.close()
-        if self._control is not None:
-            self._control.close()
-        self.destroy_process_group()
-
-    def destroy_process_group(self) -> None:
-        """Drop this generation's group (see Collectives.close)."""
-        self.group.close()

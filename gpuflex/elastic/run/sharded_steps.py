@@ -1,6 +1,6 @@
-"""What a sharded run (`ElasticRun(shard=...)`, sharding.py) does differently inside a step.
-Mixed into ElasticRun, whose attributes it uses; sharding.py (FSDP2) is imported only by a
-run that shards.
+"""`ShardedSteps`: the step strategy of a sharded run (`ElasticRun(shard=...)`, sharding/),
+what it does differently from a data-parallel one (data_steps.py) inside a step. FSDP2
+(sharding/) is imported only by a run that shards.
 
 - The optimizer (and a scheduler given as a function of it) is built by the runtime on the
   model's parameters before they are sharded, and kept: the script uses `run.optimizer`.
@@ -9,7 +9,7 @@ run that shards.
 - The step barrier is crossed before the step's first forward, ahead of FSDP's all-gathers
   (the data-parallel path crosses it before backward's all-reduce), carrying the step's
   vote when it packs; the boundary then crosses none, and its collectives (a distributed
-  checkpoint) are fenced by one of their own (`_fence`).
+  checkpoint) are fenced by one of their own (`fence`).
 - A failed collective or a dead member ends the run (`ShardsLost`, SHARDS_LOST_EXIT):
   without a copy of the shards a step cannot be undone nor a lost shard restored here; the
   job restarts from its last distributed checkpoint. Where FSDP's own collective fails
@@ -22,7 +22,6 @@ run that shards.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 import time
@@ -38,120 +37,143 @@ from gpuflex.elastic.membership.joining import ShardsLost
 from gpuflex.elastic.data.micro import share
 from gpuflex.elastic.protocol.logs import describe
 from gpuflex.elastic.membership.rendezvous import StoreLost
+from gpuflex.elastic.run.context import RunContext
+from gpuflex.elastic.run.data_steps import warm_up_backward
 
-log = logging.getLogger(__name__)
+
+def shard_model(model: torch.nn.Module, optimizer: Any, scheduler: Any, shard: Any,
+                device: torch.device) -> tuple[Any, Any, Any]:
+    """Take the model to shard: its Sharding, and the optimizer and scheduler (built here
+    when factories)."""
+    from gpuflex.elastic.sharding.sharded_run import Sharding
+    sharding = Sharding(model, optimizer, shard, device)
+    optimizer = sharding.optimizer
+    if callable(scheduler) and not hasattr(scheduler, "state_dict"):
+        scheduler = scheduler(optimizer)
+    return sharding, optimizer, scheduler
 
 
 class ShardedSteps:
-    """Mixed into ElasticRun (runtime.py)."""
+    """A sharded run's steps over `ctx` (see the module docstring; the strategy's calls are
+    DataParallelSteps' too). Its `forward_barrier` becomes the Sharding's `on_forward`."""
 
-    def _shard(self: Any, model: torch.nn.Module, optimizer: Any, scheduler: Any, shard: Any) -> tuple[Any, Any]:
-        """Take the model to shard; the optimizer and scheduler (built here when factories)."""
-        from gpuflex.elastic.sharding.sharded_run import Sharding
-        self.sharding = Sharding(model, optimizer, shard, self.device)
-        self.sharding.on_forward = self._forward_barrier
-        optimizer = self.sharding.optimizer
-        if callable(scheduler) and not hasattr(scheduler, "state_dict"):
-            scheduler = scheduler(optimizer)
-        return optimizer, scheduler
+    def __init__(self, ctx: RunContext) -> None:
+        self.ctx = ctx
 
-    def full_parameters(self: Any) -> dict[str, torch.Tensor]:
-        """Every parameter whole, by name. In a sharded run it all-gathers each one: every
-        member calls it, inside the loop (e.g. in the last step, for a report)."""
-        if self.sharding is None:
-            return {n: p.detach().clone() for n, p in self.model.named_parameters()}
-        return self.sharding.full_parameters()
-
-    def _backward_sharded(self: Any, loss: torch.Tensor, batch: Any, micro: Any) -> None:
-        """A sharded run's backward: the loss weighted by its share (FSDP sums the gradients).
-        A rank with an empty share (weight 0) still takes part in the collectives."""
+    def backward(self, loss: torch.Tensor) -> None:
+        """The loss weighted by this rank's share (FSDP sums the gradients). A rank with an
+        empty share (weight 0) still takes part in the collectives."""
+        ctx = self.ctx
+        batch, micro = ctx.batch, ctx.micro.take()
+        if ctx.micro.backward_before_last(loss):   # a micro-batch before the rank's last one
+            return
+        if ctx.warming_up:
+            return warm_up_backward(ctx, loss)
         weight = micro.weight if micro is not None else share(batch)
-        backward(loss * weight, self.backend)
+        backward(loss * weight, ctx.group.backend)
         if batch is not None:
-            self.split.meter.add(time.perf_counter() - self._t_step - self._waited, len(batch.indices))
-        self._last_loss = loss.detach()
+            ctx.split.meter.add(time.perf_counter() - ctx.t_step - ctx.waited, len(batch.indices))
+        ctx.last_loss = loss.detach()
 
-    def _checkpoint_shards(self: Any, agreed: bool) -> bool:
+    def prepare(self) -> None:
+        """At start-up under gpuflex: a member dying in FSDP's collectives ends this worker
+        with one line, not a crash record (`end_on_failed_collective`)."""
+        self.end_on_failed_collective()
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter whole, by name: it all-gathers each one, so every member calls it,
+        inside the loop (e.g. in the last step, for a report)."""
+        return self.ctx.sharding.full_parameters()
+
+    def checkpoint(self, agreed: bool) -> bool:
         """At an agreed boundary, every member: its shards into dcp/step-N, then rank 0 the
         light state naming them, then the DCP directories no light file names removed. Rank
         0 alone with the interval due: asked for in the next step's vote. False: it failed
         (or, off rank 0, nothing to write)."""
-        state = self.state
-        if not self.checkpoint_dir:
+        ctx = self.ctx
+        state = ctx.state
+        if not ctx.checkpoint_dir:
             return False
         if not agreed:
-            self.signals.request_checkpoint()
+            ctx.signals.request_checkpoint()
             return True
-        self._fence()
+        self.fence()
         name = shard_checkpoints.step_name(state.step)
         from gpuflex.elastic.sharding import fsdp as sharded
         try:
-            sharded.write(self.model, self.optimizer, shard_checkpoints.path_of(self.checkpoint_dir, name))
+            sharded.write(ctx.model, ctx.optimizer, shard_checkpoints.path_of(ctx.checkpoint_dir, name))
         except (OSError, RuntimeError) as e:   # DCP's CheckpointException is a RuntimeError
             state.checkpoint_failed(f"distributed checkpoint at step {state.step} failed: "
                                     f"{str(e).splitlines()[0][:300] if str(e) else type(e).__name__}")
             return False
-        if not state.checkpoint(self.rank, self.world_size, dcp=name):
+        if not state.checkpoint(ctx.rank, ctx.world_size, dcp=name):
             return False
         state.dcp_names = [*state.dcp_names[-1:], name]
-        shard_checkpoints.prune(self.checkpoint_dir, set(state.dcp_names))
+        shard_checkpoints.prune(ctx.checkpoint_dir, set(state.dcp_names))
         return True
 
-    def _vote_rides_barrier(self: Any) -> bool:
+    def vote_rode(self) -> bool:
+        """The boundary's vote rode the barrier before this step's first forward."""
+        ctx = self.ctx
+        return ctx.crossed == (ctx.generation, ctx.state.step, "forward") and ctx.agreement.held
+
+    def vote_rides_barrier(self) -> bool:
         """A sharded step has no gradient all-reduce of ours to carry the boundary's vote:
         unless it carries sample ids, it rides a step barrier (agreement.pack): the one
         before the step's first forward, else the boundary's."""
-        return self.sharding is not None and self.agreement.packs and self.barrier is not None \
-            and self.world_size > 1
+        ctx = self.ctx
+        return ctx.agreement.packs and ctx.barrier is not None and ctx.world_size > 1
 
-    def _forward_barrier(self: Any) -> None:
+    def forward_barrier(self) -> None:
         """Before a sharded step's first forward: the step barrier (a dead member: the end),
         carrying the step's vote, so the boundary needs no barrier of its own (one store
-        barrier a step; `_fence` guards the collectives a boundary may make)."""
-        at = (self.generation, self.state.step, "forward")
-        if self.warming_up or self.batch is None or self._crossed == at:
+        barrier a step; `fence` guards the collectives a boundary may make)."""
+        ctx = self.ctx
+        at = (ctx.generation, ctx.state.step, "forward")
+        if ctx.warming_up or ctx.batch is None or ctx.crossed == at:
             return
-        vote = self.agreement.pack() if self._vote_rides_barrier() else None
-        if self._cross("forward", vote):
+        vote = ctx.agreement.pack() if self.vote_rides_barrier() else None
+        if ctx.cross("forward", vote):
             if vote is not None:
-                self.agreement.carried(self.barrier.voted)
+                ctx.agreement.carried(ctx.barrier.voted)
             return
-        with self._guard():
-            self._no_undo(self.group.take_failure())
+        with ctx.guard():
+            self.no_undo(ctx.group.take_failure())
 
-    def _fence(self: Any) -> None:
+    def fence(self) -> None:
         """Before a boundary's collectives (a distributed checkpoint): the step barrier, unless
         the boundary crossed one already. A member still busy after its step (an evaluation
         on rank 0 before the loop comes back) is waited for while it is alive; a dead one
         ends the run."""
-        if self._crossed[-1:] == ("boundary",) or self._cross("checkpoint"):
+        ctx = self.ctx
+        if ctx.crossed[-1:] == ("boundary",) or ctx.cross("checkpoint"):
             return
-        self._no_undo(self.group.take_failure())
+        self.no_undo(ctx.group.take_failure())
 
-    def _no_undo(self: Any, why: str | None) -> None:
+    def no_undo(self, why: str | None) -> None:
         """A sharded run cannot undo a step or restore a dead member's shards: it ends (as
-        a lost store when that is why: see `_store_gone`)."""
-        if self.sharding is not None:
-            gone = self._store_gone()
-            if gone is not None:
-                raise gone
-            from gpuflex.elastic.sharding.sharded_run import ENDS
-            raise ShardsLost(f"a collective of generation {self.generation} failed ({why}); {ENDS}")
+        a lost store when that is why: see `store_gone`)."""
+        gone = self.store_gone()
+        if gone is not None:
+            raise gone
+        from gpuflex.elastic.sharding.sharded_run import ENDS
+        raise ShardsLost(f"a collective of generation {self.ctx.generation} failed ({why}); {ENDS}")
 
-    def _store_gone(self: Any) -> StoreLost | None:
+    def store_gone(self) -> StoreLost | None:
         """Whether the job store is gone, asked once (bounded by the store timeout) after a
         collective failed: a member that saw the store die first has exited, which fails the
         others' collectives. Those then end as a lost store too, and the job's record says what
         happened to it (both restart from the last distributed checkpoint)."""
-        if self.rdzv is None:
+        rdzv = self.ctx.rdzv
+        if rdzv is None:
             return None
         try:
-            self.rdzv.has(keys.RUN)
+            rdzv.has(keys.RUN)
         except StoreLost as e:
             return e
         return None
 
-    def _end_on_failed_collective(self: Any) -> None:
+    def end_on_failed_collective(self) -> None:
         """Chain `sys.excepthook` (outside the crash hook): an exception escaping the script
         from a collective (FSDP's all-gather or reduce-scatter: a member died) ends the
         worker as ShardsLost does, with one line and SHARDS_LOST_EXIT; anything else goes on to the
@@ -161,8 +183,8 @@ class ShardedSteps:
         def hook(etype: type[BaseException], value: BaseException, tb: Any) -> None:
             if not _from_a_collective(value, tb):
                 return previous(etype, value, tb)
-            with self._guard():   # exits as ShardsLost (or a lost store) does anywhere else
-                self._no_undo(f"in the script: {describe(value)}")
+            with self.ctx.guard():   # exits as ShardsLost (or a lost store) does anywhere else
+                self.no_undo(f"in the script: {describe(value)}")
 
         sys.excepthook = hook
 
