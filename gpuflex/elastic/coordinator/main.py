@@ -169,7 +169,7 @@ def positive(text: str) -> int:
     return value
 
 
-def seconds(text: str) -> float:
+def seconds_above_zero(text: str) -> float:
     """An argparse type: a finite number of seconds above 0."""
     value = float(text)
     if not 0 < value < float("inf"):
@@ -232,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the same failure this many times in a row ends the job")
     ap.add_argument("--max-workers", type=positive, default=None,
                     help="the job's maximum: a resize to more workers is refused")
-    ap.add_argument("--orphan-timeout", type=seconds, default=ORPHAN_TIMEOUT_S,
+    ap.add_argument("--orphan-timeout", type=seconds_above_zero, default=ORPHAN_TIMEOUT_S,
                     help="end once no worker heartbeat and no request came for this long")
     ap.add_argument("--job-dir", default=None, help="end once this directory is removed")
-    ap.add_argument("--formation-timeout", type=seconds, default=60.0,
+    ap.add_argument("--formation-timeout", type=seconds_above_zero, default=60.0,
                     help="a member not joined this long after a formation began is left out (or the job held)")
     ap.add_argument("--gang", action="store_true",
                     help="the job runs as a whole: a worker that never beat is the control side's to watch, "
