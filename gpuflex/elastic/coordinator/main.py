@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable
 
 from torch.distributed import TCPStore
 
-from gpuflex.elastic.protocol import run_dir
+from gpuflex.elastic.protocol import run_dir, wire
 from gpuflex.elastic.protocol.control_socket import ControlServer
 from gpuflex.elastic.protocol.env import JOB_SECRET
 from gpuflex.elastic.coordinator.failures import OrphanWatch, check_members
@@ -116,7 +116,7 @@ class Coordinator:
                         self.watch.contact()
                 return op(msg)
             return handle
-        return {"status": heard(self.op_status), "resize": heard(self.op_resize)}
+        return {wire.STATUS: heard(self.op_status), wire.RESIZE: heard(self.op_resize)}
 
     def op_status(self, _msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
