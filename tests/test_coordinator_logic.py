@@ -11,7 +11,7 @@ import pytest
 from gpuflex.elastic.coordinator import main as coordinator
 from gpuflex.elastic.protocol import keys
 from gpuflex.elastic.coordinator.failures import (BACKSTOP_MIN, TRACEBACK_LINES, FailureStreak, cause_of,
-                                      crash_record, waiting_record)
+                                      listed_crash, waiting_record)
 from gpuflex.elastic.coordinator.forming import never_joined_reason
 from gpuflex.elastic.coordinator.generations import HISTORY_KEPT, IDLE_TICK_S, Generations
 from tests.fakes.store_fake import Clock, FakeStore
@@ -589,7 +589,7 @@ def test_waiting_records_are_read_leniently(raw, expected):
 
 
 def test_a_crash_record_that_is_not_an_object_still_says_the_worker_crashed():
-    assert crash_record(4, ["x"]) == {"wid": 4, "error": "unknown error", "traceback": [],
+    assert listed_crash(4, ["x"]) == {"wid": 4, "error": "unknown error", "traceback": [],
                                       "phase": "unknown"}
 
 

@@ -181,13 +181,13 @@ def test_a_leaver_that_never_leaves_is_stopped_and_no_longer_blocks_a_grow(sim, 
 def test_a_newcomer_the_coordinator_rejected_is_left_to_end_itself_not_taken_for_a_stray():
     """After a rollback the coordinator rejects the newcomer (it exits 3 with its reason): a
     worker the coordinator knows is not the database's to kill; one it never heard of is."""
-    from types import SimpleNamespace
+    from gpuflex.elastic.protocol.wire import parse_status
+    from gpuflex.policy.lifecycle import JobFacts, Observation, ProcSeen, WorkerFacts
+    from gpuflex.policy.reconcile import strays
+    from gpuflex.states import JobState
 
-    from gpuflex.control.lifecycle import strays
-    from gpuflex.policy.lifecycle import Observation, ProcSeen
-
-    workers = [SimpleNamespace(wid=w, state=W.STARTING if w >= 3 else W.RUNNING, pgid=100 + w) for w in range(5)]
-    job = SimpleNamespace(live_workers=workers)
-    seen = Observation(procs={w: ProcSeen(alive=True) for w in range(5)},
-                       coordinator={"desired": [0, 1, 2], "members": [0, 1, 2], "known": [0, 1, 2, 4]})
+    workers = tuple(WorkerFacts(w, "h", W.STARTING if w >= 3 else W.RUNNING, pgid=100 + w) for w in range(5))
+    job = JobFacts(id=1, state=JobState.RUNNING, min_workers=1, workers=workers)
+    seen = Observation(procs={w: ProcSeen(alive=True) for w in range(5)}, coordinator=parse_status(
+        {"desired": [0, 1, 2], "members": [0, 1, 2], "known": [0, 1, 2, 4]}))
     assert [w.wid for w in strays(job, seen, asked_before=0)] == [3]

@@ -21,6 +21,7 @@ from gpuflex.control import executor, observe
 from gpuflex.control.pool import Pool
 from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
+from gpuflex.elastic.protocol.wire import parse_status
 from gpuflex.policy.lifecycle import Observation, ProcSeen, Record, decide
 from gpuflex.states import JobState as J
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, write_config
@@ -52,7 +53,7 @@ def test_a_coordinators_clock_behind_or_ahead_dates_the_event_and_never_repeats_
     with svc.locked() as s:
         job = svc.get(s, job_id)
         assert job.state is J.RUNNING and job.started_at > behind
-        seen = Observation({0: ProcSeen(True, None)}, coordinator=status)
+        seen = Observation({0: ProcSeen(True, None)}, coordinator=parse_status(status))
         noticed = time.time()
         actions = decide(observe.facts(job), seen)
         assert [(a.kind, a.at) for a in actions if isinstance(a, Record)] == [

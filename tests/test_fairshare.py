@@ -9,6 +9,7 @@ import math
 import pytest
 
 from gpuflex.config import HarvestSettings, QuotaSettings
+from gpuflex.elastic.protocol.wire import parse_status
 from gpuflex.policy import fairshare as F
 from gpuflex.policy.harvest import GpuView, Grow, JobView, Place, Share, WorkerView, plan, training_finished
 
@@ -184,4 +185,4 @@ FINISHED = {
 @pytest.mark.parametrize("case", FINISHED)
 def test_training_finished(case):
     status, exited_ok, want = FINISHED[case]
-    assert training_finished(status, exited_ok) is want
+    assert training_finished(None if status is None else parse_status(status), exited_ok) is want

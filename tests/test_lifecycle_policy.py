@@ -8,6 +8,7 @@ import pytest
 
 from gpuflex.elastic.coordinator.forming import never_joined_reason
 from gpuflex.elastic.protocol.keys import ABORTED_EXIT, EVICTED_EXIT, ORPHAN_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.protocol.wire import parse_status
 from gpuflex.policy.lifecycle import (Adopt, EndWorker, Finish, JobFacts, Observation, ProcSeen,
                                       Record, Requeue, SetState, WorkerFacts, decide, outcome)
 from gpuflex.states import JobState as J
@@ -32,6 +33,11 @@ def w(wid: int, host: str = "a", state: W = W.RUNNING, gen: int = 1, rc: int | N
     return WorkerFacts(wid, host, state, gen, started_at, rc)
 
 
+def observed(procs: dict, coordinator: dict | None = None, **kw) -> Observation:
+    """What was seen, the coordinator's reply parsed as gpuflex.control.observe parses it."""
+    return Observation(procs, coordinator=None if coordinator is None else parse_status(coordinator), **kw)
+
+
 def coord(gen: int, members: list[int], settled: bool = True, history: list | None = None) -> dict:
     return {"ok": True, "generation": gen, "members": members, "settled": settled, "history": history or []}
 
@@ -43,14 +49,14 @@ def coord(gen: int, members: list[int], settled: bool = True, history: list | No
 ], ids=["exit-0", "exit-3", "no-exit-record"])
 def test_a_worker_whose_group_is_gone_ends_by_its_exit_record(seen, end):
     facts = job(w(0), w(1))
-    actions = decide(facts, Observation({0: ALIVE, 1: seen}, coordinator=coord(1, [0, 1])))
+    actions = decide(facts, observed({0: ALIVE, 1: seen}, coordinator=coord(1, [0, 1])))
     assert actions[0] == end
     assert [a for a in actions if isinstance(a, EndWorker)] == [end]
 
 
 def test_live_workers_and_a_settled_coordinator_change_nothing():
     facts = job(w(0), w(1))
-    assert decide(facts, Observation({0: ALIVE, 1: ALIVE}, coordinator=coord(1, [0, 1]))) == \
+    assert decide(facts, observed({0: ALIVE, 1: ALIVE}, coordinator=coord(1, [0, 1]))) == \
         [Adopt(1, (0, 1))]
 
 
@@ -59,7 +65,7 @@ def test_a_new_generation_is_adopted_recorded_once_and_ends_the_scaling():
             {"kind": "resize", "generation": 2, "verified": True, "timings": {"total": 0.1}},
             {"kind": "resize", "generation": 3, "verified": False}]
     facts = job(w(0), w(1), w(2, state=W.STARTING, gen=0), state=J.SCALING, recorded=frozenset({1}))
-    actions = decide(facts, Observation({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=coord(2, [0, 1, 2], history=hist)))
+    actions = decide(facts, observed({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=coord(2, [0, 1, 2], history=hist)))
     assert actions == [
         Adopt(2, (0, 1, 2)),
         Record("scale", "generation 2: scale", {"generation_kind": "resize", "generation": 2, "verified": True,
@@ -70,12 +76,12 @@ def test_a_new_generation_is_adopted_recorded_once_and_ends_the_scaling():
 
 def test_an_older_generation_than_recorded_is_not_adopted():
     facts = job(w(0), gen=4)
-    assert decide(facts, Observation({0: ALIVE}, coordinator=coord(3, [0]))) == []
+    assert decide(facts, observed({0: ALIVE}, coordinator=coord(3, [0]))) == []
 
 
 def test_an_unreachable_host_is_noted_and_its_workers_lost_once_the_job_went_on_without_them():
     facts = job(w(0, "a"), w(1, "b"), w(2, "b", state=W.STARTING, gen=0))
-    seen = Observation({0: ALIVE}, unreachable={"b": "b: connection refused"}, coordinator=coord(2, [0]))
+    seen = observed({0: ALIVE}, unreachable={"b": "b: connection refused"}, coordinator=coord(2, [0]))
     assert decide(facts, seen) == [
         Record("host-unreachable", "b: connection refused", {"host": "b"}),
         Adopt(2, (0,)),
@@ -88,7 +94,7 @@ def test_a_starting_newcomer_on_an_unreachable_host_is_lost_once_the_coordinator
     left it out, so the job will never take it in (it used to stay "starting")."""
     facts = job(w(0, "a"), w(2, "b", state=W.STARTING, gen=0), w(3, "b", state=W.STARTING, gen=0))
     status = dict(coord(2, [0]), left_out=[{"n": 1, "wid": 2, "reason": "stopped beating", "phase": "warm-up"}])
-    ended = [a for a in decide(facts, Observation({0: ALIVE}, unreachable={"b": "down"}, coordinator=status))
+    ended = [a for a in decide(facts, observed({0: ALIVE}, unreachable={"b": "down"}, coordinator=status))
              if isinstance(a, EndWorker)]
     assert ended == [EndWorker(2, W.LOST)]
 
@@ -98,30 +104,30 @@ def test_a_first_generation_worker_on_an_unreachable_host_is_lost_once_the_coord
     (rejected); its host is gone, so its row would stay "starting" until the host answered."""
     facts = job(w(0, "a"), w(1, "b", state=W.STARTING, gen=0), w(2, "b", state=W.STARTING, gen=0))
     status = dict(coord(1, [0]), rejected=[1, True, "2"])      # what is no id is not trusted
-    ended = [a for a in decide(facts, Observation({0: ALIVE}, unreachable={"b": "down"}, coordinator=status))
+    ended = [a for a in decide(facts, observed({0: ALIVE}, unreachable={"b": "down"}, coordinator=status))
              if isinstance(a, EndWorker)]
     assert ended == [EndWorker(1, W.LOST)]
 
 
 def test_an_unreachable_host_whose_workers_are_still_members_loses_nobody():
     facts = job(w(0, "a"), w(1, "b"))
-    seen = Observation({0: ALIVE}, unreachable={"b": "down"}, coordinator=coord(1, [0, 1]))
+    seen = observed({0: ALIVE}, unreachable={"b": "down"}, coordinator=coord(1, [0, 1]))
     assert not [a for a in decide(facts, seen) if isinstance(a, EndWorker)]
 
 
 def test_a_silent_coordinator_that_is_gone_is_noted_as_a_lost_store():
     facts = job(w(0))
-    assert decide(facts, Observation({0: ALIVE}, coordinator=None, coordinator_alive=False)) == \
+    assert decide(facts, observed({0: ALIVE}, coordinator=None, coordinator_alive=False)) == \
         [Record("store-lost", "the job's coordinator (store) is gone")]
-    assert decide(facts, Observation({0: ALIVE}, coordinator=None, coordinator_alive=True)) == []
+    assert decide(facts, observed({0: ALIVE}, coordinator=None, coordinator_alive=True)) == []
 
 
 def test_a_settled_job_below_its_minimum_is_requeued():
     facts = job(w(0), w(1), min_workers=2)
-    actions = decide(facts, Observation({0: ALIVE, 1: gone(None)}, coordinator=coord(2, [0])))
+    actions = decide(facts, observed({0: ALIVE, 1: gone(None)}, coordinator=coord(2, [0])))
     assert actions[-1] == Requeue("fell to 1 worker(s), below its minimum of 2; restarting from its "
                                   "checkpoint when it fits", "below-min")
-    unsettled = decide(facts, Observation({0: ALIVE, 1: gone(None)}, coordinator=coord(2, [0], settled=False)))
+    unsettled = decide(facts, observed({0: ALIVE, 1: gone(None)}, coordinator=coord(2, [0], settled=False)))
     assert not [a for a in unsettled if isinstance(a, Requeue)]
 
 
@@ -149,7 +155,7 @@ def test_the_outcome_is_judged_by_the_last_generation_of_the_current_run(workers
 
 def test_the_last_worker_ending_finishes_the_job_in_the_same_reconcile():
     facts = job(w(0, state=W.EXITED, rc=0), w(1))
-    actions = decide(facts, Observation({1: gone(0)}, coordinator=coord(1, [0, 1])))
+    actions = decide(facts, observed({1: gone(0)}, coordinator=coord(1, [0, 1])))
     assert actions == [EndWorker(1, W.EXITED, 0, 5.0), Adopt(1, (0, 1)),
                        Finish(J.SUCCEEDED, 0, "all workers exited 0")]
 
@@ -168,7 +174,7 @@ def test_the_last_worker_ending_finishes_the_job_in_the_same_reconcile():
 def test_forged_store_records_the_coordinator_ignored_are_one_event_per_new_count(report, already, want):
     facts = dataclasses.replace(job(w(0)), forged_recorded=already)
     status = {**coord(1, [0]), **({"forged": report} if report is not None else {})}
-    got = [a for a in decide(facts, Observation({0: ALIVE}, coordinator=status)) if isinstance(a, Record)]
+    got = [a for a in decide(facts, observed({0: ALIVE}, coordinator=status)) if isinstance(a, Record)]
     assert got == ([want] if want else [])
 
 
@@ -196,7 +202,7 @@ FULL = "checkpoint at step 40 failed: No space left on device (/ckpt/checkpoint.
 def test_failed_checkpoint_writes_are_one_event_per_new_count_of_each_worker(progress, already, want):
     facts = dataclasses.replace(job(w(0), w(2)), checkpoint_failures_recorded=already)
     status = {**coord(1, [0, 2]), **({"progress": progress} if progress is not None else {})}
-    got = [a for a in decide(facts, Observation({0: ALIVE, 2: ALIVE}, coordinator=status)) if isinstance(a, Record)]
+    got = [a for a in decide(facts, observed({0: ALIVE, 2: ALIVE}, coordinator=status)) if isinstance(a, Record)]
     assert got == ([want] if want else [])
 
 
@@ -217,7 +223,7 @@ def crash_of(wid: int, rc: int | None, tb=SHOWN, phase: str | None = "forward", 
 def test_an_exception_on_one_rank_fails_the_job_at_once_with_its_traceback():
     facts = job(w(0), w(1), w(2), min_workers=2)
     status = {**coord(1, [0, 1, 2]), "crashed": [crashed_record(1)]}
-    actions = decide(facts, Observation({0: ALIVE, 1: gone(1), 2: ALIVE}, coordinator=status))
+    actions = decide(facts, observed({0: ALIVE, 1: gone(1), 2: ALIVE}, coordinator=status))
     assert actions == [
         EndWorker(1, W.FAILED, 1, 5.0), Adopt(1, (0, 1, 2)),
         Record("crash", f"worker 1 on a crashed: {ZERO}", crash_of(1, 1)),
@@ -228,7 +234,7 @@ def test_an_exception_on_one_rank_fails_the_job_at_once_with_its_traceback():
 def test_a_crashed_record_fails_the_job_before_the_process_is_reaped():
     facts = job(w(0), w(1))
     status = {**coord(1, [0, 1]), "crashed": [crashed_record(0)]}
-    actions = decide(facts, Observation({0: ALIVE, 1: ALIVE}, coordinator=status))
+    actions = decide(facts, observed({0: ALIVE, 1: ALIVE}, coordinator=status))
     assert actions[-2:] == [Record("crash", f"worker 0 on a crashed: {ZERO}", crash_of(0, None)),
                             Finish(J.FAILED, 1, "\n".join([f"worker 0 on a crashed (in forward): {ZERO}", *SHOWN]))]
 
@@ -236,14 +242,14 @@ def test_a_crashed_record_fails_the_job_before_the_process_is_reaped():
 def test_a_crash_without_a_record_takes_its_error_from_the_tail_of_the_log():
     facts = job(w(0), w(1))
     tail = ("step 3", "Fatal Python error: Aborted", "")
-    actions = decide(facts, Observation({0: ALIVE, 1: gone(4)}, coordinator=coord(1, [0, 1]), log_tails={1: tail}))
+    actions = decide(facts, observed({0: ALIVE, 1: gone(4)}, coordinator=coord(1, [0, 1]), log_tails={1: tail}))
     assert actions[-2:] == [
         Record("crash", "worker 1 on a crashed: Fatal Python error: Aborted",
                crash_of(1, 4, tail, None, "Fatal Python error: Aborted")),
         Finish(J.FAILED, 4, "worker 1 on a crashed (exit code 4): Fatal Python error: Aborted\n"
                             "step 3\nFatal Python error: Aborted\n")]
     # nothing in the log: the exit code is the error
-    quiet = decide(facts, Observation({0: ALIVE, 1: gone(4)}, coordinator=coord(1, [0, 1])))
+    quiet = decide(facts, observed({0: ALIVE, 1: gone(4)}, coordinator=coord(1, [0, 1])))
     assert quiet[-1] == Finish(J.FAILED, 4, "worker 1 on a crashed (exit code 4): exit code 4")
 
 
@@ -257,21 +263,21 @@ def test_a_crash_without_a_record_takes_its_error_from_the_tail_of_the_log():
 def test_a_crash_restarts_the_job_while_its_retries_allow(retries, crash_restarts, restarts, expected):
     facts = dataclasses.replace(job(w(0), w(1)), retries=retries, crash_restarts=crash_restarts, restarts=restarts)
     status = {**coord(1, [0, 1]), "crashed": [crashed_record(1)]}
-    assert decide(facts, Observation({0: ALIVE, 1: gone(1)}, coordinator=status))[-1] == expected
+    assert decide(facts, observed({0: ALIVE, 1: gone(1)}, coordinator=status))[-1] == expected
 
 
 @pytest.mark.parametrize("seen", [gone(-9), gone(-11), gone(None), gone(EVICTED_EXIT)],
                          ids=["sigkill", "sigsegv", "no-exit-record", "evicted"])
 def test_a_death_by_signal_or_the_runtime_s_own_exit_stays_an_elastic_fault(seen):
     facts = dataclasses.replace(job(w(0), w(1), w(2), min_workers=2), retries=0)
-    actions = decide(facts, Observation({0: ALIVE, 1: seen, 2: ALIVE}, coordinator=coord(1, [0, 1, 2])))
+    actions = decide(facts, observed({0: ALIVE, 1: seen, 2: ALIVE}, coordinator=coord(1, [0, 1, 2])))
     assert not [a for a in actions if isinstance(a, (Finish, Requeue))]
     assert not [a for a in actions if isinstance(a, Record) and a.kind == "crash"]
 
 
 def test_a_crash_of_a_worker_from_an_earlier_run_is_history():
     facts = job(w(0, state=W.FAILED, rc=1, started_at=50.0), w(1))
-    assert decide(facts, Observation({1: ALIVE}, coordinator=coord(1, [1]))) == [Adopt(1, (1,))]
+    assert decide(facts, observed({1: ALIVE}, coordinator=coord(1, [1]))) == [Adopt(1, (1,))]
 
 
 def test_a_crash_in_the_last_reconcile_fails_a_job_whose_workers_all_ended():
@@ -285,7 +291,7 @@ def test_a_job_held_below_its_minimum_is_requeued_and_its_survivors_stopped():
     facts = job(w(0), w(1), w(2), min_workers=2)
     status = {**coord(1, [0, 1, 2], settled=False), "held": {"reason": "a recovery would leave 1 worker(s), "
                                                                         "below the minimum of 2", "since": 9.0}}
-    actions = decide(facts, Observation({0: ALIVE, 1: gone(None), 2: gone(None)}, coordinator=status))
+    actions = decide(facts, observed({0: ALIVE, 1: gone(None), 2: gone(None)}, coordinator=status))
     assert actions[-1] == Requeue("a recovery would leave 1 worker(s), below the minimum of 2; restarting "
                                   "from its checkpoint when it fits", "below-min")   # an older coordinator
 
@@ -294,7 +300,7 @@ def test_a_crash_wins_over_the_hold_it_caused():
     facts = job(w(0), w(1), min_workers=2)
     status = {**coord(1, [0, 1], settled=False), "crashed": [crashed_record(1)],
               "held": {"reason": "worker 1 crashed", "since": 9.0}}
-    actions = decide(facts, Observation({0: ALIVE, 1: gone(1)}, coordinator=status))
+    actions = decide(facts, observed({0: ALIVE, 1: gone(1)}, coordinator=status))
     assert isinstance(actions[-1], Finish) and actions[-1].state is J.FAILED
     assert not [a for a in actions if isinstance(a, Requeue)]
 
@@ -303,7 +309,7 @@ def test_an_abort_fails_the_job_with_its_reason():
     facts = dataclasses.replace(job(w(0), w(1)), restarts=1)
     reason = "the same failure 3 times: state checksums differ across members (tensor 'bn.running_mean', worker 1)"
     status = {**coord(4, [0, 1], settled=False), "abort": {"reason": reason}}
-    actions = decide(facts, Observation({0: ALIVE, 1: ALIVE}, coordinator=status))
+    actions = decide(facts, observed({0: ALIVE, 1: ALIVE}, coordinator=status))
     assert actions[-1] == Finish(J.FAILED, ABORTED_EXIT, f"aborted: {reason}", restarts=1)
     # the workers exited ABORTED_EXIT before the reason could be read: still failed
     ended = [w(0, state=W.FAILED, rc=ABORTED_EXIT), w(1, state=W.FAILED, rc=ABORTED_EXIT)]
@@ -323,7 +329,7 @@ def test_the_abort_a_coordinator_left_in_the_run_s_directory_fails_the_job_once_
     """A plain script's job: the coordinator ended it, stopped its workers (SIGTERM, after the
     abort) and then itself (its orphan timeout): the next command reads the record, whole."""
     recorded = {"reason": NEVER_JOINED, "cause": "never-joined", "at": ABORT_AT}
-    seen = Observation({0: ended(-15, ABORT_AT + 1), 1: ended(-15, ABORT_AT + 1)}, coordinator=None,
+    seen = observed({0: ended(-15, ABORT_AT + 1), 1: ended(-15, ABORT_AT + 1)}, coordinator=None,
                        coordinator_alive=False, coordinator_exit=ORPHAN_EXIT, recorded_abort=recorded)
     actions = decide(job(w(0), w(1), gen=0), seen)
     assert actions[-1] == Finish(J.FAILED, ABORTED_EXIT, f"aborted: {NEVER_JOINED}")
@@ -331,7 +337,7 @@ def test_the_abort_a_coordinator_left_in_the_run_s_directory_fails_the_job_once_
     assert not [a for a in actions if isinstance(a, Requeue)]
     # the same with the coordinator still there to say it
     status = {**coord(0, [], settled=False), "abort": recorded}
-    assert decide(job(w(0), w(1), gen=0), dataclasses.replace(seen, coordinator=status, recorded_abort=None,
+    assert decide(job(w(0), w(1), gen=0), dataclasses.replace(seen, coordinator=parse_status(status), recorded_abort=None,
                                                               coordinator_alive=True))[-1] == actions[-1]
 
 
@@ -346,7 +352,7 @@ def test_the_abort_a_coordinator_left_in_the_run_s_directory_fails_the_job_once_
 ], ids=["crash-after", "crash-after-one-alive", "crash-before", "all-ended-before"])
 def test_the_first_to_happen_decides_between_the_abort_and_the_workers_ends(procs, last):
     recorded = {"reason": NEVER_JOINED, "cause": "never-joined", "at": ABORT_AT}
-    seen = Observation(procs, coordinator={**coord(0, [], settled=False), "abort": recorded})
+    seen = observed(procs, coordinator={**coord(0, [], settled=False), "abort": recorded})
     actions = decide(job(w(0), w(1), gen=0), seen)
     assert actions[-1] == last, actions
     assert bool([a for a in actions if isinstance(a, Record) and a.kind == "crash"]) == (last.exit_code == 1)
@@ -356,7 +362,7 @@ def test_a_crashed_record_of_a_worker_still_alive_wins_over_an_abort_as_it_did()
     """The runtime writes its crashed record before it exits: the crash is the cause."""
     status = {**coord(2, [0, 1], settled=False), "crashed": [crashed_record(1)],
               "abort": {"reason": "the same failure 3 times", "cause": "repeated", "at": ABORT_AT}}
-    actions = decide(job(w(0), w(1), gen=2), Observation({0: ALIVE, 1: ALIVE}, coordinator=status))
+    actions = decide(job(w(0), w(1), gen=2), observed({0: ALIVE, 1: ALIVE}, coordinator=status))
     assert [a.kind for a in actions if isinstance(a, Record)] == ["crash"]
     assert isinstance(actions[-1], Finish) and ZERO in actions[-1].reason
 
@@ -374,9 +380,9 @@ def test_history_is_recorded_once_per_run_rollbacks_included():
             {"kind": "resize", "generation": 2, "verified": True, "message": "resize 1 -> 2; rolled back: x"},
             {"kind": "rollback", "generation": 3, "verified": True, "message": "state check failed; back to [0]"}]
     facts = job(w(0), gen=3, recorded=frozenset({3}))   # the newest is enough: 1 and 2 came before it
-    assert not [a for a in decide(facts, Observation({0: ALIVE}, coordinator=coord(3, [0], history=hist)))
+    assert not [a for a in decide(facts, observed({0: ALIVE}, coordinator=coord(3, [0], history=hist)))
                 if isinstance(a, Record)]
-    fresh = [a for a in decide(job(w(0), gen=3), Observation({0: ALIVE}, coordinator=coord(3, [0], history=hist)))
+    fresh = [a for a in decide(job(w(0), gen=3), observed({0: ALIVE}, coordinator=coord(3, [0], history=hist)))
              if isinstance(a, Record)]
     assert [(a.kind, a.data["generation"]) for a in fresh] == [("formed", 1), ("scale", 2), ("rollback", 3)]
 
@@ -390,7 +396,7 @@ def test_a_generations_event_is_dated_when_the_coordinator_published_it(created,
     clock), when it is a time at all; else the event takes the time it is recorded."""
     hist = [{"kind": "initial", "generation": 1, "verified": True, "message": "formed",
              **({"created": created} if created is not None else {})}]
-    records = [a for a in decide(job(w(0)), Observation({0: ALIVE}, coordinator=coord(1, [0], history=hist)))
+    records = [a for a in decide(job(w(0)), observed({0: ALIVE}, coordinator=coord(1, [0], history=hist)))
                if isinstance(a, Record)]
     assert [(r.kind, r.at) for r in records] == [("formed", at)]
 
@@ -399,7 +405,7 @@ def test_a_wait_is_dated_when_its_first_member_started_waiting():
     listed = [{"wid": 1, "for": [0], "since": 8.0, "phase": "boundary"},
               {"wid": 2, "for": [0], "since": 5.0, "phase": "boundary"}]
     status = {**coord(1, [0, 1, 2]), "waiting": listed}
-    got = [a for a in decide(job(w(0), w(1), w(2)), Observation({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=status))
+    got = [a for a in decide(job(w(0), w(1), w(2)), observed({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=status))
            if isinstance(a, Record)]
     assert [(r.kind, r.at) for r in got] == [("waiting", 5.0)]
 
@@ -422,7 +428,7 @@ def test_a_wait_is_dated_when_its_first_member_started_waiting():
 def test_members_waiting_for_busy_ones_are_an_event_per_change(listed, already, want):
     facts = dataclasses.replace(job(w(0), w(1), w(2)), waiting=already)
     status = {**coord(1, [0, 1, 2]), **({"waiting": listed} if listed is not None else {})}
-    got = [a for a in decide(facts, Observation({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=status))
+    got = [a for a in decide(facts, observed({0: ALIVE, 1: ALIVE, 2: ALIVE}, coordinator=status))
            if isinstance(a, Record)]
     assert got == ([want] if want else [])
 
@@ -432,13 +438,13 @@ def test_a_newcomer_left_out_of_a_resize_is_an_event_naming_its_host_and_the_sca
     left = [{"n": 1, "wid": 2, "reason": "stopped beating while it warmed up, before it was ready",
              "phase": "warm-up", "generation": 1, "at": 9.0}]
     facts = job(w(0), w(1), w(2, "b", state=W.STARTING, gen=0), state=J.SCALING, world=2)
-    actions = decide(facts, Observation({0: ALIVE, 1: ALIVE, 2: gone(None)},
+    actions = decide(facts, observed({0: ALIVE, 1: ALIVE, 2: gone(None)},
                                         coordinator={**coord(1, [0, 1]), "left_out": left}))
     why = "worker 2 on b left out of the resize (warm-up): stopped beating while it warmed up, before it was ready"
     assert Record("left-out", why, {"n": 1, "wid": 2, "host": "b", "phase": "warm-up"}, at=9.0) in actions
     assert actions[-1] == SetState(J.RUNNING, f"world size 2 at generation 1; {why}")
     again = dataclasses.replace(facts, state=J.RUNNING, left_out_recorded=1)
-    assert not [a for a in decide(again, Observation({0: ALIVE, 1: ALIVE}, coordinator={
+    assert not [a for a in decide(again, observed({0: ALIVE, 1: ALIVE}, coordinator={
         **coord(1, [0, 1]), "left_out": left})) if isinstance(a, Record)]
 
 
@@ -453,7 +459,7 @@ def test_a_held_job_is_requeued_naming_each_worker_with_its_host_and_the_phase(h
     facts = job(w(0, "a"), w(1, "b"), w(2, "c"), min_workers=2)
     reason = "would fall to 1 worker(s), below the job's minimum of 2 (lost worker(s) [1, 2])"
     status = {**coord(3, [0, 1, 2], settled=False), "held": {"reason": reason, "since": 9.0, **held}}
-    actions = decide(facts, Observation({0: ALIVE, 1: gone(None), 2: gone(None)}, coordinator=status))
+    actions = decide(facts, observed({0: ALIVE, 1: gone(None), 2: gone(None)}, coordinator=status))
     assert actions[-1] == Requeue(f"{reason}{named}; restarting from its checkpoint when it fits", "below-min")
 
 
@@ -466,7 +472,7 @@ def test_a_lost_store_names_its_host_and_the_phase_the_job_was_in(state, gen, ph
     assert outcome(facts, ended, generation=gen) == Requeue(
         f"the job store on ctl was lost in {phase}; restarting from the last checkpoint", "store-lost")
     orphaned = decide(dataclasses.replace(facts, workers=(w(0, gen=gen),)),
-                      Observation({0: ALIVE}, coordinator=None, coordinator_alive=False, coordinator_exit=ORPHAN_EXIT))
+                      observed({0: ALIVE}, coordinator=None, coordinator_alive=False, coordinator_exit=ORPHAN_EXIT))
     assert orphaned[-1].reason.endswith(f"(on ctl, in {phase})") and orphaned[-1].cause == "orphan"
 
 
@@ -477,7 +483,7 @@ def test_a_lost_store_names_its_host_and_the_phase_the_job_was_in(state, gen, ph
 ], ids=["kill-9", "no-exit-record"])
 def test_kill_9_of_an_in_place_jobs_only_worker_requeues_it_from_its_checkpoint_uncounted(seen, how):
     facts = dataclasses.replace(job(w(0, "a", gen=2), gen=2), retries=0, store_host="ctl")
-    actions = decide(facts, Observation({0: seen}, coordinator={**coord(2, [0], settled=False), "held": {
+    actions = decide(facts, observed({0: seen}, coordinator={**coord(2, [0], settled=False), "held": {
         "reason": "would fall to 0 worker(s)", "workers": [0], "phase": "generation 2, steady"}}))
     assert actions[-1] == Requeue(f"worker 0 on a {how} in generation 2, steady, and no member is left; "
                                   "restarting from its checkpoint", "fault")

@@ -1,25 +1,26 @@
 """The queue's decisions without processes (gpuflex.policy.preemption): dependency gates,
 array caps, preemption plans; and time limits: their spellings, and which runs reached
-theirs (gpuflex.control.lifecycle.timed_out)."""
+theirs (gpuflex.policy.reconcile.timed_out)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpuflex.control.lifecycle import timed_out
 from rich.console import Console
 
 import gpuflex.cli.render as render
 from gpuflex.config import parse_config
+from gpuflex.control.launch import run_deadline
 from gpuflex.control.pool import Pool
 from gpuflex.control.queueing import Room
 from gpuflex.control.requests import ArrayRef, SubmitRequest, parse_ref
 from gpuflex.control.service import JobService
-from gpuflex.db.models import Job, Worker
+from gpuflex.db.models import Job
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import format_time, parse_array, parse_time
-from gpuflex.policy.lifecycle import Observation, ProcSeen
+from gpuflex.policy.lifecycle import JobFacts, Observation, ProcSeen, WorkerFacts
 from gpuflex.policy.placement import HostFree
+from gpuflex.policy.reconcile import timed_out
 from gpuflex.policy.preemption import (Dependency, HeldWorker, Shrink, Stop, Victim, array_gate,
                                        could_preempt, dependency_gate, plan_preemption)
 from gpuflex.states import JobState as S
@@ -185,11 +186,11 @@ def test_times_are_written_as_slurm_writes_them():
         "00:00:00", "00:00:59", "01:00:00", "1-00:00:00", "1-12:01:01"]
 
 
-# ---- which runs reached their limit (control.lifecycle.timed_out) ----------------------------
-def limited_job(*wids: int, started: float = 1000.0, limit: float | None = 60.0):
+# ---- which runs reached their limit (policy.reconcile.timed_out) ----------------------------
+def limited_job(*wids: int, started: float = 1000.0, limit: float | None = 60.0) -> JobFacts:
     job = Job(state=S.RUNNING, started_at=started, time_limit_s=limit)
-    job.workers = [Worker(wid=w, host="h", gpus=[w], state=WorkerState.RUNNING) for w in wids]
-    return job
+    return JobFacts(id=1, state=S.RUNNING, min_workers=1, started_at=started, deadline=run_deadline(job),
+                    workers=tuple(WorkerFacts(w, "h", WorkerState.RUNNING) for w in wids))
 
 
 @pytest.mark.parametrize("now,procs,out", [

@@ -21,6 +21,7 @@ from gpuflex.control.pool import Pool
 from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
 from gpuflex.db.models import Event, Job, Worker
+from gpuflex.elastic.protocol.wire import parse_status
 from gpuflex.errors import UsageError
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, write_config
 from tests.fakes.hosts import FakeHost, World
@@ -141,13 +142,13 @@ def test_a_job_whose_training_finished_is_neither_harvested_nor_scaled(tmp_path,
     world, svc = simulated(tmp_path, {})
     try:
         job_id = start_on(world, svc, tmp_path, 0)
-        monkeypatch.setattr(harvest_inputs, "coordinator_status", lambda *a: {"finished": True, "desired": [0]})
+        monkeypatch.setattr(harvest_inputs, "coordinator_status", lambda *a: parse_status({"finished": True, "desired": [0]}))
         harvest.run_tick(svc)
         assert gpus_of(svc, job_id) == [0]
         with pytest.raises(UsageError, match="has finished training"):
             svc.scale(str(job_id), 2)
         assert gpus_of(svc, job_id) == [0]
-        monkeypatch.setattr(harvest_inputs, "coordinator_status", lambda *a: {"finished": False, "desired": [0]})
+        monkeypatch.setattr(harvest_inputs, "coordinator_status", lambda *a: parse_status({"finished": False, "desired": [0]}))
         harvest.run_tick(svc)   # the same job, not finished: grown onto the three idle GPUs
         assert gpus_of(svc, job_id) == [0, 1, 2, 3]
     finally:

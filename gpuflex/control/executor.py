@@ -20,11 +20,12 @@ from sqlalchemy.orm import Session
 from gpuflex.config import Config
 from gpuflex.control import intents, journal
 from gpuflex.control import launch as L
-from gpuflex.control.observe import coordinator_request
+from gpuflex.control.coordinator_link import request as coordinator_request
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic.protocol import failpoints
+from gpuflex.elastic.protocol.wire import resize_request
 from gpuflex.errors import TransportError
 from gpuflex.policy import lifecycle as P
 from gpuflex.policy.placement import Assignment
@@ -168,7 +169,7 @@ def ask_membership(ops: Ops, job: Job, message: str, wait_s: float = 30) -> None
     poke the workers, and mark the job SCALING."""
     desired = sorted(w.wid for w in job.members)
     ops.session.flush()
-    coordinator_request(ops.config, ops.pool, job, {"op": "resize", "members": desired}, wait_s=wait_s)
+    coordinator_request(ops.config, ops.pool, job, resize_request(desired), wait_s=wait_s)
     poke_workers(ops, job)
     job.target_workers = len(desired)
     if job.state is not JobState.SCALING:

@@ -16,24 +16,22 @@ ready: one stuck before it ever beat would otherwise hold its devices for the jo
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-from typing import Any
-
-from sqlalchemy.orm import object_session
 
 from gpuflex.control import access, executor, journal, queueing, split
 from gpuflex.control import launch as L
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import facts, observe
 from gpuflex.db import queries
-from gpuflex.db.models import Job, Worker
+from gpuflex.db.models import Job
+from gpuflex.elastic.protocol.wire import CoordinatorStatus
 from gpuflex.errors import TransportError
 from gpuflex.hosts import hostops
 from gpuflex.jobspec import format_time
 from gpuflex.policy.lifecycle import Observation, decide
-from gpuflex.states import JobState, WorkerState
+from gpuflex.policy.reconcile import first_look
+from gpuflex.states import JobState
 
 log = logging.getLogger(__name__)
 
@@ -42,43 +40,24 @@ SWEEP_MIN_AGE_S = 600  # a socket directory changed more recently than this may 
 LEAVE_BOUND_S = 120    # after the shrink's request: a leaver still alive then never left
 
 
-def reconcile(ops: Ops, job: Job) -> dict[str, Any] | None:
-    """Bring one running job's record in line with its processes and coordinator; returns
+def reconcile(ops: Ops, job: Job) -> CoordinatorStatus | None:
+    """Bring one running job's record in line with its processes and coordinator: observe,
+    decide (gpuflex.policy.reconcile, then gpuflex.policy.lifecycle: pure), apply. Returns
     the coordinator's status (None when it did not answer)."""
     seen = observe(ops.config, ops.pool, job)
-    if timed_out(job, seen, time.time()):
+    known = facts(job)
+    first = first_look(known, seen, time.time(), LEAVE_BOUND_S)
+    if first.time_out:
         time_out(ops, job, seen)
         return seen.coordinator
-    stray = strays(job, seen, time.time() - LEAVE_BOUND_S)
-    if stray:
-        executor.stop_workers(ops, job, stray, "the database and the coordinator disagree: "
-                              "a resize that was never asked for, or a leaver that never left")
-        gone = {w.wid for w in stray}
-        seen = dataclasses.replace(seen, procs={k: v for k, v in seen.procs.items() if k not in gone})
-    dropped = left_out_alive(job, seen)
-    if dropped:
-        executor.stop_workers(ops, job, dropped, "left out of a resize by the coordinator: it did not become ready")
-        gone = {w.wid for w in dropped}
-        seen = dataclasses.replace(seen, procs={k: v for k, v in seen.procs.items() if k not in gone})
-    executor.apply(ops, job, decide(facts(job), seen))
+    for stop in first.stops:
+        executor.stop_workers(ops, job, [w for w in job.live_workers if w.wid in stop.wids], stop.why)
+    if first.stops:   # read again: a stopped worker is STOPPED, or LOST when its host did not answer
+        known, seen = facts(job), first.without_stopped(seen)
+    executor.apply(ops, job, decide(known, seen))
     if job.state == JobState.RUNNING:
         split.follow(ops, job, seen.coordinator)   # re-plan events, a straggler's release
     return seen.coordinator
-
-
-def timed_out(job: Job, seen: Observation, now: float) -> bool:
-    """Whether the run reached its time limit: the deadline passed and some live worker
-    did not end before it (alive, ended at or after it — its supervisor stopped it —, or
-    on a host that did not answer). A run whose workers all ended before the deadline
-    ends by its exit codes, whenever a command sees it."""
-    deadline = L.run_deadline(job)
-    if deadline is None or now < deadline or not job.live_workers:
-        return False
-    for w in job.live_workers:
-        p = seen.procs.get(w.wid)
-        if p is None or p.alive or not p.exited or p.ended_at is None or p.ended_at >= deadline:
-            return True
-    return False
 
 
 def time_out(ops: Ops, job: Job, seen: Observation) -> None:
@@ -91,47 +70,6 @@ def time_out(ops: Ops, job: Job, seen: Observation) -> None:
                    deadline=L.run_deadline(job), stopped_by="supervisors" if by_supervisors else "reconcile")
     job.exit_reason = reason
     executor.stop_job(ops, job, JobState.TIMEOUT, reason)
-
-
-def strays(job: Job, seen: Observation, asked_before: float) -> list[Worker]:
-    """Live workers the coordinator does not want: STARTING ones it never heard of (neither
-    members, desired nor known), alive or with no group recorded, and LEAVING ones not
-    desired and still alive when the job's newest resize request is older than
-    `asked_before`. None when the coordinator did not answer: without its word nothing is
-    a stray."""
-    coord = seen.coordinator or {}
-    desired, members = coord.get("desired"), coord.get("members")
-    if not isinstance(desired, list) or not isinstance(members, list):
-        return []
-
-    def running(w: Worker) -> bool:
-        p = seen.procs.get(w.wid)
-        return p is not None and p.alive
-
-    # a worker the coordinator knows (rejected after a rollback, released) ends by itself,
-    # with its own exit code: only one it never heard of is the database's to end
-    known = coord.get("known") if isinstance(coord.get("known"), list) else []
-    out = [w for w in job.live_workers if w.wid not in desired and w.state is WorkerState.STARTING
-           and w.wid not in members and w.wid not in known and (w.pgid is None or running(w))]
-    leavers = [w for w in job.live_workers if w.wid not in desired and w.state is WorkerState.LEAVING
-               and running(w)]
-    if leavers:   # one row read, only when a leaver is still there
-        asked = queries.last_event_of(object_session(job), job.id, ["scale-request", "state"])
-        if asked is None or (asked.last_time or asked.time) < asked_before:
-            out += leavers
-    return out
-
-
-def left_out_alive(job: Job, seen: Observation) -> list[Worker]:
-    """STARTING workers still running that the coordinator's status lists under `left_out`
-    (newcomers it dropped from a resize: dead, or never started in time) and that are not
-    members: a dead one is reaped by the policy; one alive (stuck, frozen) is stopped."""
-    coord = seen.coordinator or {}
-    entries = coord.get("left_out") if isinstance(coord.get("left_out"), list) else []
-    left = {e.get("wid") for e in entries if isinstance(e, dict)}
-    members = coord.get("members") if isinstance(coord.get("members"), list) else []
-    return [w for w in job.live_workers if w.wid in left and w.wid not in members and w.state is WorkerState.STARTING
-            and (p := seen.procs.get(w.wid)) is not None and p.alive]
 
 
 def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:

@@ -1,6 +1,7 @@
 """Reading reality: what the hosts say about a job's processes and what its coordinator says.
 
-Nothing here writes to the database; `observe` gathers the inputs of the lifecycle policy
+Nothing here writes, to the database or to the coordinator (its requests that change
+something are the executor's: gpuflex.control.coordinator_link); `observe` gathers the inputs of the lifecycle policy
 (gpuflex.policy.lifecycle) for one job.
 """
 
@@ -9,21 +10,23 @@ from __future__ import annotations
 import collections
 import logging
 import posixpath
-import time
 from typing import Any
 
 from sqlalchemy.orm import object_session
 
 from gpuflex.config import Config
 from gpuflex.control import launch as L
+from gpuflex.control.coordinator_link import coordinator_process, request
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic.protocol import run_dir
+from gpuflex.elastic.protocol.wire import CoordinatorStatus, parse_status, status_request
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy import split as split_policy
 from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, LEFT_OUT_KIND, RETRY_CAUSES,
                                       WAITING_KIND, JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
+from gpuflex.states import WorkerState
 
 log = logging.getLogger(__name__)
 
@@ -31,51 +34,12 @@ LOG_TAIL_LINES = 10          # of a crashed worker's log, when it left no crashe
 LOG_TAIL_BYTES = 8192
 
 
-def coordinator_request(config: Config, pool: Pool, job: Job, message: dict[str, Any],
-                        wait_s: float = 0.0) -> dict[str, Any]:
-    """One request to the job's coordinator; retried for up to `wait_s` while it starts.
-    Raises TransportError (no answer) or JobError (it refused)."""
-    t = pool.transport(job.store_host)
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            reply = t.control_request(L.coordinator_socket(job), message)
-            break
-        except TransportError:
-            if time.monotonic() >= deadline or not coordinator_alive(config, pool, job):
-                raise
-            time.sleep(0.2)
-    if not reply.get("ok"):
-        raise JobError(f"job {job.id}: coordinator refused {message.get('op')}: {reply.get('error')}")
-    return reply
-
-
-def coordinator_alive(config: Config, pool: Pool, job: Job) -> bool:
-    """Whether the coordinator's process group still runs (False when that cannot be told)."""
-    return coordinator_process(config, pool, job)[0]
-
-
-def coordinator_process(config: Config, pool: Pool, job: Job) -> tuple[bool, int | None]:
-    """Whether the coordinator's process group still runs, and its exit code from the exit
-    record its supervisor wrote (None: none; keys.ORPHAN_EXIT: it ended itself, its job
-    gone). (False, None) when that cannot be told."""
-    if job.store_pgid is None:
-        return False, None
+def coordinator_status(config: Config, pool: Pool, job: Job) -> CoordinatorStatus | None:
+    """The coordinator's status reply (generation, members, history, settled, progress),
+    parsed (gpuflex.elastic.protocol.wire); None when it does not answer, or answers with a
+    reply of the wrong shape (a WireError, logged like no answer)."""
     try:
-        host = config.host(job.store_host)
-        d = L.job_dir(host, job)
-        st = pool.transport(host).status([(job.store_pgid, posixpath.join(d, "coordinator.exit"))])
-        return st[0].alive, st[0].returncode
-    except (TransportError, TypeError, ValueError, KeyError) as e:
-        log.debug("job %s: cannot ask whether the coordinator runs: %s", job.id, e)
-        return False, None
-
-
-def coordinator_status(config: Config, pool: Pool, job: Job) -> dict[str, Any] | None:
-    """The coordinator's status reply (generation, members, history, settled, progress), or
-    None when it does not answer."""
-    try:
-        return coordinator_request(config, pool, job, {"op": "status"})
+        return parse_status(request(config, pool, job, status_request()))
     except (TransportError, JobError, ValueError) as e:
         log.debug("job %s: no status from the coordinator: %s", job.id, e)
         return None
@@ -104,7 +68,7 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
     coord = coordinator_status(config, pool, job)
     alive, coord_exit = (True, None) if coord is not None else coordinator_process(config, pool, job)
     abort_left = recorded_abort(pool, job) if coord is None else None   # it ended itself after ending the job
-    recorded = {r.get("wid") for r in (coord or {}).get("crashed") or () if isinstance(r, dict)}
+    recorded = {r.get("wid") for r in (coord.crashed if coord is not None else ())}
     crashed = [w for w in job.live_workers if w.wid in procs and not procs[w.wid].alive
                and procs[w.wid].exited and is_crash_exit(procs[w.wid].returncode) and w.wid not in recorded]
     tails = {w.wid: log_tail(pool, w) for w in crashed}
@@ -149,8 +113,8 @@ def facts(job: Job) -> JobFacts:
     left_out = queries.last_event_of(session, job.id, [LEFT_OUT_KIND], since)
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
-        workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code, w.ended_at)
-                      for w in job.workers),
+        workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code, w.ended_at,
+                                  w.pgid) for w in job.workers),
         generation=job.generation, world_size=job.world_size, started_at=job.started_at,
         recorded=frozenset(_ints([(newest_history.data if newest_history else {}).get("generation")])),
         forged_recorded=_ints([(forged.data if forged else {}).get("count")], default=0)[0],
@@ -159,9 +123,18 @@ def facts(job: Job) -> JobFacts:
         crash_restarts=sum(queries.events_with_cause(session, job.id, "state", c) for c in RETRY_CAUSES),
         elastic=job.elastic,
         left_out_recorded=_ints([(left_out.data if left_out else {}).get("n")], default=0)[0],
-        store_host=job.store_host,
+        store_host=job.store_host, deadline=L.run_deadline(job), resize_asked_at=resize_asked_at(job),
         waiting=frozenset((e["wid"], tuple(e["for"]), e.get("phase") or "")
                           for e in ((waiting.data if waiting else {}).get("waiting") or ())))
+
+
+def resize_asked_at(job: Job) -> float | None:
+    """When the job's newest resize (or state change) was asked: one row read, only while a
+    LEAVING worker lives (gpuflex.policy.reconcile.strays asks it of no other); None otherwise."""
+    if not any(w.state is WorkerState.LEAVING for w in job.live_workers):
+        return None
+    asked = queries.last_event_of(object_session(job), job.id, ["scale-request", "state"])
+    return None if asked is None else (asked.last_time or asked.time)
 
 
 def last_replan(job: Job) -> tuple[int | None, float | None]:

@@ -40,7 +40,7 @@ from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.errors import JobError, TransportError, UsageError
-from gpuflex.policy.placement import Assignment, place
+from gpuflex.policy.placement import Assignment
 
 log = logging.getLogger(__name__)
 
@@ -55,13 +55,15 @@ def is_restart(job: Job) -> bool:
     return job.elastic == RESTART
 
 
-def is_gang(job: Job) -> bool:
+def is_fixed_gang(job: Job) -> bool:
+    """A gang of fixed size (elastic NULL), never resized; not gpuflex.control.launch.is_gang,
+    which is every job launched as a whole (a restart job too)."""
     return job.elastic is None
 
 
-def refuse_gang(job: Job) -> None:
+def refuse_fixed_gang(job: Job) -> None:
     """UsageError for a resize of a fixed gang (one line, nothing changed)."""
-    if is_gang(job):
+    if is_fixed_gang(job):
         raise UsageError(f"job {job.id} runs {job.max_workers} worker(s) as a gang: {GANG_REFUSAL}")
 
 
@@ -85,32 +87,6 @@ def with_more(job: Job, added: list[Assignment]) -> list[Assignment]:
     return assignments_of(in_rank_order(job)) + list(added)
 
 
-def check_target(job: Job, n: int) -> None:
-    """UsageError unless the job runs and `n` is within its MIN..MAX: the check of every
-    scale, in place (gpuflex.control.scaling) or by a restart."""
-    if not job.state.active:
-        raise UsageError(f"job {job.id} is {job.state}; only running jobs can be scaled.")
-    if not job.min_workers <= n <= job.max_workers:
-        raise UsageError(f"job {job.id} takes {job.min_workers}..{job.max_workers} workers; {n} is outside.",
-                         hint=f"Submit with --workers MIN:MAX to allow {n}.")
-
-
-def plan_scale(ops: Ops, job: Job, n: int) -> list[Assignment] | None:
-    """The devices of the gang at `n` workers (None: it has `n` already). A shrink drops the
-    newest workers; a grow adds free devices. UsageError / JobError when it cannot."""
-    check_target(job, n)
-    current = job.members
-    if n == len(current):
-        return None
-    if n < len(current):
-        newest = sorted(current, key=lambda w: w.wid, reverse=True)[:len(current) - n]
-        return without(job, [w.wid for w in newest])
-    p = place(ops.pool.free(ops.session), n - len(current), n - len(current), job.gpus_per_worker)
-    if not p.ok:
-        raise JobError(f"job {job.id}: cannot grow to {n}: {p.reason}.")
-    return with_more(job, list(p.assignments))
-
-
 # ---- stop, then launch ------------------------------------------------------------------
 def stop(ops: Ops, job: Job, size: int, cause: str, grace_s: float | None = None,
          old: int | None = None) -> float:
@@ -125,7 +101,8 @@ def stop(ops: Ops, job: Job, size: int, cause: str, grace_s: float | None = None
     return sigterm_at
 
 
-def launch(ops: Ops, job: Job, assignments: list[Assignment], old: int, cause: str, sigterm_at: float) -> bool:
+def launch_gang(ops: Ops, job: Job, assignments: list[Assignment], old: int, cause: str,
+                sigterm_at: float) -> bool:
     """Start the queued job's new gang on `assignments` and record the restart; False (the
     job stays queued, placed by a later command) when a host fails the launch."""
     try:
@@ -154,7 +131,7 @@ def restart(ops: Ops, job: Job, assignments: list[Assignment], cause: str, grace
         raise JobError(f"job {job.id}: a restart needs at least one worker.")
     old = len(job.members) if old is None else old
     sent = stop(ops, job, len(assignments), cause, grace_s, old)
-    return launch(ops, job, assignments, old, cause, sent if sigterm_at is None else sigterm_at)
+    return launch_gang(ops, job, assignments, old, cause, sent if sigterm_at is None else sigterm_at)
 
 
 def restart_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
@@ -166,14 +143,5 @@ def restart_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
         old = len(job.members)
         sigterm_at = stop(Ops(config, pool, session), job, len(assignments), cause)
     with tx() as session:
-        return launch(Ops(config, pool, session), queries.job(session, job_id), assignments, old, cause, sigterm_at)
-
-
-def scale_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int, n: int) -> None:
-    """`gpuflex scale` of a restart job: a restart at `n` (nothing when it has `n`)."""
-    with tx() as session:
-        job = queries.job(session, job_id)
-        plan = plan_scale(Ops(config, pool, session), job, n)
-        cause = f"scale {len(job.members)} -> {n}"
-    if plan is not None:
-        restart_in_steps(tx, config, pool, job_id, plan, cause)
+        return launch_gang(Ops(config, pool, session), queries.job(session, job_id), assignments, old, cause,
+                           sigterm_at)

@@ -4,13 +4,15 @@
 are spawned and warm up, the coordinator gets the desired membership, and the workers
 switch at their next step boundary. (Requeueing a job is `executor.requeue`.) A
 restart-elastic job is resized by a restart instead (gpuflex.control.restarts), and a
-fixed gang not at all. A `scale` up stays within the owner's [quota] and never grows a job
-whose training has finished (`check_grow`: exit 2, nothing changed).
+fixed gang not at all: `scale_in_steps` checks and plans both kinds of job once, the
+same way (`check_target`, `check_grow`, `plan_scale`), and only then goes its own way. A
+`scale` up stays within the owner's [quota] and never grows a job whose training has
+finished (`check_grow`: exit 2, nothing changed).
 
 The database must match the processes: a newcomer's row and id are written before its
 process starts, and a resize the coordinator refuses stops its newcomers and ends their
 rows. `grow` does it all in the caller's one transaction: a refusal leaves no process, but
-a command killed mid-grow takes its rows with it. `grow_in_steps` (and `scale_in_steps`)
+a command killed mid-grow takes its rows with it. `grow_in_steps` (so `scale_in_steps`)
 commits the rows first, then each process's group, then asks, all under the ops lock the
 caller holds: a command killed at any point leaves rows that the next reconcile matches
 with their processes (gpuflex.control.lifecycle stops newcomers the coordinator was never
@@ -19,6 +21,7 @@ asked for).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, ContextManager
 
 from sqlalchemy.orm import Session
@@ -39,27 +42,20 @@ from gpuflex.policy.placement import Assignment, place
 Transactions = Callable[[], ContextManager[Session]]
 
 
-def scale(ops: Ops, job: Job, n: int) -> Job:
-    """Ask a running job for `n` workers: start newcomers on free devices, or retire the
-    newest workers (a restart job: a restart at `n`; a gang: UsageError)."""
-    restarts.refuse_gang(job)
-    check_grow(ops, job, n)
-    if restarts.is_restart(job):
-        plan = restarts.plan_scale(ops, job, n)
-        if plan is not None:
-            restarts.restart(ops, job, plan, f"scale {len(job.members)} -> {n}")
-        return job
-    grows = plan_scale(ops, job, n)
-    if grows:
-        grow(ops, job, grows)
-    return job
+def check_target(job: Job, n: int) -> None:
+    """UsageError unless the job runs and `n` is within its MIN..MAX: the first check of
+    every scale, in place or by a restart."""
+    if not job.state.active:
+        raise UsageError(f"job {job.id} is {job.state}; only running jobs can be scaled.")
+    if not job.min_workers <= n <= job.max_workers:
+        raise UsageError(f"job {job.id} takes {job.min_workers}..{job.max_workers} workers; {n} is outside.",
+                         hint=f"Submit with --workers MIN:MAX to allow {n}.")
 
 
 def check_grow(ops: Ops, job: Job, n: int) -> None:
-    """UsageError when `n` is no valid target, when the workers a grow to `n` adds would
-    take the owner past their quota, or when the job's training has finished (its
+    """UsageError when the workers a grow to `n` (a valid target: `check_target`) adds
+    would take the owner past their quota, or when the job's training has finished (its
     newcomers would exit at once)."""
-    restarts.check_target(job, n)
     extra = n - len(job.members)
     if extra <= 0:
         return
@@ -68,20 +64,28 @@ def check_grow(ops: Ops, job: Job, n: int) -> None:
         raise UsageError(f"job {job.id} has finished training; it is not grown.")
 
 
-def plan_scale(ops: Ops, job: Job, n: int) -> list[Assignment]:
-    """Check `n` against the job; retire the newest workers for a shrink (done: []), or
-    the devices of the newcomers a grow needs (UsageError / JobError when it cannot)."""
-    restarts.check_target(job, n)
+@dataclasses.dataclass(frozen=True)
+class ScalePlan:
+    """What a scale to `n` comes to, for either kind of job: the newest members to drop (a
+    shrink) or the free devices to add (a grow); neither when the job has `n` already."""
+
+    drop: tuple[int, ...] = ()
+    add: tuple[Assignment, ...] = ()
+
+
+def plan_scale(ops: Ops, job: Job, n: int) -> ScalePlan:
+    """The shrink drops the newest workers; a grow takes free devices (JobError when there
+    are too few). `n` is checked already (check_target)."""
     current = job.members
+    if n < len(current):
+        newest_first = sorted(current, key=lambda w: w.wid, reverse=True)
+        return ScalePlan(drop=tuple(w.wid for w in newest_first[:len(current) - n]))
     if n > len(current):
         p = place(ops.pool.free(ops.session), n - len(current), n - len(current), job.gpus_per_worker)
         if not p.ok:
             raise JobError(f"job {job.id}: cannot grow to {n}: {p.reason}.")
-        return list(p.assignments)
-    if n < len(current):
-        newest_first = sorted(current, key=lambda w: w.wid, reverse=True)
-        retire(ops, job, [w.wid for w in newest_first[:len(current) - n]])
-    return []
+        return ScalePlan(add=tuple(p.assignments))
+    return ScalePlan()
 
 
 def grow(ops: Ops, job: Job, assignments: list[Assignment], why: str = "") -> list[Worker]:
@@ -160,19 +164,27 @@ def grow_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
 
 
 def scale_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int, n: int) -> None:
-    """`scale` with a grow's steps committed one by one (see `grow_in_steps`; a restart
-    job's stop and launch: restarts.scale_in_steps). A bad `n` changes nothing."""
+    """`gpuflex scale`: checked and planned in one transaction (a bad `n` changes nothing),
+    then carried out in committed steps. In place: a shrink retires the newest workers
+    there, a grow is `grow_in_steps`. A restart job: a restart at `n`
+    (restarts.restart_in_steps). A fixed gang: UsageError."""
     with tx() as session:
-        job = queries.job(session, job_id)
-        restarts.refuse_gang(job)
-        check_grow(Ops(config, pool, session), job, n)
-        restart = restarts.is_restart(job)
-        grows = [] if restart else plan_scale(Ops(config, pool, session), job, n)
-    if restart:
-        restarts.scale_in_steps(tx, config, pool, job_id, n)
-        return
-    if grows:
-        grow_in_steps(tx, config, pool, job_id, grows)
+        ops, job = Ops(config, pool, session), queries.job(session, job_id)
+        restarts.refuse_fixed_gang(job)
+        check_target(job, n)
+        check_grow(ops, job, n)
+        plan = plan_scale(ops, job, n)
+        if not restarts.is_restart(job) and plan.drop:
+            retire(ops, job, list(plan.drop))
+            return
+        gang = None
+        if restarts.is_restart(job) and (plan.drop or plan.add):
+            gang = restarts.without(job, plan.drop) if plan.drop else restarts.with_more(job, list(plan.add))
+        cause = f"scale {len(job.members)} -> {n}"
+    if gang is not None:
+        restarts.restart_in_steps(tx, config, pool, job_id, gang, cause)
+    elif plan.add:
+        grow_in_steps(tx, config, pool, job_id, list(plan.add))
 
 
 def retire(ops: Ops, job: Job, wids: list[int], why: str = "", wait_s: float = 30) -> None:

@@ -159,10 +159,10 @@ class JobService:
             # and sockets are theirs alone, so they are reconciled by their owner's commands
             for job in [j for j in active if access.reaches(self.config, j)]:
                 status = lifecycle.reconcile(ops, job)
-                if status is not None and status.get("progress"):
-                    self.progress[job.id] = status["progress"]
+                if status is not None and status.progress:
+                    self.progress[job.id] = status.progress
                 if status is not None:
-                    self.forming[job.id] = status.get("forming")
+                    self.forming[job.id] = status.forming
             session.flush()
             lifecycle.place_queued(ops)
             lifecycle.sweep_socket_dirs(ops, active)

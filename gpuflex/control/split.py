@@ -20,6 +20,7 @@ from gpuflex.control import executor, journal, scaling
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import last_replan
 from gpuflex.db.models import Job
+from gpuflex.elastic.protocol.wire import CoordinatorStatus
 from gpuflex.errors import GpuflexError
 from gpuflex.jobspec import INPLACE
 from gpuflex.policy import split as P
@@ -28,13 +29,12 @@ from gpuflex.states import JobState
 log = logging.getLogger(__name__)
 
 
-def follow(ops: Ops, job: Job, status: dict[str, Any] | None, now: float | None = None) -> None:
+def follow(ops: Ops, job: Job, status: CoordinatorStatus | None, now: float | None = None) -> None:
     """After a reconcile of `job` that read the coordinator's `status` (None: no answer):
     record its new re-plans, then release a straggler if there is one."""
     if status is None or job.elastic != INPLACE:
         return
-    progress = status.get("progress")
-    record_replans(ops, job, progress)
+    record_replans(ops, job, status.progress)
     release_straggler(ops, job, status, time.time() if now is None else now)
 
 
@@ -46,13 +46,13 @@ def record_replans(ops: Ops, job: Job, progress: Any) -> int:
     return len(new)
 
 
-def release_straggler(ops: Ops, job: Job, status: dict[str, Any], now: float) -> P.Release | None:
+def release_straggler(ops: Ops, job: Job, status: CoordinatorStatus, now: float) -> P.Release | None:
     """Shrink the job in place without its straggler, if it has one (the policy's rules),
     with a "straggler" event; the release, or None."""
-    if job.state is not JobState.RUNNING or status.get("settled") is not True:
+    if job.state is not JobState.RUNNING or not status.settled:
         return None
     members = [P.Member(w.wid, w.host) for w in job.members]
-    found = P.straggler(members, job.min_workers, status.get("progress"), ops.config.jobs.straggler_s, now)
+    found = P.straggler(members, job.min_workers, status.progress, ops.config.jobs.straggler_s, now)
     if found is None:
         return None
     rel = f"{found.relative:.2f}x the fastest member, " if found.relative is not None else ""

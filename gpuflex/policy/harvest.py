@@ -31,6 +31,7 @@ import dataclasses
 from typing import Any, Iterable, Mapping, Sequence, Union
 
 from gpuflex.config import HarvestSettings
+from gpuflex.elastic.protocol.wire import CoordinatorStatus
 from gpuflex.policy.fairshare import Quota
 from gpuflex.policy.placement import Assignment, HostFree, place
 from gpuflex.states import JobState, WorkerState
@@ -87,17 +88,16 @@ class Share:
         return None if q is None else q.room()
 
 
-def training_finished(status: Mapping[str, Any] | None, exited_ok: Iterable[int]) -> bool:
+def training_finished(status: CoordinatorStatus | None, exited_ok: Iterable[int]) -> bool:
     """Whether a running job's training has ended: its coordinator says "finished", or a
     worker it still wants (in "desired") exited 0 (a done record: a retired worker leaves
     "desired" before it exits; a newcomer that finds training over exits 0 too). Without
     the coordinator's word (None), nothing is known to have finished."""
-    if not status:
+    if status is None:
         return False
-    if status.get("finished") is True:
+    if status.finished:
         return True
-    desired = status.get("desired")
-    return isinstance(desired, list) and any(w in desired for w in exited_ok)
+    return status.desired is not None and any(w in status.desired for w in exited_ok)
 
 
 @dataclasses.dataclass(frozen=True)

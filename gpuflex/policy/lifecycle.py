@@ -44,9 +44,10 @@ gpuflex.control.executor writes it. In order:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from gpuflex.elastic.protocol.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
+from gpuflex.elastic.protocol.wire import CoordinatorStatus, LeftOut
 from gpuflex.policy.outcomes import (  # noqa: F401 (the policy's inputs and actions, re-exported)
     CRASH_CAUSE, CRASH_KIND, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, TRACEBACK_LINES, Action, Adopt,
     Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,
@@ -93,46 +94,43 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
     coord = seen.coordinator
     generation, world_size = job.generation, job.world_size
     if coord is not None:
-        gen = coord.get("generation") or 0
-        members = tuple(coord.get("members") or ())
+        gen, members = coord.generation, coord.members
         if gen and gen >= generation:
             generation, world_size = gen, len(members)
             actions.append(Adopt(gen, members))
             for wid in members:
                 if wid in workers:
                     workers[wid] = dataclasses.replace(workers[wid], generation=gen)
-        actions.extend(history(job, coord.get("history")))
-        for record in (forgeries(job, coord.get("forged")), checkpoint_failures(job, coord.get("progress")),
-                       waiting(job, coord.get("waiting"))):
+        actions.extend(history(job, coord.history))
+        for record in (forgeries(job, coord.forged), checkpoint_failures(job, coord.progress),
+                       waiting(job, coord.waiting)):
             if record is not None:
                 actions.append(record)
-        dropped = left_out(job, coord.get("left_out"))
+        dropped = left_out(job, coord.left_out)
         actions.extend(dropped)
-        if job.state is JobState.SCALING and coord.get("settled"):
+        if job.state is JobState.SCALING and coord.settled:
             actions.append(SetState(JobState.RUNNING, "; ".join(
                 [f"world size {world_size} at generation {gen}", *(r.message for r in dropped)])))
-        if coord.get("generation"):
+        if coord.generation:
             # a worker on a host we cannot reach that the job has gone on without is lost; a
             # newcomer still starting only once the coordinator left it out of a resize or
             # rejected it (a first formation's deadline): it would stay "starting" while its
             # host is gone, and hold its slot
-            entries = coord.get("left_out") if isinstance(coord.get("left_out"), list) else []
-            rejected = coord.get("rejected") if isinstance(coord.get("rejected"), list) else []
-            dropped_wids = {e["wid"] for e in entries if isinstance(e, Mapping) and is_int(e.get("wid"))} \
-                | {w for w in rejected if is_int(w)}
+            dropped_wids = {e.wid for e in coord.left_out} | set(coord.rejected)
             for w in live():
-                if w.host in seen.unreachable and w.wid not in coord["members"] \
-                        and w.generation < coord["generation"] \
+                if w.host in seen.unreachable and w.wid not in coord.members \
+                        and w.generation < coord.generation \
                         and (w.state is not WorkerState.STARTING or w.wid in dropped_wids):
                     end(w, WorkerState.LOST, None)
-    if job.gang and (ended := gang_failure(job, workers.values(), (coord or {}).get("crashed"), seen.log_tails)):
+    crashed = coord.crashed if coord is not None else ()
+    if job.gang and (ended := gang_failure(job, workers.values(), crashed, seen.log_tails)):
         actions.extend(ended)
         return actions
     abort = coordinator_abort(coord, seen.recorded_abort)
     at = abort.at if abort is not None else None
     # a worker that ended after the abort is the abort's doing: no crash
     judged = [w for w in workers.values() if at is None or not w.state.final or ended_before(w, at)]
-    crash = first_crash(job, judged, (coord or {}).get("crashed"), seen.log_tails)
+    crash = first_crash(job, judged, crashed, seen.log_tails)
     if crash is not None:
         actions.append(Record(CRASH_KIND, crash.summary, crash.data()))
         actions.append(after_crash(job, crash))
@@ -142,16 +140,16 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
         actions.append(Finish(JobState.FAILED, ABORTED_EXIT, f"aborted: {abort.reason}", job.restarts))
         return actions
     if live():
-        held = _reason((coord or {}).get("held"))
+        held = _reason(coord.held if coord is not None else None)
         if coord is None and not seen.coordinator_alive:
             # a gang's plain processes go on without it; its gpuflex.elastic ones exit STORE_LOST_EXIT
             actions.append(Requeue(f"{ORPHANED} (on {job.store_host or 'its host'}, in {job.phase})", "orphan")
                            if seen.coordinator_exit == ORPHAN_EXIT and not job.gang
                            else Record("store-lost", "the job's coordinator (store) is gone"))
         elif held is not None:
-            actions.append(Requeue(f"{held}{where(job, coord['held'])}; restarting from its checkpoint when it "
+            actions.append(Requeue(f"{held}{where(job, coord.held)}; restarting from its checkpoint when it "
                                    "fits", "below-min"))
-        elif coord is not None and coord.get("settled") and world_size < job.min_workers:
+        elif coord is not None and coord.settled and world_size < job.min_workers:
             actions.append(Requeue(f"fell to {world_size} worker(s), below its minimum of "
                                    f"{job.min_workers}; restarting from its checkpoint when it fits", "below-min"))
         return actions
@@ -159,15 +157,15 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
     return actions
 
 
-def history(job: JobFacts, entries: Any) -> list[Record]:
+def history(job: JobFacts, entries: Iterable[Mapping[str, Any]]) -> list[Record]:
     """An event for each verified generation of the coordinator's history newer than the
     newest one this run's events already hold (the coordinator reports its whole history
     at every status: without the mark each would be recorded again at every command),
     dated when the coordinator published the generation (its "created")."""
     upto = max(job.recorded, default=0)
     out = []
-    for h in entries or ():
-        if not isinstance(h, Mapping) or not is_int(h.get("generation")) or not h.get("verified") \
+    for h in entries:
+        if not is_int(h.get("generation")) or not h.get("verified") \
                 or h["generation"] <= upto:
             continue
         kind = _KINDS.get(h.get("kind"), h.get("kind"))
@@ -177,10 +175,10 @@ def history(job: JobFacts, entries: Any) -> list[Record]:
     return out
 
 
-def forgeries(job: JobFacts, report: Any) -> Record | None:
+def forgeries(job: JobFacts, report: Mapping[str, Any] | None) -> Record | None:
     """An event when the coordinator's `forged` report ({"count": n, "last": key}, records
     that failed authentication and were ignored) counts more than already recorded."""
-    if not isinstance(report, Mapping):
+    if report is None:
         return None
     if not is_int(count := report.get("count")) or count <= job.forged_recorded:
         return None
@@ -189,12 +187,12 @@ def forgeries(job: JobFacts, report: Any) -> Record | None:
                   {"count": count, "last": last})
 
 
-def checkpoint_failures(job: JobFacts, progress: Any) -> Record | None:
+def checkpoint_failures(job: JobFacts, progress: Mapping[str, Any] | None) -> Record | None:
     """An event when rank 0's progress ({"wid", "checkpoint_failures": {"count",
     "last_error", "last_time"}, ...}: the coordinator keeps the last failure's reason after
     the next write clears the worker's; an older one gives a bare count and
     "checkpoint_error") counts more failed checkpoint writes than recorded."""
-    if not isinstance(progress, Mapping):
+    if progress is None:
         return None
     wid, failures = progress.get("wid"), progress.get("checkpoint_failures")
     count, error, at = (failures.get("count"), failures.get("last_error"), failures.get("last_time")) \
@@ -206,30 +204,29 @@ def checkpoint_failures(job: JobFacts, progress: Any) -> Record | None:
                   {"wid": wid, "count": count}, at=instant(at))
 
 
-def left_out(job: JobFacts, entries: Any) -> list[Record]:
-    """An event for each newcomer the coordinator left out of a resize ([{"n", "wid",
-    "reason", "phase", "at", ...}], n counting them) newer than this run's events report,
-    naming the worker, its host and the phase, dated when the coordinator left it out."""
+def left_out(job: JobFacts, entries: Iterable[LeftOut]) -> list[Record]:
+    """An event for each newcomer the coordinator left out of a resize (n counting them)
+    newer than this run's events report, naming the worker, its host and the phase, dated
+    when the coordinator left it out."""
     hosts = {w.wid: w.host for w in job.workers}
     out = []
-    for e in entries if isinstance(entries, list) else ():
-        if not isinstance(e, Mapping) or not all(is_int(e.get(k)) for k in ("n", "wid")) \
-                or e["n"] <= job.left_out_recorded:
+    for e in entries:
+        if e.n <= job.left_out_recorded:
             continue
-        wid, phase = e["wid"], one_line(e.get("phase"), 40) or "warm-up"
+        wid, phase = e.wid, one_line(e.phase, 40) or "warm-up"
         host = hosts.get(wid, "an unknown host")
-        why = one_line(e.get("reason"), 300) or "was not ready"
+        why = one_line(e.reason, 300) or "was not ready"
         out.append(Record(LEFT_OUT_KIND, f"worker {wid} on {host} left out of the resize ({phase}): {why}",
-                          {"n": e["n"], "wid": wid, "host": host, "phase": phase}, at=instant(e.get("at"))))
+                          {"n": e.n, "wid": wid, "host": host, "phase": phase}, at=instant(e.at)))
     return out
 
 
-def waiting(job: JobFacts, entries: Any) -> Record | None:
+def waiting(job: JobFacts, entries: Iterable[Mapping[str, Any]]) -> Record | None:
     """An event when the members the coordinator lists as waiting at a step barrier for
     busy members ([{"wid", "for": [wids], "since", "phase"}]) are not those this run's last
     "waiting" event names (the time they started does not count: the same wait is one
     event, however often it is read); dated when the first of them started waiting."""
-    listed = [e for e in (entries or ()) if isinstance(e, Mapping) and is_int(e.get("wid"))
+    listed = [e for e in entries if is_int(e.get("wid"))
               and isinstance(e.get("for"), list) and e["for"] and all(is_int(x) for x in e["for"])]
     now = frozenset((e["wid"], tuple(sorted(e["for"])), one_line(e.get("phase"), 40)) for e in listed)
     if now == job.waiting:
@@ -267,10 +264,10 @@ class Abort:
     at: float | None = None
 
 
-def coordinator_abort(coord: Mapping[str, Any] | None, recorded: Mapping[str, Any] | None) -> Abort | None:
+def coordinator_abort(coord: CoordinatorStatus | None, recorded: Mapping[str, Any] | None) -> Abort | None:
     """The coordinator's abort ({"reason", "at", ...}): from its status when it answered,
     else the record it left in the run's directory; None when it did not end the job."""
-    value = coord.get("abort") if coord is not None else recorded
+    value = coord.abort if coord is not None else recorded
     reason = _reason(value, ABORT_REASON_CHARS)
     if reason is None:
         return None

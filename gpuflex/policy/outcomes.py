@@ -37,6 +37,7 @@ import math
 from typing import Any, Iterable, Mapping, Union
 
 from gpuflex.elastic.protocol.keys import ABORTED_EXIT, RUNTIME_EXITS, SHARDS_LOST_EXIT, STORE_LOST_EXIT
+from gpuflex.elastic.protocol.wire import CoordinatorStatus
 from gpuflex.states import JobState, WorkerState
 
 INPLACE = "inplace"      # jobs.elastic of a job resized in place (gpuflex.jobspec.INPLACE)
@@ -64,6 +65,7 @@ class WorkerFacts:
     started_at: float = 0.0
     exit_code: int | None = None
     ended_at: float | None = None
+    pgid: int | None = None   # its process group (None: its start never recorded one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +92,9 @@ class JobFacts:
     elastic: str | None = INPLACE   # jobs.elastic: "inplace", "restart", or None (a fixed gang)
     left_out_recorded: int = 0  # the newest newcomer left out of a resize this run's events report (its n)
     store_host: str | None = None   # where its coordinator (the job store) runs
+    deadline: float | None = None   # when the run reaches its time limit (None: no limit)
+    # when the newest resize (or state change) was asked; read only while a leaver lives
+    resize_asked_at: float | None = None
 
     @property
     def phase(self) -> str:
@@ -121,7 +126,7 @@ class Observation:
 
     procs: Mapping[int, ProcSeen]                 # wid -> its group, for hosts that answered
     unreachable: Mapping[str, str] = dataclasses.field(default_factory=dict)   # host -> error
-    coordinator: Mapping[str, Any] | None = None  # its status reply; None: it did not answer
+    coordinator: CoordinatorStatus | None = None  # its status reply, parsed; None: it did not answer
     coordinator_alive: bool = True                # its process group runs (asked when it did not answer)
     coordinator_exit: int | None = None           # its exit code, once it ended and left a record
     # wid -> the last lines of the log of a worker that ended with a crash's exit code
@@ -225,14 +230,14 @@ def is_crash_exit(rc: int | None) -> bool:
 
 
 # ---- the rules ---------------------------------------------------------------------------
-def first_crash(job: JobFacts, workers: Iterable[WorkerFacts], records: Any,
+def first_crash(job: JobFacts, workers: Iterable[WorkerFacts], records: Iterable[Mapping[str, Any]] | None,
                 log_tails: Mapping[int, tuple[str, ...]]) -> Crash | None:
     """The first crash among this run's workers: a crashed record the coordinator reports
     ([{"wid", "error", "traceback", "phase"}]), else a worker that ended with a crash's
     exit code (its error and traceback from the tail of its log)."""
     current = {w.wid: w for w in _current(job, workers)}
-    for r in records if isinstance(records, list) else ():
-        if isinstance(r, Mapping) and is_int(r.get("wid")) and r["wid"] in current:
+    for r in records or ():
+        if is_int(r.get("wid")) and r["wid"] in current:
             w = current[r["wid"]]
             tb = printable_lines(line for line in r.get("traceback") or () if isinstance(line, str))
             return Crash(w.wid, w.host, one_line(r.get("error"), 300) or "an exception", tb,
@@ -286,7 +291,7 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int) -> Reque
     return Finish(JobState.SUCCEEDED, 0, "all workers exited 0", job.restarts)
 
 
-def gang_failure(job: JobFacts, workers: Iterable[WorkerFacts], records: Any,
+def gang_failure(job: JobFacts, workers: Iterable[WorkerFacts], records: Iterable[Mapping[str, Any]] | None,
                  log_tails: Mapping[int, tuple[str, ...]]) -> list[Record | Requeue | Finish]:
     """A gang's end when one of this run's workers ended badly (see the module's doc):
     [] while none has. The first to end decides: the others often fail because of it (a

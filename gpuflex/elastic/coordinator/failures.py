@@ -157,7 +157,7 @@ class FailureStreak:
         return None
 
 
-def crash_record(wid: int, raw: Any) -> dict[str, Any]:
+def listed_crash(wid: int, raw: Any) -> dict[str, Any]:
     """A worker's crashed/{wid} record as status lists it: {wid, error, traceback, phase}."""
     rec = raw if isinstance(raw, dict) else {}
     lines = rec.get("traceback")
@@ -197,7 +197,7 @@ class WorkerReports:
             if w not in self.crashed and self.has(keys.crashed(w)):
                 rec = self.read_json(keys.crashed(w))
                 if rec is not None:
-                    self.crashed[w] = crash_record(w, rec)
+                    self.crashed[w] = listed_crash(w, rec)
                     log.error("worker %d crashed (%s): %s", w, self.crashed[w]["phase"],
                               self.crashed[w]["error"])
         self.waiting = [r for r in (waiting_record(w, self.read_json(keys.waiting(w)))

@@ -31,6 +31,10 @@ writes the signed `abort` record instead (every worker exits ABORTED_EXIT). An a
 {reason, cause, at}: `cause` "repeated" (the streak) or "never-joined" (forming.py), `at`
 its wall-clock time (the control side judges a worker's end before it by itself).
 
+`_tick` reads the store and handles the first two; the rest is decided without writing
+by next_generation.decide (from a `Seen`: one full read) and carried out by `_apply`, the
+only place a decision writes.
+
 Every tick reads one key, the events counter workers bump after each write the coordinator
 acts on; the full read (a dozen keys per member) runs when it moved, while anything is
 pending, and every IDLE_TICK_S otherwise (crash and waiting records: only when it moved).
@@ -52,8 +56,10 @@ from typing import Any, Callable, Protocol
 
 from gpuflex.elastic.protocol import failpoints, keys
 from gpuflex.elastic.protocol.auth import ForgeryLog, KeptRecords, SignedRecords, Signer
-from gpuflex.elastic.coordinator.failures import FailureStreak, Heartbeats, WorkerReports, common_reason, printable
-from gpuflex.elastic.coordinator.forming import NEVER_JOINED, FormationWatch, Outcome
+from gpuflex.elastic.coordinator.failures import FailureStreak, Heartbeats, WorkerReports, printable
+from gpuflex.elastic.coordinator.forming import FormationWatch
+from gpuflex.elastic.coordinator.next_generation import (Decision, End, Hold, Publish, Seen, Settled, Unreachable,
+                                                         decide)
 from gpuflex.elastic.coordinator.progress_view import ProgressView
 from gpuflex.elastic.coordinator.resizing import Requests, WarmUps, check_resize
 
@@ -239,85 +245,52 @@ class Generations:
         alive = self.heartbeats.alive
         ready_new = [w for w in desired_new if self.valid(keys.ready(w)) and alive(w)]
         if self.generation == 0:   # the first: everyone ready, or without the dead and the late
-            if (out := self.formation.first(desired_new, ready_new, self.min_workers)) is not None:
-                self._formed(out, "initial")
+            self._apply(decide(self._seen(desired_new, ready_new,
+                                          first=self.formation.first(desired_new, ready_new, self.min_workers))))
             return
         g, cur = self.generation, self.history[-1]
         self._read_verdict(g, cur)
         for h in self.history[-1 - TIMINGS_LOOKBACK:-1]:
             if h["timings"] is None:
                 h["timings"] = self._timings(h["generation"])
-        failed = [w for w in self.members if self.valid(keys.fail(g, w))]
-        stale = [w for w in self.members if not self.gone(w) and not alive(w)]
-        out = self.formation.joining(self.members, self.gone, self.min_workers) if cur["ok"] is None else None
-        if cur["ok"] is False:
-            self._rollback(cur)
-        elif out is not None:
-            self._formed(out, "recover")
-        elif failed or stale:
-            self._recover(g, failed, stale, ready_new)
-        elif cur["verified"]:
-            self._resize(desired_new, ready_new)
+        self._apply(decide(self._seen(
+            desired_new, ready_new, prev=tuple(cur["prev"]), ok=cur["ok"], verified=cur["verified"],
+            failed=tuple(w for w in self.members if self.valid(keys.fail(g, w))),
+            stale=tuple(w for w in self.members if not self.gone(w) and not alive(w)),
+            joining=self.formation.joining(self.members, self.gone, self.min_workers) if cur["ok"] is None else None,
+            verdict_reason=self._verdict_reason, gone=self.gone,
+            alive_not_done=lambda w: alive(w) and not self.valid(keys.done(w)),
+            fail_reason=lambda w: self.records.read(keys.fail(g, w)))))
 
-    def _formed(self, out: Outcome, kind: str) -> None:
-        """A formation's outcome: end the job, hold, or publish without the workers it dropped."""
-        if out.end is not None:
-            self.end(out.end, NEVER_JOINED)
-        elif out.hold is not None:
-            self.hold(out.hold, out.dropped, out.phase)
-        elif not (out.dropped and kind == "recover" and self.failed_again(self.generation, out.message)):
-            self.reject(out.dropped)
-            self.set_desired([w for w in self.desired if w not in out.dropped])
-            self.publish(out.members, kind, out.message)
+    def _seen(self, desired_new: list[int], ready_new: list[int], **read: Any) -> Seen:
+        return Seen(self.generation, tuple(self.members), tuple(self.desired), frozenset(self.rejected),
+                    self.min_workers, desired_new=tuple(desired_new), ready_new=tuple(ready_new), **read)
 
-    def _recover(self, g: int, failed: list[int], stale: list[int], ready_new: list[int]) -> None:
-        undecided = [w for w in self.members
-                     if w not in failed and w not in stale and not self.gone(w)]
-        if undecided:
-            return  # the others will see the failure at their next collective
-        survivors = [w for w in failed if w not in stale]
-        joiners = [w for w in ready_new if w not in survivors]
-        keep = [w for w in survivors if w in self.desired] or survivors
-        lost = [w for w in self.members if w not in survivors]
-        nxt = keep + joiners
-        reason = common_reason(self.records.read(keys.fail(g, w)) for w in failed) \
-            or f"worker(s) {stale} stopped beating"
-        if len(nxt) < self.min_workers:
-            forming = reason.startswith("formation") or not self.history[-1]["verified"]
-            self.hold(f"would fall to {len(nxt)} worker(s), below the job's minimum of {self.min_workers}"
-                      + (f" (lost worker(s) {lost})" if lost else ""), lost,
-                      f"generation {g}, {'forming' if forming else 'steady'}")
-            return
-        if self.failed_again(g, reason):
-            return
-        message = (f"lost worker(s) {lost}: {reason}" if lost else
-                   f"re-formed after a failed collective in generation {g} (no worker lost): {reason}")
-        self.set_desired([w for w in self.desired if w not in lost])
-        self.publish(nxt, "recover", message)
-
-    def _resize(self, desired_new: list[int], ready_new: list[int]) -> None:
-        if self.desired == sorted(self.members):
+    def _apply(self, decision: Decision) -> None:
+        """Carry out what next_generation.decide said: the only writes of a decision."""
+        if decision.rollback is not None:
+            self.history[-1]["verified"] = True  # decided, so it is reported
+            self.reject(list(decision.rollback))
+        step = decision.step
+        if isinstance(step, End):
+            self.end(step.reason, step.cause)
+        elif isinstance(step, Hold):
+            self.hold(step.reason, list(step.workers), step.phase)
+        elif isinstance(step, Publish):
+            if step.failure is not None and self.failed_again(*step.failure):
+                return
+            self.reject(list(step.reject))
+            if step.desired is not None:
+                self.set_desired(list(step.desired))
+            self.publish(list(step.members), step.kind, step.message)
+        elif isinstance(step, Settled):
             self.unreachable = None
             self._busy = False   # settled: full reads only every IDLE_TICK_S
-            return
-        if set(desired_new) != set(ready_new):
-            return   # newcomers still warming up
-        keep = [w for w in self.members if w in self.desired]
-        target = keep + sorted(ready_new)
-        gone = [w for w in self.desired if w not in self.members and w not in desired_new]
-        if not keep:
-            why = "no current member would be kept, so the job's state would be lost"
-        elif len(target) < self.min_workers:
-            why = f"{len(target)} worker(s) is below the job's minimum of {self.min_workers}"
-        elif sorted(target) == sorted(self.members):
-            why = f"worker(s) {gone} cannot join again: rejected, or left the job earlier"
-        else:
-            self.publish(target, "resize", f"resize {len(self.members)} -> {len(target)}")
-            return
-        if self.unreachable is None or self.unreachable["reason"] != why:
-            log.warning("membership %s cannot be reached: %s", self.desired, why)
-        self.unreachable = {"desired": list(self.desired), "reason": why}
-        self._busy = False   # a resize or an event looks again
+        elif isinstance(step, Unreachable):
+            if self.unreachable is None or self.unreachable["reason"] != step.reason:
+                log.warning("membership %s cannot be reached: %s", self.desired, step.reason)
+            self.unreachable = {"desired": list(self.desired), "reason": step.reason}
+            self._busy = False   # a resize or an event looks again
 
     def _read_request(self) -> None:
         """A worker's signed desired_request (resizing.Requests: acted on once, when newer)."""
@@ -348,21 +321,6 @@ class Generations:
                     cur["message"] += f"; rolled back: {self._verdict_reason}"
         if cur["timings"] is None:
             cur["timings"] = self._timings(g)
-
-    def _rollback(self, cur: dict[str, Any]) -> None:
-        cur["verified"] = True  # decided, so it is reported
-        self.reject([w for w in cur["members"] if w not in cur["prev"]])
-        back = [w for w in cur["prev"]
-                if w not in self.rejected and self.heartbeats.alive(w) and not self.valid(keys.done(w))]
-        if len(back) < self.min_workers:
-            self.hold(f"rolling back generation {cur['generation']} would leave {len(back)} "
-                      f"worker(s), below the job's minimum of {self.min_workers}",
-                      [w for w in cur["prev"] if w not in back], f"generation {cur['generation']}, rolling back")
-            return
-        if self.failed_again(cur["generation"], f"state check failed: {self._verdict_reason}"):
-            return
-        self.set_desired(back)
-        self.publish(back, "rollback", f"state check failed; back to {back}")
 
     # ---- what the control socket asks -----------------------------------------------
     def status(self) -> dict[str, Any]:

@@ -55,7 +55,7 @@ from typing import Any, Callable, Iterable
 
 from torch.distributed import TCPStore
 
-from gpuflex.elastic.protocol import run_dir
+from gpuflex.elastic.protocol import run_dir, wire
 from gpuflex.elastic.protocol.control_socket import ControlServer
 from gpuflex.elastic.protocol.env import JOB_SECRET
 from gpuflex.elastic.coordinator.failures import OrphanWatch, check_members
@@ -116,7 +116,7 @@ class Coordinator:
                         self.watch.contact()
                 return op(msg)
             return handle
-        return {"status": heard(self.op_status), "resize": heard(self.op_resize)}
+        return {wire.STATUS: heard(self.op_status), wire.RESIZE: heard(self.op_resize)}
 
     def op_status(self, _msg: dict[str, Any]) -> dict[str, Any]:
         with self.lock:
@@ -169,7 +169,7 @@ def positive(text: str) -> int:
     return value
 
 
-def seconds(text: str) -> float:
+def seconds_above_zero(text: str) -> float:
     """An argparse type: a finite number of seconds above 0."""
     value = float(text)
     if not 0 < value < float("inf"):
@@ -232,10 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="the same failure this many times in a row ends the job")
     ap.add_argument("--max-workers", type=positive, default=None,
                     help="the job's maximum: a resize to more workers is refused")
-    ap.add_argument("--orphan-timeout", type=seconds, default=ORPHAN_TIMEOUT_S,
+    ap.add_argument("--orphan-timeout", type=seconds_above_zero, default=ORPHAN_TIMEOUT_S,
                     help="end once no worker heartbeat and no request came for this long")
     ap.add_argument("--job-dir", default=None, help="end once this directory is removed")
-    ap.add_argument("--formation-timeout", type=seconds, default=60.0,
+    ap.add_argument("--formation-timeout", type=seconds_above_zero, default=60.0,
                     help="a member not joined this long after a formation began is left out (or the job held)")
     ap.add_argument("--gang", action="store_true",
                     help="the job runs as a whole: a worker that never beat is the control side's to watch, "
