@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiers import fast_tier_starts_no_process, mark_by_fixtures  # noqa: F401 (an autouse fixture)
+from tests.tiers import fast_tier_starts_no_process, mark_tiers  # noqa: F401 (an autouse fixture)
 
 FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
 # generous: a job launch starts a coordinator that imports torch, on a busy 2-core box
@@ -55,7 +55,7 @@ def write_config(tmp_path: Path, *, slots: int = 4, grace_s: float = 3, name: st
 @pytest.hookimpl(tryfirst=True)   # before `-m` deselects by the markers it adds
 def pytest_collection_modifyitems(items):
     """Each test's tier markers from the fixtures it uses (tests/tiers.py)."""
-    mark_by_fixtures(items)
+    mark_tiers(items)
 
 
 @pytest.fixture

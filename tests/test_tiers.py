@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiers import TIERS, StartedAProcess
+from tests.tiers import FIXTURE_TIERS, TEST_TIERS, TIERS, StartedAProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -80,9 +80,27 @@ def imported_by(tree: ast.Module, known: set[str]) -> set[str]:
     return found & known
 
 
+def has_a_unit_test(path: Path, tree: ast.Module) -> bool:
+    """Whether a test of the file is in the fast tier, as far as its source says: the file is
+    not marked whole, and a test takes no tier fixture (tests/tiers.py's, or one of the
+    file's own fixtures that takes one) and is not named in TEST_TIERS."""
+    if wholly_marked(tree):
+        return False
+    tier_fixtures = {k.split("::")[-1] for k in FIXTURE_TIERS if "::" not in k or k.startswith(f"{path.name}::")}
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    args = {f.name: {a.arg for a in f.args.args} for f in functions}
+    grew = True
+    while grew:   # the file's own fixtures that use a tier fixture are tier fixtures
+        more = {name for name, used in args.items() if not name.startswith("test_") and used & tier_fixtures}
+        grew = bool(more - tier_fixtures)
+        tier_fixtures |= more
+    named = TEST_TIERS.get(path.name, {})
+    return any(name.startswith("test_") and name not in named and not used & tier_fixtures
+               for name, used in args.items())
+
+
 def unit_test_files() -> list[Path]:
-    return [p for p in sorted(TESTS.rglob("test_*.py"))
-            if not wholly_marked(ast.parse(p.read_text(), str(p)))]
+    return [p for p in sorted(TESTS.rglob("test_*.py")) if has_a_unit_test(p, ast.parse(p.read_text(), str(p)))]
 
 
 def test_every_module_is_imported_by_a_unit_test():
@@ -100,8 +118,31 @@ def test_the_import_check_sees_each_kind_of_import_statement():
     assert imported_by(ast.parse("from . import a\nimport os\n"), known) == set()
 
 
+def test_a_file_whose_tests_all_use_tier_fixtures_is_not_a_unit_test_file(tmp_path):
+    def unit(source: str) -> bool:
+        return has_a_unit_test(tmp_path / "test_x.py", ast.parse(source))
+
+    assert unit("def test_a(tmp_path): pass\ndef test_b(gf): pass\n")
+    assert not unit("def test_b(gf): pass\n")
+    assert not unit("def pool(ssh_hosts): pass\ndef lab(pool): pass\ndef test_c(lab): pass\n")
+    assert not unit("import pytest\npytestmark = pytest.mark.e2e\ndef test_a(): pass\n")
+
+
 def test_a_module_marked_whole_is_not_a_unit_test_file():
     assert wholly_marked(ast.parse("import pytest\npytestmark = pytest.mark.e2e\n"))
     assert wholly_marked(ast.parse("import pytest\npytestmark = [pytest.mark.ssh, pytest.mark.slow]\n"))
     assert not wholly_marked(ast.parse("import pytest\npytestmark = pytest.mark.filterwarnings('x')\n"))
     assert not wholly_marked(ast.parse("import pytest\n@pytest.mark.e2e\ndef test_x(): pass\n"))
+
+
+def test_every_test_tiers_names_is_a_test_of_its_module():
+    """A renamed test drops out of TEST_TIERS silently (the guard then fails it); a name
+    that matches nothing is stale and goes."""
+    for file, names in TEST_TIERS.items():
+        tree = ast.parse((TESTS / file).read_text())
+        defined = {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+        assert sorted(set(names) - defined) == [], file
+    for key in FIXTURE_TIERS:
+        if "::" in key:
+            file, name = key.split("::")
+            assert f"def {name}(" in (TESTS / file).read_text(), key
