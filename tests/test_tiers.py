@@ -99,15 +99,17 @@ def has_a_unit_test(path: Path, tree: ast.Module) -> bool:
                for name, used in args.items())
 
 
-def unit_test_files() -> list[Path]:
-    return [p for p in sorted(TESTS.rglob("test_*.py")) if has_a_unit_test(p, ast.parse(p.read_text(), str(p)))]
+def unit_test_files() -> dict[Path, ast.Module]:
+    """The test files with a test in the fast tier, parsed."""
+    trees = {p: ast.parse(p.read_text(), str(p)) for p in sorted(TESTS.rglob("test_*.py"))}
+    return {p: tree for p, tree in trees.items() if has_a_unit_test(p, tree)}
 
 
 def test_every_module_is_imported_by_a_unit_test():
     known = modules()
     imported = set()
-    for path in unit_test_files():
-        imported |= imported_by(ast.parse(path.read_text(), str(path)), known)
+    for tree in unit_test_files().values():
+        imported |= imported_by(tree, known)
     assert sorted(known - imported) == [], "modules no unit test imports: write a unit test for each"
 
 

@@ -45,10 +45,11 @@ FIXTURE_TIERS = {
 PROCESS_PARAMS = {"script"}
 
 
-# Tests of mixed modules (unit tests beside them) that start processes themselves, and
-# the slowest process-free ones (more than ~10 s on a loaded 2-core machine), by module and
-# name (all of a parametrized test's cases). A new such test fails the guard until it is
-# named here or its module's `pytestmark` covers it; test_tiers checks every name exists.
+# Tests of mixed modules (unit tests beside them) that start processes themselves, and the
+# slowest process-free ones (more than ~8 s on a loaded 2-core machine; the fuzzing), by
+# module and name (all of a parametrized test's cases). A new such test fails the guard
+# until it is named here or its module's `pytestmark` covers it; test_tiers checks that
+# every name is a test.
 # Tests that run `sys.executable -c` to see what a fresh interpreter imports are here too:
 # importing gpuflex anew costs 1 to 3 s here, as much as ten unit tests.
 TEST_TIERS = {
@@ -58,6 +59,7 @@ TEST_TIERS = {
     "test_checkpoints.py": {"test_a_script_resumes_from_the_previous_checkpoint_and_ends_exact_or_fails_with_one_line":
                             "e2e"},
     "test_cli.py": {"test_a_host_python_that_cannot_run_is_reported_not_a_traceback": "e2e",
+                    "test_logs_prints_all_of_a_large_log_with_one_prefix_per_line": "slow",
                     "test_gpuflex_toml_in_the_working_directory_is_found": "e2e",
                     "test_python_dash_m_gpuflex_is_the_same_cli": "e2e"},
     "test_config.py": {"test_builtin_default_through_the_cli_makes_the_db_under_local_state": "e2e"},
@@ -86,6 +88,7 @@ TEST_TIERS = {
                              "test_a_newcomer_reserves_its_share_before_it_meets_the_others_and_a_holder_does_not":
                              "e2e",
                              "test_standalone_sharded_equals_the_unsharded_script": "e2e"},
+    "test_fuzz_input.py": {"test_generated_command_lines": "slow", "test_generated_broken_configs": "slow"},
     "test_gpu_check.py": {"test_the_gpu_check_dry_run_captures_the_probe_and_matches_a_standalone_run": "e2e",
                           "test_the_gpu_check_refuses_an_unknown_part": "e2e"},
     "test_help.py": {"test_help_needs_no_config_or_database": "e2e"},
