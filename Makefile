@@ -43,12 +43,9 @@ postgresql:
 test: venv sshd postgresql
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# The tiers' markers are tests/tiers.py's. Bytecode is written for this run even where the
-# environment says not to: pytest's rewritten test modules then load from their cache, ~20 s
-# less of collection on 2 cores.
-FAST_TIER := not (e2e or ssh or postgres or slow)
+# The tests that start no process or server: the markers are tests/tiers.py's.
 test-fast: venv
-	PYTHONDONTWRITEBYTECODE= $(PY) -m pytest -q -m "$(FAST_TIER)" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not (e2e or ssh or postgres or slow)" $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) examples/demo.py
