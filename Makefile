@@ -1,4 +1,5 @@
-# The two commands: `make demo` and `make test`. Both create or reuse .venv, install the
+# The two commands: `make demo` and `make test` (`make test-fast`: the tests that start no
+# process or server, see docs/testing.md). Both create or reuse .venv, install the
 # CPU build of torch first (pinned, so no CUDA packages are pulled), then gpuflex itself with
 # its test extra (the training frameworks the tests run under gpuflex among it), torch held at
 # the same pin by a constraints file so that no framework pulls another torch.
@@ -11,7 +12,7 @@ TORCH_PIN := $(VENV)/torch-pin.txt
 # apt-get update once (not once per missing package): a fresh machine has no package lists
 APT_UPDATE := test -e $(VENV)/.apt-updated || { apt-get update -qq && touch $(VENV)/.apt-updated; }
 
-.PHONY: demo test venv sshd postgresql bench clean
+.PHONY: demo test test-fast venv sshd postgresql bench clean
 
 venv: $(VENV)/.installed
 
@@ -41,6 +42,10 @@ postgresql:
 
 test: venv sshd postgresql
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The tests that start no process or server: the markers are tests/tiers.py's.
+test-fast: venv
+	$(PY) -m pytest -q -m "not (e2e or ssh or postgres or slow)" $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) examples/demo.py

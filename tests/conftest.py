@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.tiers import fast_tier_starts_no_process, mark_tiers  # noqa: F401 (an autouse fixture)
+
 FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
 # generous: a job launch starts a coordinator that imports torch, on a busy 2-core box
 JOB_DEADLINE_S = 180
@@ -48,6 +50,12 @@ def write_config(tmp_path: Path, *, slots: int = 4, grace_s: float = 3, name: st
         f'workdir = "{tmp_path}/work"\n' + extra
     )
     return cfg
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by the markers it adds
+def pytest_collection_modifyitems(items):
+    """Each test's tier markers from the fixtures it uses (tests/tiers.py)."""
+    mark_tiers(items)
 
 
 @pytest.fixture

@@ -12,6 +12,8 @@ import pytest
 from tests.conftest import GpuflexCLI, cleanup_jobs, tmpfs
 from tests.test_elastic_jobs import EXAMPLE, assert_matches_reference, reference
 
+pytestmark = pytest.mark.e2e   # a job of real workers, on a tmpfs
+
 ARGS = ("--hidden", "256", "--global-batch-size", "64", "--seed", "5")   # ~0.6 MB of state
 EPOCHS = 3
 

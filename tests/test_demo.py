@@ -16,7 +16,11 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import GpuflexCLI, cleanup_jobs
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]   # runs make demo's script
 
 DEMO = Path(__file__).resolve().parents[1] / "examples" / "demo.py"
 

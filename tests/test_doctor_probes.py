@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gpuflex.hosts import hostfacts
+
+pytestmark = pytest.mark.e2e   # runs the doctor's probes and pgcheck as processes
 
 
 def test_a_workdir_under_a_regular_file_fails_even_for_root(tmp_path):

@@ -21,6 +21,8 @@ from gpuflex.hosts.hostops import group_alive
 from gpuflex.hosts.transport import unix_request
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for  # noqa: F401 (wait_for: imported from here too)
 
+pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
+
 EXAMPLE = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_mlp.py")
 CORRUPT_COPY = str(Path(__file__).resolve().parent / "fakes" / "runtime_corrupt_copy.py")
 DEADLINE_S = 300

@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.e2e   # runs the examples as scripts
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 

@@ -40,6 +40,8 @@ from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for
 from tests.test_elastic_jobs import ARGS, EXAMPLE, assert_matches_reference, example_argv, live_members, \
     reference, step_of
 
+pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
+
 BOUND_S = 300          # far above every documented bound: only a hang reaches it
 PG_TIMEOUT_S = 3
 HEARTBEAT_S = 3

@@ -45,6 +45,8 @@ from tests.test_elastic_jobs import assert_matches_reference, example_argv, live
 from tests.test_fault_matrix import B1, BOUND_S, FINAL_WORKER, armed, fired_lines, fm, gated, member_wids, \
     pid_in, took, wait_fired, wake, worker  # noqa: F401 (fm: a fixture)
 
+pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
+
 EPOCHS = 48  # the run above: long enough, while gated, for all its faults
 HOLD_S = 6   # how long a `sleep` failpoint holds a worker at its phase while the test kills the coordinator
 STOP_HOLD_S = 2   # rank 0 at the cancel's stop: less than cancel_grace_s, so it then writes its last checkpoint

@@ -20,6 +20,8 @@ from gpuflex.cli.render import clock, forming_text
 from tests.conftest import GpuflexCLI, cleanup_jobs
 from tests.test_elastic_jobs import ARGS, DEADLINE_S, EXAMPLE, assert_matches_reference, reference
 
+pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
+
 FORMATION_S = 10
 
 # The job's script: the first worker to start writes its pid and sleeps (a host slow to

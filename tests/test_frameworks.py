@@ -33,6 +33,8 @@ import torch
 
 from tests.conftest import GpuflexCLI, cleanup_jobs, py, wait_for, write_config
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]   # training frameworks' jobs, minutes each
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 HF = str(EXAMPLES / "hf_trainer" / "train.py")
 LIGHTNING = str(EXAMPLES / "lightning" / "train.py")

@@ -26,6 +26,8 @@ from gpuflex.hosts import hostops
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, db_rows
 from tests.sshbed import FAKE_SMI, default_gpus
 
+pytestmark = pytest.mark.e2e   # harvest ticks probe a host through its fake nvidia-smi, and run jobs
+
 
 def fake_host(home: Path, name: str = "box", owner: str | None = "alice") -> tuple[Path, str]:
     """A local host with two fake GPUs: (its nvidia-smi state file, its [[hosts]] table)."""

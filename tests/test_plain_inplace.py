@@ -31,6 +31,8 @@ from gpuflex.hosts.transport import LocalTransport, SpawnSpec
 from tests.conftest import FINAL_STATES, GpuflexCLI, cleanup_jobs, db_rows, py
 from tests.test_gang_jobs import config, local_host
 
+pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
+
 FORMATION_S = 2
 ORPHAN_S = 4       # past the formation deadline: the coordinator decides, then ends itself
 GUARD_S = 180      # against a hang only (the job never ends without the fix): never a timing

@@ -37,6 +37,8 @@ from gpuflex.errors import DatabaseError
 from tests.conftest import GpuflexCLI, db_dump, write_config
 from tests.test_bad_input import assert_rejected, make_run
 
+pytestmark = pytest.mark.postgres   # the PostgreSQL server, and the CLI as processes against it and SQLite
+
 REPO = Path(__file__).resolve().parents[1]
 LIVE = ("starting", "running", "leaving")
 

@@ -24,6 +24,8 @@ from tests.conftest import GpuflexCLI, cleanup_jobs
 from tests.sshbed import bed_cli, ssh_hosts  # noqa: F401
 from tests.test_elastic_jobs import DEADLINE_S, scale, step_of, wait_for
 
+pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 CNN = str(EXAMPLES / "cnn_bn" / "elastic.py")
 LM = str(EXAMPLES / "transformer_lm" / "elastic.py")

@@ -23,6 +23,8 @@ from gpuflex.elastic.sharding import pages, reshard, fsdp as sharded
 from gpuflex.elastic.membership.collectives import backward
 from tests.conftest import exits_without_teardown
 
+pytestmark = pytest.mark.e2e   # members as processes (mp.spawn)
+
 ROOT = Path(__file__).resolve().parent.parent
 GLOBAL_BATCH = 12
 PHASES = [[0], [0, 1, 2], [0, 2], [0, 1, 2, 3]]   # members; 1 leaves at phase 2, comes back new

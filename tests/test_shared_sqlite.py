@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e   # makes unix users and groups and runs the CLI as them
+
 PYTHON = "/usr/bin/python3"
 SUFFIX = f"{os.getpid() % 100000}"
 LAB, ADMINS = f"gfs-lab{SUFFIX}", f"gfs-adm{SUFFIX}"

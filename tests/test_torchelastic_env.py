@@ -26,6 +26,8 @@ from gpuflex.db.models import Job, Worker
 from gpuflex.elastic.protocol.env import WorkerEnv
 from tests.conftest import GpuflexCLI, cleanup_jobs, wait_for, write_config
 
+pytestmark = pytest.mark.e2e   # jobs of real workers
+
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 DEADLINE_S = 300
 

@@ -28,6 +28,8 @@ from packaging.utils import canonicalize_name
 
 from tests.conftest import GpuflexCLI, cleanup_jobs
 
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]   # builds and installs the wheel
+
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
