@@ -89,6 +89,7 @@ def test_preload_dynamo_fails_loudly_where_torch_has_none(monkeypatch):
         torch_compat.preload_dynamo()
 
 
+@pytest.mark.e2e   # DataLoader worker processes
 def test_loader_shutdown_ends_the_workers_and_fails_loudly_on_an_iterator_without_it():
     before = set(multiprocessing.active_children())
     it = iter(DataLoader(list(range(64)), batch_size=4, num_workers=1))
