@@ -69,3 +69,12 @@ def test_the_boundary_of_a_standalone_run_switches_nowhere_and_raises_a_store_lo
     run.ctx.store_lost = StoreLost("seen inside the step")
     with pytest.raises(StoreLost, match="seen inside the step"):
         boundary.after_step()
+
+
+def test_a_split_gives_no_member_an_empty_batch_unless_the_script_says_it_takes_one():
+    run, _, _ = standalone()
+    assert run.ctx.split.empty_ok is False and run.ctx.split.least == 1
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    takes_empty = ElasticRun(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), num_samples=12,
+                             global_batch_size=4, steps=1, empty_batches=True)
+    assert takes_empty.ctx.split.empty_ok is True and takes_empty.ctx.split.least == 2

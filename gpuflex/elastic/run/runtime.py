@@ -82,14 +82,15 @@ class ElasticRun:
                  extra: dict[str, Any] | None = None, buffers: str = "broadcast",
                  warm_up: int | None = None, track_samples: bool = False,
                  checkpoint_dir: str | None = None, checkpoint_interval_s: float | None = None,
-                 split: str | None = None, shard: Any = None) -> None:
+                 split: str | None = None, shard: Any = None, empty_batches: bool = False) -> None:
         device = pick_device()
         sharding = None   # shard=: FSDP2 over each generation; optimizer (and scheduler) are factories
         if shard is not None:
             sharding, optimizer, scheduler = shard_model(model, optimizer, scheduler, shard, device)
         sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, steps=steps, seed=seed)
         plan = SplitPlan(global_batch_size, split,   # "speed" | "even"; None: GPUFLEX_SPLIT, else "speed"
-                         least=2 if has_batch_norm(model) else 1)
+                         least=2 if has_batch_norm(model) else 1,   # every member gets this many samples,
+                         empty_ok=empty_batches)                   # or 0 where the script takes an empty batch
         heavy = sharding is None   # a sharded run's model and optimizer state move as shards only
         registry = Registry.of(model=model if heavy else None, optimizer=optimizer if heavy else None,
                                scheduler=scheduler, scaler=scaler, extra=extra)
