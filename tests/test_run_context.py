@@ -6,23 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
 
 from gpuflex.elastic.membership.joining import Formed
 from gpuflex.elastic.membership.rendezvous import StoreLost
 from gpuflex.elastic.run.boundary import Boundary
 from gpuflex.elastic.run.context import RunContext
 from gpuflex.elastic.run.runtime import ElasticRun
-
-
-def standalone(steps: int = 3) -> tuple[ElasticRun, torch.nn.Module, TensorDataset]:
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 1)
-    g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(12, 3, generator=g), torch.randn(12, 1, generator=g))
-    run = ElasticRun(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), num_samples=12,
-                     global_batch_size=4, steps=steps, seed=3)
-    return run, model, data
+from tests.test_run_steps import standalone
 
 
 def test_a_standalone_context_is_not_distributed_and_crosses_no_barrier():
