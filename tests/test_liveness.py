@@ -211,14 +211,27 @@ def test_forged_arrivals_and_counts_change_no_vote_and_let_nobody_through_early(
     assert sums == {w: [6, 0, 7] for w in (0, 1, 2)}
 
 
-def test_a_forged_count_does_not_pass_a_barrier_a_member_has_not_reached(make_job):
+def test_a_forged_count_does_not_pass_a_voting_barrier_a_member_has_not_reached(make_job):
+    """A voting barrier's outcome carries a decision: a count pushed to "both arrived" makes
+    worker 0 check the arrivals, find worker 1's missing and wait for it."""
     job = make_job([0, 1])
     Forger(job).arrivals(range(1, 2), 2, vote=0)   # count at 2: "both arrived"
     b0, b1 = job.worker(0), job.worker(1)
-    first = cross_in_thread(b0, 2)
+    results: dict[int, str | None] = {}
+
+    def cross(w: int, b: StepBarrier) -> None:
+        results[w] = b.cross(G, 2, "boundary", vote=w + 1)
+
+    first = threading.Thread(target=cross, args=(0, b0), daemon=True)
+    first.start()
     time.sleep(0.5)
-    assert first["thread"].is_alive() and b0.crossed == 0   # it waits for worker 1 all the same
-    assert join(first, cross_in_thread(b1, 2)) == [[None], [None]]
+    assert first.is_alive() and b0.crossed == 0   # it waits for worker 1 all the same
+    second = threading.Thread(target=cross, args=(1, b1), daemon=True)
+    second.start()
+    for t in (first, second):
+        t.join(BOUND_S)
+        assert not t.is_alive(), "a barrier did not return (bounded wait)"
+    assert results == {0: None, 1: None} and b0.voted == b1.voted == 3
 
 
 def test_a_forged_outcome_is_replaced_exactly_and_an_honest_one_is_never_overwritten(make_job):

@@ -60,8 +60,9 @@ abort            signed JSON {reason, cause, at}: written by the coordinator whe
                  script); `at`: its wall-clock time. Every worker exits ABORTED_EXIT and the
                  job fails with the reason (read up to ABORT_REASON_CHARS, never cut shorter)
 barrier/{g}      counter of arrivals at generation g's step barriers (liveness.py: the
-                 n-th barrier is passed at n x world), a hint: a forged count makes the
-                 member that reads it check the arrivals, no more. barrier/{g}/{n}/in the
+                 n-th barrier is passed at n x world), a hint: a forged count makes a
+                 member decide early (at a voting barrier it checks the arrivals; at a
+                 plain one the members enter the collective early, fenced by its timeout). barrier/{g}/{n}/in the
                  arrivals themselves, one signed line "wid vote" appended by each member;
                  barrier/{g}/{n} the outcome, signed ("ok", "ok SUM" or "fail: reason"),
                  decided once for every member by a member that verified all the arrivals
