@@ -244,13 +244,13 @@ def test_a_forged_outcome_is_replaced_exactly_and_an_honest_one_is_never_overwri
         job.store.append(arrivals_key(G, 1), f"{w} {job.signer.sign(f'{arrivals_key(G, 1)}#{w}', '0')}\n")
     forged = b"fail: forged"
     job.store.set(outcome_key(G, 1), forged)
-    assert job.signer.verify(outcome_key(G, 1), b0._decide(G, 1, 2, False, forged)) == "ok"
+    assert job.signer.verify(outcome_key(G, 1), b0._decide(G, 1, 2, forged)) == "ok"
     honest = job.signer.sign(outcome_key(G, 2), "fail: worker 1 crashed")
     for w in (0, 1):
         job.store.append(arrivals_key(G, 2), f"{w} {job.signer.sign(f'{arrivals_key(G, 2)}#{w}', '0')}\n")
     job.store.set(outcome_key(G, 2), honest)
-    assert b0._decide(G, 2, 2, False, forged) == honest.encode()
-    assert b0._decide(G, 3, 2, False, forged) is None   # no arrivals yet: nothing to decide
+    assert b0._decide(G, 2, 2, forged) == honest.encode()
+    assert b0._decide(G, 3, 2, forged) is None   # no arrivals yet: nothing to decide
 
 
 def test_a_reason_read_from_the_store_is_escaped_and_bounded():

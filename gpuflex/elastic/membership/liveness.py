@@ -126,11 +126,11 @@ class StepBarrier:
             # count, as fast as before: a forged count can only let the members into the
             # step's collective early, where they wait for the rest (the process-group
             # timeout fences it), never put a decision or a text of the forger's in.
-            outcome = (self._decide(g, n, world, True, b"") if vote is not None else
+            outcome = (self._decide(g, n, world, b"") if vote is not None else
                        rdzv.compare_set(done, "", rdzv.sign(done, OK)))
             if outcome is not None and n > 1:   # every member arrived here, so each has read barrier n-1's outcome
                 with self._lock:
-                    self._spent += [outcome_key(g, n - 1), arrivals_key(g, n - 1)]
+                    self._spent += [outcome_key(g, n - 1)] + ([arrivals_key(g, n - 1)] if vote is not None else [])
         try:
             value = self._read(done, outcome)
             while value is None:   # not decided yet, or a forged outcome: decide it or wait
@@ -139,7 +139,7 @@ class StepBarrier:
                         self._wait = _Wait(g, n, phase, time.monotonic(), time.time())
                 outcome = rdzv.wait_get(done, WAIT_SLICE_S)
                 if outcome is not None and self._read(done, outcome) is None:
-                    outcome = (self._decide(g, n, world, True, outcome) if vote is not None else
+                    outcome = (self._decide(g, n, world, outcome) if vote is not None else
                                self._decide_on_count(g, n, world, outcome))
                     if outcome is None:
                         time.sleep(FORGED_POLL_S)
@@ -172,8 +172,8 @@ class StepBarrier:
             return None
         return self.rdzv.compare_set(outcome_key(g, n), over, self.rdzv.sign(outcome_key(g, n), OK))
 
-    def _decide(self, g: int, n: int, world: int, voting: bool, over: bytes) -> bytes | None:
-        """Barrier n's outcome once every member's arrival verifies, put in place of `over`
+    def _decide(self, g: int, n: int, world: int, over: bytes) -> bytes | None:
+        """Voting barrier n's outcome once every member's arrival verifies, put in place of `over`
         (b"": an absent outcome; else the forged value read): the outcome after, which may
         be another member's. None while some member's arrival is missing."""
         key = arrivals_key(g, n)
@@ -192,7 +192,7 @@ class StepBarrier:
         if len(votes) < world:
             return None
         total = sum(votes.values())
-        text = f"{OK} {total}" if voting and total else OK
+        text = f"{OK} {total}" if total else OK
         return self.rdzv.compare_set(outcome_key(g, n), over,
                                      self.rdzv.sign(outcome_key(g, n), text))
 
