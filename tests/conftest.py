@@ -16,7 +16,9 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,12 @@ from tests.tiers import fast_tier_starts_no_process, mark_tiers  # noqa: F401 (a
 FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
 # generous: a job launch starts a coordinator that imports torch, on a busy 2-core box
 JOB_DEADLINE_S = 180
+# the commands the tests poll, which read and refresh: `GpuflexCLI.json` runs them in the
+# test's own process, where gpuflex is imported already. A console-script process costs
+# ~1 s of CPU to start on this 2-core machine, and polling a job every second or half
+# second with one starved that job's own processes of a core (a whole suite's polls were
+# most of its CPU). Every other call, and every call from a thread, is the console script.
+POLLED = frozenset({"status", "events", "hosts"})
 
 
 def gpuflex_script() -> str:
@@ -107,7 +115,31 @@ class GpuflexCLI:
         return p
 
     def json(self, *args: str):
+        if args[0] in POLLED and self.script == gpuflex_script() \
+                and threading.current_thread() is threading.main_thread():
+            return json.loads(self.inside(*args, "--json"))
         return json.loads(self.ok(*args, "--json").stdout)
+
+    def inside(self, *args: str) -> str:
+        """`gpuflex ARGS` run in this process (the same command objects, environment,
+        working directory and exit-code rules as the console script), its stdout; the
+        test fails as `ok` fails it, on an exit code, a traceback or an exception."""
+        from typer.testing import CliRunner
+
+        from gpuflex.cli import app
+
+        here = os.getcwd()
+        os.chdir(self.home)
+        try:
+            r = CliRunner().invoke(app, list(args), env=self.env(), catch_exceptions=True)
+        finally:
+            os.chdir(here)
+        crashed = r.exception is not None and not isinstance(r.exception, SystemExit)
+        detail = "".join(traceback.format_exception(r.exception)) if crashed else ""
+        assert r.exit_code == 0 and not crashed, \
+            f"gpuflex {' '.join(args)} -> {r.exit_code}\n{r.stdout}\n{r.stderr}\n{detail}"
+        assert "Traceback" not in r.stdout + r.stderr
+        return r.stdout
 
     def submit(self, argv: list[str], *options: str) -> dict:
         """`gpuflex submit OPTIONS --json -- ARGV`; returns the job object it prints."""
@@ -123,7 +155,7 @@ class GpuflexCLI:
                 return job
             if time.monotonic() > end:
                 pytest.fail(f"job {job_id} still {job['state']} after {deadline_s} s: {job}")
-            time.sleep(1.0)   # each poll is a CLI process (~0.7 s of CPU)
+            time.sleep(1.0)
 
 
 @pytest.fixture

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -65,3 +67,15 @@ def test_prune_keeps_what_the_light_files_name(tmp_path):
         (tmp_path / "dcp" / name).mkdir(parents=True)
     assert sorted(sc.prune(str(tmp_path), {"step-2", "step-3"})) == ["step-1", "step-4.tmp"]
     assert sorted(os.listdir(tmp_path / "dcp")) == ["step-2", "step-3"]
+
+
+def test_a_worker_imports_no_distributed_checkpoint_until_a_sharded_job_needs_it():
+    """DCP's import (~0.9 s of CPU: it loads DTensor) is paid by a sharded job only, not by
+    every worker of a data-parallel one; `SafeReader` still comes from this module."""
+    code = ("import sys, gpuflex.elastic, gpuflex.elastic.run.runtime\n"
+            "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported at start'\n"
+            "from gpuflex.elastic.sharding import checkpoints as sc\n"
+            "from torch.distributed.checkpoint import FileSystemReader\n"
+            "assert issubclass(sc.SafeReader, FileSystemReader) and sc.SafeReader.__name__ == 'SafeReader'\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr

@@ -53,6 +53,7 @@ PROCESS_PARAMS = {"script"}
 # Tests that run `sys.executable -c` to see what a fresh interpreter imports are here too:
 # importing gpuflex anew costs 1 to 3 s here, as much as ten unit tests.
 TEST_TIERS = {
+    "test_shard_checkpoints.py": {"test_a_worker_imports_no_distributed_checkpoint_until_a_sharded_job_needs_it": "e2e"},
     "test_access.py": {"test_another_users_queued_job_keeps_its_place_until_its_owner_starts_it": "e2e"},
     "test_bad_input.py": {"test_bad_config_through_the_environment_is_the_same_error": "e2e",
                           "test_unknown_job_on_an_empty_db_leaves_it_empty": "e2e"},

@@ -42,6 +42,7 @@ class JobService:
     def __init__(self, config: Config, sessions: sessionmaker[Session] | None = None,
                  pool: Pool | None = None) -> None:
         self.config = config
+        self._own_engine = sessions is None
         self.sessions = sessions or open_database(config.database_url)
         self.pool = pool or Pool(config)
         self.progress: dict[int, dict] = {}  # job id -> the coordinator's last progress report
@@ -52,6 +53,8 @@ class JobService:
         self.notify()
         self.outbox.close()
         self.pool.close()
+        if self._own_engine:   # its pooled connections closed now, not when collected
+            self.sessions.kw["bind"].dispose()
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[Session]:

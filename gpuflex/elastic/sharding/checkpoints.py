@@ -46,9 +46,10 @@ import warnings
 from typing import Any, Iterator
 
 import torch
-from torch.distributed import checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+
+# torch.distributed.checkpoint is imported where it is used, not here: importing it costs
+# ~0.9 s of CPU (it loads DTensor), and every worker imports this module (a data-parallel
+# job's resume checks the names below) though only a sharded job reads or writes DCP.
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ def check_private(path: str) -> None:
 def write_rank(state: dict[str, Any], directory: str, rank: int) -> None:
     """This member's shards (and its copy of what is replicated) into `directory`/rank-K,
     by DCP without any collective."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
     with alone():
         dcp.save(state, storage_writer=FileSystemWriter(os.path.join(directory, f"rank-{rank}")), no_dist=True)
 
@@ -108,6 +112,8 @@ def alone() -> Iterator[None]:
 
 def read_metadata(path: str) -> Any:
     """One .metadata file, private, through the allow-list unpickler."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
     check_private(os.path.dirname(path))
     check_private(path)
     with open(path, "rb") as f:
@@ -121,6 +127,8 @@ def merged_metadata(directory: str) -> Any:
     """The metadata of a checkpoint written rank by rank: every rank's chunks of each tensor
     (a replicated value, and anything not a tensor, from the lowest rank), each file named
     by its path under `directory`."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     ranks = sorted(int(m.group(1)) for d in os.listdir(directory) if (m := _RANK.fullmatch(d)))
     if not ranks:
         raise UnsafeCheckpoint(f"{directory} holds no rank-N directory: not a gpuflex distributed checkpoint")
@@ -142,16 +150,31 @@ def merged_metadata(directory: str) -> Any:
     return merged
 
 
-class SafeReader(FileSystemReader):
-    """DCP's file reader over a checkpoint written rank by rank: the ranks' metadata merged,
-    each read by the restricted unpickler from a private file (no collective)."""
+def _safe_reader() -> type:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        metadata = merged_metadata(str(self.path))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
+    class SafeReader(FileSystemReader):
+        """DCP's file reader over a checkpoint written rank by rank: the ranks' metadata
+        merged, each read by the restricted unpickler from a private file (no collective)."""
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            metadata = merged_metadata(str(self.path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    SafeReader.__qualname__ = "SafeReader"
+    return SafeReader
+
+
+def __getattr__(name: str) -> Any:
+    """`SafeReader`, a subclass of DCP's reader, made on first use (DCP imported then)."""
+    if name == "SafeReader":
+        globals()[name] = cls = _safe_reader()
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def step_name(step: int) -> str:
