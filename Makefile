@@ -40,8 +40,11 @@ postgresql:
 		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
 	else echo "postgresql not found and not root: the PostgreSQL tests will be skipped"; fi
 
+# On TEST_WORKERS pytest workers (pytest-xdist), a file's tests on one worker, the heaviest
+# files first (tests/tiers.py); TEST_WORKERS=0 runs in this process (for -s or pdb).
+TEST_WORKERS ?= 3
 test: venv sshd postgresql
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The tests that start no process or server: the markers are tests/tiers.py's.
 test-fast: venv

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiers import fast_tier_starts_no_process, mark_tiers  # noqa: F401 (an autouse fixture)
+from tests.tiers import fast_tier_starts_no_process, heaviest_first, mark_tiers  # noqa: F401 (an autouse fixture)
 
 FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
 # generous: a job launch starts a coordinator that imports torch, on a busy 2-core box
@@ -62,8 +62,10 @@ def write_config(tmp_path: Path, *, slots: int = 4, grace_s: float = 3, name: st
 
 @pytest.hookimpl(tryfirst=True)   # before `-m` deselects by the markers it adds
 def pytest_collection_modifyitems(items):
-    """Each test's tier markers from the fixtures it uses (tests/tiers.py)."""
+    """Each test's tier markers from the fixtures it uses, and the heaviest files first
+    (tests/tiers.py)."""
     mark_tiers(items)
+    heaviest_first(items)
 
 
 @pytest.fixture

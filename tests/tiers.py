@@ -130,6 +130,25 @@ def _fixture_keys(item: pytest.Item) -> set[str]:
     return keys
 
 
+# Seconds each of the heaviest files took in a serial full run (docs/testing.md). `make
+# test` runs the files on several pytest workers (pytest-xdist, `--dist loadfile`: a file's
+# tests, and its module fixtures, stay on one worker) in the order collected; these go
+# first, so the run does not end waiting on one long file that started last.
+HEAVY_FILES = {
+    "test_fsdp_elastic.py": 433, "test_fault_matrix_phases.py": 381, "test_elastic_jobs.py": 324,
+    "test_frameworks.py": 207, "test_real_training.py": 205, "test_ssh_jobs.py": 190,
+    "test_liveness.py": 152, "test_demo.py": 133, "test_fault_matrix.py": 115, "test_bad_input.py": 90,
+    "test_fsdp_ssh.py": 80, "test_gang_jobs.py": 76, "test_hetero_split.py": 75, "test_postgres.py": 75,
+    "test_orphans.py": 65, "test_formation_deadline.py": 61, "test_cli.py": 59, "test_crash_semantics.py": 59,
+}
+
+
+def heaviest_first(items: list[pytest.Item]) -> None:
+    """`items` reordered in place: HEAVY_FILES' files first, heaviest first, then the rest as
+    collected (a stable sort: each file's own order is kept)."""
+    items.sort(key=lambda item: -HEAVY_FILES.get(item.path.name, 0))
+
+
 def mark_tiers(items: list[pytest.Item]) -> None:
     """Add to each test the tier markers its fixtures (and its "script" parameters) imply,
     and those TEST_TIERS names."""
