@@ -40,7 +40,7 @@ def test_metadata_others_may_write_is_never_read(tmp_path):
     meta = tmp_path / "step-1" / "rank-0" / ".metadata"
     assert sc.read_metadata(str(meta)) is not None
     os.chmod(meta, 0o664)
-    with pytest.raises(sc.UnsafeCheckpoint, match="writable by others"):
+    with pytest.raises(sc.UnsafeCheckpoint, match="writable by group or others"):
         sc.read_metadata(str(meta))
 
 

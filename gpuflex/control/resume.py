@@ -19,6 +19,7 @@ import os
 import stat
 
 from gpuflex.config import Config
+from gpuflex.elastic.protocol.run_dir import others_may_write
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import resume_path
 
@@ -75,15 +76,12 @@ def check_file(path: str, name: str) -> None:
 def check_private(path: str, name: str, st: os.stat_result) -> None:
     """UsageError unless `name` (relative to `path`; "." the directory itself) belongs to
     the caller and neither group nor others may write it."""
-    what = "the directory" if name == "." else name
-    if st.st_uid != os.getuid():
-        raise UsageError(f"--resume-from {path!r}: {what} belongs to uid {st.st_uid}, not to you; gpuflex "
-                         "reads only checkpoints no other user could have written (copy it into a "
-                         "directory of your own if you trust it).")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UsageError(f"--resume-from {path!r}: {what} is writable by group or others (mode "
-                         f"{stat.S_IMODE(st.st_mode):o}); gpuflex reads only checkpoints no other user could "
-                         "have written (a sharded one's DCP metadata is a pickle): chmod go-w it.")
+    found = others_may_write(st)
+    if found is not None:
+        why, remedy = found
+        raise UsageError(f"--resume-from {path!r}: {'the directory' if name == '.' else name} {why}; gpuflex "
+                         f"reads only checkpoints no other user could have written (a sharded one's DCP "
+                         f"metadata is a pickle): {remedy}.")
 
 
 def dcp_entries(path: str) -> list[str]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import time
 from typing import Any, Callable
 
@@ -30,6 +31,21 @@ from gpuflex.elastic.protocol.keys import ABORT_REASON_CHARS
 
 GROUP_MARK = "group-"        # a mark's name: this prefix and the group's id
 ABORT_RECORD = "abort.json"  # the coordinator's abort record, in the run's directory on its host
+
+
+def others_may_write(st: os.stat_result) -> tuple[str, str] | None:
+    """What lets another user write the file or directory whose stat is `st`, and what to
+    do about it: ("belongs to uid N, not to you", ...) or ("is writable by group or others
+    (mode M)", "chmod go-w it"); None when only this user may. A checkpoint, and a sharded
+    one's DCP metadata (a pickle), is read only when nobody else could have written it:
+    `gpuflex submit --resume-from` checks before it records anything, the worker again
+    before it reads (sharding/checkpoints.py)."""
+    if st.st_uid != os.getuid():
+        return (f"belongs to uid {st.st_uid}, not to you (uid {os.getuid()})",
+                "copy it into a directory of your own if you trust it")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})", "chmod go-w it"
+    return None
 
 
 def marked_groups(run_dir: str) -> list[int]:

@@ -41,11 +41,12 @@ import os
 import pickle
 import re
 import shutil
-import stat
 import warnings
 from typing import Any, Iterator
 
 import torch
+
+from gpuflex.elastic.protocol.run_dir import others_may_write
 
 # torch.distributed.checkpoint is imported where it is used, not here: importing it costs
 # ~0.9 s of CPU (it loads DTensor), and every worker imports this module (a data-parallel
@@ -85,10 +86,9 @@ def check_private(path: str) -> None:
         st = os.stat(path)
     except OSError as e:
         raise UnsafeCheckpoint(f"{path}: {e.strerror}") from None
-    if st.st_uid != os.getuid():
-        raise UnsafeCheckpoint(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeCheckpoint(f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})")
+    found = others_may_write(st)
+    if found is not None:
+        raise UnsafeCheckpoint(f"{path} {found[0]}")
 
 
 def write_rank(state: dict[str, Any], directory: str, rank: int) -> None:
