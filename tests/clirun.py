@@ -1,5 +1,5 @@
 """The CLI in this process (typer's CliRunner) with a test's home and config: for the
-tests of one command's module, which start no process (tests/test_cli.py runs the console
+tests of one command's module, which start no process (tests/cli/test_cli.py runs the console
 script too)."""
 
 from __future__ import annotations

@@ -338,7 +338,7 @@ def exits_without_teardown(worker):
     (an exception still reaches mp.spawn): torch 2.13's gloo threads can free a work that
     holds a Python object while the interpreter finalizes, and the process then aborts
     ("terminate called without an active exception"; examples/torchrun/ddp_tutorial.py).
-    That is torch's exit, not the test's subject: 2 in 8 runs of test_sharded.py aborted."""
+    That is torch's exit, not the test's subject: 2 in 8 runs of tests/e2e/test_fsdp_reshard_processes.py aborted."""
     @functools.wraps(worker)
     def run(*args):
         worker(*args)

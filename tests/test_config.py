@@ -243,7 +243,7 @@ def test_cpus_default_to_this_machines_for_the_local_host_and_are_unknown_for_a_
 
 def test_paths_keep_their_tilde_until_used_where_they_belong():
     """A remote host's `~` is its own user's home: it cannot be expanded when the file is
-    read (gpuflex.hosts expands it on the host; tests/test_worker_env.py runs it)."""
+    read (gpuflex.hosts expands it on the host; tests/control/test_launch_env.py runs it)."""
     cfg = parse_config({"hosts": [{"name": "r", "address": "r.lab", "workdir": "~/gf", "python": "~/v/bin/python",
                                    "nvidia_smi": "~/bin/nvidia-smi"}]}, "f.toml")
     h = cfg.hosts[0]

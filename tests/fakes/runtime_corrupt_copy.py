@@ -1,5 +1,5 @@
 """Runs a training script with one worker's received state copy corrupted, to prove that
-the formation's checksum catches a bad copy (tests/test_elastic_jobs.py).
+the formation's checksum catches a bad copy (tests/e2e/test_elastic_jobs.py).
 
     python tests/fakes/runtime_corrupt_copy.py WID SCRIPT [ARGS...]
 

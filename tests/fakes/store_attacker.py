@@ -5,7 +5,7 @@ state header that is a pickle (which, unpickled, would create `--marker`).
 
     python tests/fakes/store_attacker.py --store 127.0.0.1:PORT --marker /tmp/pwned
 
-Prints one JSON line of what it did. Used by tests/test_store_auth_job.py; never part of
+Prints one JSON line of what it did. Used by tests/e2e/test_store_attack_job.py; never part of
 gpuflex (this is the only file of the project that builds a pickle).
 """
 

@@ -1,0 +1,249 @@
+"""The elastic example under gpuflex on the local pool, checked against a standalone
+reference run of the same script: resizes, kill -9 at several moments, store death,
+a state copy that fails its check, cancel. Real processes, real gloo, real TCPStore."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpuflex.elastic.state.checkpoints import load_checkpoint
+from gpuflex.elastic.protocol.keys import EVICTED_EXIT
+from gpuflex.hosts.hostops import group_alive
+from gpuflex.hosts.transport import unix_request
+from tests import REPO, TESTS
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for  # noqa: F401 (wait_for: imported from here too)
+
+pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
+
+EXAMPLE = str(REPO / "examples" / "elastic_mlp.py")
+CORRUPT_COPY = str(TESTS / "fakes" / "runtime_corrupt_copy.py")
+DEADLINE_S = 300
+ARGS = ["--hidden", "32", "--global-batch-size", "64", "--seed", "3"]
+
+
+def example_argv(report: Path, epochs: int, sleep: float, hold: Path | None = None) -> list[str]:
+    """`hold`: the job sleeps `sleep` after a step only while that file exists, so a test
+    that resizes it holds it running for as long as its resizes take (a loaded machine's
+    newcomers are slow to start), then lets it finish at full speed."""
+    return [sys.executable, EXAMPLE, *ARGS, "--epochs", str(epochs), "--step-sleep", str(sleep),
+            "--report", str(report), *(["--sleep-while", str(hold)] if hold else [])]
+
+
+_refs: dict[tuple, dict] = {}
+
+
+def reference(tmp_path_factory, epochs: int, args: tuple[str, ...] = tuple(ARGS)) -> dict:
+    """The standalone run of the same script (one process, no gpuflex services)."""
+    if (epochs, args) not in _refs:
+        out = tmp_path_factory.mktemp("ref") / "ref.json"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
+        subprocess.run([sys.executable, EXAMPLE, *args, "--epochs", str(epochs), "--report", str(out)],
+                       check=True, env=env, timeout=300)
+        _refs[epochs, args] = json.loads(out.read_text())
+    return _refs[epochs, args]
+
+
+def assert_matches_reference(report: dict, ref: dict) -> None:
+    assert report["steps"] == ref["steps"]
+    got, want = torch.tensor(report["params"]), torch.tensor(ref["params"])
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max()
+    n = 2048
+    assert sorted(report["samples"], key=int) == [str(e) for e in range(report["epochs"])]
+    for epoch, ids in report["samples"].items():
+        assert len(ids) == n and sorted(ids) == list(range(n)), f"epoch {epoch} not exactly once"
+    steps = [s for s, _, _ in report["step_log"]]
+    assert steps == list(range(ref["steps"])), "a step was lost or repeated in the log"
+
+
+def elastic_cli(home: Path, jobs: str = "") -> GpuflexCLI:
+    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints; `jobs`: more
+    [jobs] lines."""
+    cfg = home / "g.toml"
+    cfg.write_text(
+        f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
+        f"[jobs]\ncancel_grace_s = 10\ncheckpoint_interval_s = 1\nheartbeat_timeout_s = 3\n{jobs}\n"
+        f'[[hosts]]\nname = "local"\ngpus = "cpu:4"\nworkdir = "{home}/work"\n')
+    return GpuflexCLI(home, cfg)
+
+
+@pytest.fixture
+def ej(home):
+    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints."""
+    cli = elastic_cli(home)
+    yield cli
+    cleanup_jobs(cli, home / "g.db")
+
+
+def step_of(job: dict) -> int:
+    return job.get("step") or 0
+
+
+def scale(cli: GpuflexCLI, job_id: int, n: int) -> None:
+    p = cli("scale", str(job_id), str(n), "--wait", "--timeout", str(DEADLINE_S), timeout=DEADLINE_S + 30)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"world size {n}" in p.stdout
+
+
+def live_members(job: dict) -> list[dict]:
+    return sorted((w for w in job["workers"] if w["rank"] is not None and w["state"] == "running"),
+                  key=lambda w: w["rank"])
+
+
+def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, home):
+    report, hold = home / "r.json", home / "hold"
+    hold.touch()   # 512 steps at 0.5 s: the job runs on through three resizes and the socket's reading
+    job = ej.submit(example_argv(report, epochs=16, sleep=0.5, hold=hold), "--workers", "1:4")
+    scale(ej, job["id"], 1)
+    first = wait_for(ej, job["id"], lambda j: step_of(j) >= 5, "some steps at world size 1")
+    survivor_pid = live_members(first)[0]["pid"]
+    for n in (3, 2, 4):
+        scale(ej, job["id"], n)
+    running = ej.json("status", str(job["id"]))
+    assert running["world_size"] == 4 and len(live_members(running)) == 4
+    assert live_members(running)[0]["pid"] == survivor_pid   # the survivor kept its process
+
+    # the control socket of a live worker: status, and garbage is answered, not fatal
+    ctl = live_members(running)[1]["control"]
+    st = unix_request(ctl, {"op": "status"}, timeout=5)
+    assert st["ok"] and st["world_size"] == 4 and st["rank"] == 1 and st["generation"] >= 4
+    assert unix_request(ctl, {"op": "nope"}, timeout=5)["ok"] is False
+    assert oct(os.stat(ctl).st_mode & 0o777) == "0o600"
+    hold.unlink()
+
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    r = json.loads(report.read_text())
+    assert_matches_reference(r, reference(tmp_path_factory, 16))
+    sizes = [ws for _, _, ws in r["step_log"]]
+    assert {1, 3, 2, 4} <= set(sizes)
+    order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
+    assert order[-4:] == [1, 3, 2, 4]
+    events = ej.json("events", str(job["id"]))
+    scales = [e for e in events if e["kind"] == "scale"]
+    assert len(scales) >= 3   # 3, 2, 4 (the shrink to 1 came before the first generation formed)
+    # the members' states agreed bit for bit at every formation (the exchanged sums included)
+    assert not [e for e in events if e["kind"] == "rollback"]
+    for e in scales:
+        for phase in ("detect", "agree", "rebuild", "copy", "verify", "first_step"):
+            assert isinstance(e["data"]["timings"][phase], float), (phase, e)
+    leavers = [w for w in done["workers"] if w["state"] == "exited"]
+    assert all(w["exit_code"] == 0 for w in leavers)
+
+
+def test_kill_9_of_rank_0_and_of_a_worker_mid_resize(ej, tmp_path_factory, home):
+    report = home / "r.json"
+    # the two larger weights' all-reduces in place, launched from their hooks during backward
+    # (a kill can land while one is in flight), the rest packed
+    job = ej.submit(example_argv(report, epochs=10, sleep=0.05), "--workers", "1:4",
+                    "--env", "GPUFLEX_DIRECT_BYTES=1024")
+    scale(ej, job["id"], 3)
+    running = wait_for(ej, job["id"], lambda j: step_of(j) >= 10 and j["state"] == "running",
+                       "training at world size 3")
+    rank0 = live_members(running)[0]
+    os.kill(rank0["pid"], signal.SIGKILL)
+    after = wait_for(ej, job["id"], lambda j: j["generation"] > running["generation"]
+                     and j["state"] == "running" and j["world_size"] == 2, "recovery without rank 0")
+    assert rank0["wid"] not in [w["wid"] for w in live_members(after)]
+
+    # grow again, and kill a survivor while the new generation is forming
+    p = ej("scale", str(job["id"]), "4")
+    assert p.returncode == 0, p.stderr
+    victim = live_members(after)[1]
+    time.sleep(0.5)
+    os.kill(victim["pid"], signal.SIGKILL)
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    assert_matches_reference(json.loads(report.read_text()), reference(tmp_path_factory, 10))
+    faults = [e for e in ej.json("events", str(job["id"])) if e["kind"] == "fault"]
+    assert len(faults) >= 2
+    dead = {w["wid"]: w for w in done["workers"]}
+    assert dead[rank0["wid"]]["exit_code"] == -9 and dead[victim["wid"]]["exit_code"] == -9
+
+
+@pytest.mark.parametrize("exchange_bytes", ["524288", "0"], ids=["exchange", "all-reduce"])
+def test_gradients_launched_during_backward_line_up_with_a_rank_that_has_no_samples(
+        ej, tmp_path_factory, home, exchange_bytes):
+    """A global batch of 2 over 3 workers: every step one rank has no sample and runs no
+    backward, so it launches the in-place all-reduces after the others launched theirs from
+    their hooks. The fixed launch order keeps the collectives matched; then a shrink to 2.
+    The packed small gradients are summed by the exchange, or (0) by all-reduce."""
+    report = home / "r.json"
+    args = ("--hidden", "32", "--global-batch-size", "2", "--seed", "5")
+    # 2 epochs of 1024 steps at >= 5 ms: the shrink has >= 9 s to land after step 100
+    job = ej.submit([sys.executable, EXAMPLE, *args, "--epochs", "2", "--step-sleep", "0.005",
+                     "--report", str(report)], "--workers", "2:3", "--env", "GPUFLEX_DIRECT_BYTES=1024",
+                    "--env", f"GPUFLEX_EXCHANGE_BYTES={exchange_bytes}")
+    scale(ej, job["id"], 3)
+    wait_for(ej, job["id"], lambda j: step_of(j) >= 100 and j["world_size"] == 3, "steps at world size 3")
+    scale(ej, job["id"], 2)
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    r = json.loads(report.read_text())
+    assert_matches_reference(r, reference(tmp_path_factory, 2, args))
+    assert [ws for _, _, ws in r["step_log"]].count(3) >= 100
+    assert not [e for e in ej.json("events", str(job["id"])) if e["kind"] == "rollback"]
+
+
+def test_store_death_restarts_the_job_from_its_checkpoint(ej, tmp_path_factory, home):
+    report = home / "r.json"
+    job = ej.submit(example_argv(report, epochs=6, sleep=0.05), "--workers", "2", "--elastic", "inplace")
+    wait_for(ej, job["id"], lambda j: step_of(j) >= 40, "steps past the first checkpoints")
+    (store_pgid,) = db_rows(home / "g.db", "SELECT store_pgid FROM jobs WHERE id = ?", (job["id"],))[0]
+    os.killpg(store_pgid, signal.SIGKILL)
+    restarted = wait_for(ej, job["id"], lambda j: j["restarts"] == 1 and j["state"] == "running",
+                         "the restart")
+    assert [w["exit_code"] for w in restarted["workers"][:2]] == [75, 75]
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    logs = ej.ok("logs", str(job["id"])).stdout
+    assert "resumed from checkpoint at step" in logs
+    resumed_at = int(logs.split("resumed from checkpoint at step ")[1].split()[0])
+    assert resumed_at >= 30
+    assert_matches_reference(json.loads(report.read_text()), reference(tmp_path_factory, 6))
+
+
+def test_a_state_copy_that_fails_its_check_is_rolled_back(ej, tmp_path_factory, home):
+    report = home / "r.json"
+    argv = example_argv(report, epochs=8, sleep=0.05)
+    argv[1:1] = [CORRUPT_COPY, "4"]           # worker 4's received copy gets a changed parameter
+    job = ej.submit(argv, "--workers", "1:4")
+    scale(ej, job["id"], 2)                   # workers 0 and 1 stay
+    wait_for(ej, job["id"], lambda j: step_of(j) >= 5, "training at world size 2")
+    p = ej("scale", str(job["id"]), "3")      # newcomer: worker 4, whose copy is corrupted
+    assert p.returncode == 0, p.stderr
+    bad = wait_for(ej, job["id"], lambda j: any(w["wid"] == 4 and w["state"] == "failed" for w in j["workers"]),
+                   "the corrupted newcomer to be rejected")
+    assert [w for w in bad["workers"] if w["wid"] == 4][0]["exit_code"] == EVICTED_EXIT
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    assert_matches_reference(json.loads(report.read_text()), reference(tmp_path_factory, 8))
+    events = ej.json("events", str(job["id"]))
+    assert any("rolled back" in e["message"] for e in events), [e["message"] for e in events]
+    assert any(e["data"].get("generation_kind") == "rollback" for e in events)
+
+
+def test_cancel_stops_gracefully_with_a_report_and_a_checkpoint(ej, home):
+    report = home / "r.json"
+    job = ej.submit(example_argv(report, epochs=20, sleep=0.05), "--workers", "2")
+    wait_for(ej, job["id"], lambda j: step_of(j) >= 5, "some steps")
+    ej.ok("cancel", str(job["id"]))
+    done = ej.json("status", str(job["id"]))
+    assert done["state"] == "cancelled"
+    assert all(w["exit_code"] == 0 for w in done["workers"]), done["workers"]   # graceful, not killed
+    r = json.loads(report.read_text())
+    assert 5 <= r["steps"] < 20 * 32
+    ck = list((home / "work").rglob("checkpoint.pt"))
+    assert len(ck) == 1
+    saved = load_checkpoint(str(ck[0]))   # verified, no pickle
+    assert saved["state"]["step"] == r["steps"]
+    pgids = [r[0] for r in db_rows(home / "g.db", "SELECT pgid FROM workers")]
+    assert pgids and not any(group_alive(p) for p in pgids)

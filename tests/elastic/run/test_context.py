@@ -1,0 +1,70 @@
+"""gpuflex.elastic.run.context (`RunContext`, what the parts of an ElasticRun share) and
+gpuflex.elastic.run.boundary (`Boundary`, between two steps), on a standalone run: no
+store, no processes. tests/elastic/run/test_runtime.py has them at several sizes, with processes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpuflex.elastic.membership.joining import Formed
+from gpuflex.elastic.membership.rendezvous import StoreLost
+from gpuflex.elastic.run.boundary import Boundary
+from gpuflex.elastic.run.context import RunContext
+from gpuflex.elastic.run.runtime import ElasticRun
+from tests.elastic.run.test_steps import standalone
+
+
+def test_a_standalone_context_is_not_distributed_and_crosses_no_barrier():
+    run, _, _ = standalone()
+    ctx = run.ctx
+    assert isinstance(ctx, RunContext) and not ctx.distributed and ctx.barrier is None
+    assert ctx.where() == {"wid": ctx.wid, "rank": 0, "gen": 0, "step": 0}
+    assert ctx.cross("backward") is True and ctx.crossed == (0, 0, "backward")
+    assert ctx.more()
+
+
+def test_a_formation_sets_the_place_and_none_stops_the_run():
+    run, _, _ = standalone()
+    ctx = run.ctx
+    ctx.joined(Formed(generation=4, rank=1, world_size=3, members=(0, 2, 5), kind="resize", at=12.5,
+                      copied=0, timings={"copy": 0.1}))
+    assert (ctx.rank, ctx.world_size, ctx.generation, ctx.formed_kind, ctx.formed_at) == (1, 3, 4, "resize", 12.5)
+    assert ctx.pending_timings == {"copy": 0.1}
+    ctx.joined(None)
+    assert ctx.stopped and not ctx.more()
+
+
+def test_the_status_record_names_the_place_and_the_step():
+    run, model, data = standalone(steps=1)
+    for x, y in run.loader(data):
+        run.backward(torch.nn.functional.mse_loss(model(x), y))
+    status = run.ctx.status()
+    assert (status["rank"], status["world_size"], status["step"], status["waiting_for"]) == (0, 1, 1, [])
+    assert status["loss"] is not None
+
+
+def test_close_happens_once():
+    run, _, _ = standalone()
+    run.ctx.close()
+    assert run.ctx.closed
+    run.ctx.close()   # a second close is a no-op, not an error
+    assert run.ctx.closed
+
+
+def test_the_boundary_of_a_standalone_run_switches_nowhere_and_raises_a_store_lost_seen_in_the_step():
+    run, _, _ = standalone()
+    boundary = Boundary(run.ctx, run.strategy)
+    assert boundary.switch_to() == 0
+    run.ctx.store_lost = StoreLost("seen inside the step")
+    with pytest.raises(StoreLost, match="seen inside the step"):
+        boundary.after_step()
+
+
+def test_a_split_gives_no_member_an_empty_batch_unless_the_script_says_it_takes_one():
+    run, _, _ = standalone()
+    assert run.ctx.split.empty_ok is False and run.ctx.split.least == 1
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    takes_empty = ElasticRun(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), num_samples=12,
+                             global_batch_size=4, steps=1, empty_batches=True)
+    assert takes_empty.ctx.split.empty_ok is True and takes_empty.ctx.split.least == 2

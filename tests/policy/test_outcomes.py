@@ -1,0 +1,124 @@
+"""gpuflex.policy.outcomes: how a run comes out once its workers end (pure rules, no I/O).
+gpuflex.policy.lifecycle's decide applies them; tests/policy/test_lifecycle.py covers them
+through it, these hold each rule on its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpuflex.elastic.protocol.keys import ABORTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
+from gpuflex.policy.outcomes import (CRASH_CAUSE, CRASH_KIND, FAULT_CAUSE, GANG_CAUSE, GANG_FAILED_KIND, LOST_EXIT,
+                                     RESTART, SHARDS_LOST_CAUSE, TRACEBACK_LINES, Crash, Finish, JobFacts, Requeue,
+                                     WorkerFacts, gang_exit, gang_failure, instant, is_crash_exit, is_fault, outcome,
+                                     printable_lines)
+from gpuflex.states import JobState, WorkerState as W
+
+
+def job(**kw) -> JobFacts:
+    return JobFacts(**{"id": 1, "state": JobState.RUNNING, "min_workers": 1, "workers": (), "generation": 2,
+                       **kw})
+
+
+def worker(wid: int, state: W, rc: int | None, *, generation: int = 2, ended_at: float | None = None,
+           started_at: float = 10.0) -> WorkerFacts:
+    return WorkerFacts(wid, f"h{wid}", state, generation, started_at, rc, ended_at)
+
+
+@pytest.mark.parametrize("rc,crash", [(1, True), (2, True), (0, False), (None, False), (-9, False),
+                                      (STORE_LOST_EXIT, False), (ABORTED_EXIT, False)])
+def test_a_crash_is_a_positive_exit_code_the_runtime_does_not_use(rc, crash):
+    assert is_crash_exit(rc) is crash
+
+
+def test_a_gang_worker_exit_code_is_torchruns():
+    assert gang_exit(worker(0, W.FAILED, 3))[0] == 3
+    assert gang_exit(worker(0, W.FAILED, -15)) == (143, "was killed by signal 15 (exit code 143)")
+    assert gang_exit(worker(0, W.LOST, None))[0] == LOST_EXIT
+
+
+def test_a_fault_is_a_signal_or_a_lost_worker_not_an_exit_code():
+    assert is_fault(worker(0, W.LOST, None))
+    assert is_fault(worker(0, W.FAILED, -9))
+    assert not is_fault(worker(0, W.FAILED, 1))
+    assert not is_fault(worker(0, W.EXITED, 0))
+
+
+def test_all_members_exiting_0_succeed():
+    assert outcome(job(restarts=2), [worker(0, W.EXITED, 0), worker(1, W.EXITED, 0)], 2) == \
+        Finish(JobState.SUCCEEDED, 0, "all workers exited 0", 2)
+
+
+def test_earlier_generations_and_runs_are_history():
+    old_run = worker(5, W.FAILED, 1, started_at=1.0)
+    left_earlier = worker(4, W.FAILED, -9, generation=1)
+    result = outcome(job(started_at=5.0), [old_run, left_earlier, worker(0, W.EXITED, 0)], 2)
+    assert result.state is JobState.SUCCEEDED
+
+
+def test_a_lost_store_and_lost_shards_requeue_uncounted():
+    assert outcome(job(store_host="ctl"), [worker(0, W.FAILED, STORE_LOST_EXIT)], 2).cause == "store-lost"
+    result = outcome(job(), [worker(0, W.FAILED, SHARDS_LOST_EXIT), worker(1, W.FAILED, -9)], 2)
+    assert result.cause == SHARDS_LOST_CAUSE and "worker 1 on h1 was killed by signal 9" in result.reason
+
+
+def test_a_crash_restarts_while_retries_last_then_fails():
+    crashed = [worker(0, W.FAILED, 1), worker(1, W.EXITED, 0)]
+    assert outcome(job(retries=1), crashed, 2) == Requeue("worker 0 on h0 crashed: exit code 1; restart 1 of 1",
+                                                           CRASH_CAUSE)
+    final = outcome(job(retries=1, crash_restarts=1, restarts=1), crashed, 2)
+    assert (final.state, final.exit_code, final.restarts) == (JobState.FAILED, 1, 1)
+
+
+def test_an_aborted_run_fails_with_the_abort_code():
+    assert outcome(job(), [worker(0, W.FAILED, ABORTED_EXIT)], 2).exit_code == ABORTED_EXIT
+
+
+def test_an_inplace_job_whose_last_members_all_faulted_resumes():
+    assert outcome(job(), [worker(0, W.LOST, None)], 2).cause == FAULT_CAUSE
+    gang = outcome(job(elastic=None), [worker(0, W.LOST, None)], 2)
+    assert isinstance(gang, Finish) and gang.state is JobState.FAILED
+
+
+def test_the_first_gang_worker_to_end_badly_decides():
+    late = worker(0, W.FAILED, -9, ended_at=20.0)
+    first = worker(1, W.LOST, None, ended_at=15.0)
+    record, end = gang_failure(job(elastic=None), [late, first, worker(2, W.RUNNING, None)], None, {})
+    assert record.kind == GANG_FAILED_KIND and record.data["wid"] == 1
+    assert end == Finish(JobState.FAILED, LOST_EXIT, "worker 1 on h1 " + gang_exit(first)[1], 0)
+    assert gang_failure(job(elastic=None), [worker(0, W.RUNNING, None)], None, {}) == []
+
+
+def test_a_gang_relaunches_for_retries_and_a_restart_job_for_a_fault():
+    killed = [worker(0, W.FAILED, -9, ended_at=1.0)]
+    assert gang_failure(job(elastic=None, retries=2), killed, None, {})[1].cause == GANG_CAUSE
+    assert gang_failure(job(elastic=RESTART), killed, None, {})[1].cause == FAULT_CAUSE
+
+
+def test_a_gang_crash_is_told_from_the_coordinators_record():
+    records = [{"wid": 0, "error": "ValueError: bad", "traceback": ["Traceback (most recent call last):",
+                                                                                    '  File "t.py"', "ValueError: bad"],
+                "phase": "step"}]
+    record, end = gang_failure(job(elastic=None), [worker(0, W.FAILED, 1, ended_at=1.0)], records, {})
+    assert record.kind == CRASH_KIND and record.data["traceback"] == ['  File "t.py"', "ValueError: bad"]
+    assert end.reason.startswith("worker 0 on h0 crashed (exit code 1, in step): ValueError: bad\n  File")
+
+
+def test_a_crash_from_a_log_tail_names_its_last_line():
+    tails = {0: ("Traceback (most recent call last):", "  x()", "RuntimeError: boom", "")}
+    record, end = gang_failure(job(elastic=None), [worker(0, W.FAILED, 1, ended_at=1.0)], None, tails)
+    assert record.message == "worker 0 on h0 crashed: RuntimeError: boom"
+
+
+def test_a_crash_reason_keeps_the_last_traceback_lines():
+    crash = Crash(3, "gpu01", "boom", tuple(f"line {i}" for i in range(30)), None, 1)
+    assert crash.reason.splitlines()[1:] == [f"line {i}" for i in range(30 - TRACEBACK_LINES, 30)]
+
+
+@pytest.mark.parametrize("value,expected", [(12.5, 12.5), (3, 3.0), (0, None), (-1, None), (True, None),
+                                            (float("nan"), None), (float("inf"), None), ("7", None)])
+def test_an_instant_is_a_finite_positive_number(value, expected):
+    assert instant(value) == expected
+
+
+def test_printable_lines_drop_the_header_and_control_characters():
+    assert printable_lines(["Traceback (most recent call last):", "a\x1b[31mb", "x" * 400]) == ("a[31mb", "x" * 300)
