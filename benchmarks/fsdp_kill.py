@@ -13,7 +13,7 @@ the steps since. Per run, from the job's own records:
   first replayed one): detection, requeue, new workers, DCP load;
 - kill -> caught up: the kill to the step after the restart that ends where the run stood
   at the kill (overhead + replay, as measured);
-- exact: the final parameters allclose (rtol = atol = 1e-5, tests/test_fsdp_elastic.py)
+- exact: the final parameters allclose (rtol = atol = 1e-5, tests/e2e/test_fsdp_elastic.py)
   to an unsharded run of the same script (`--no-shard`, one process), every sample once
   an epoch and every step once in the step log;
 - requeue, spawn, formed: the restart's milestones in the job's events, s after the kill

@@ -198,7 +198,7 @@ def finish():
     """Leave the process group and exit 0 without the interpreter's finalization: torch's
     known exit race (an all-reduce DDP launched inside backward leaves a Python object in
     gloo's worker thread, freed after the interpreter began finalizing) aborts a few
-    percent of DDP processes at exit under load (see tests/test_examples.py)."""
+    percent of DDP processes at exit under load (see tests/e2e/test_examples.py)."""
     dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
 
 
 # Help texts are rich markup (typer's rich markup mode): "[jobs]" would be read as a tag and
-# vanish, so a config table's name is written "\\[jobs]" (tests/test_help.py walks every help).
+# vanish, so a config table's name is written "\\[jobs]" (tests/cli/test_help.py walks every help).
 @command
 def submit(
     ctx: typer.Context,

@@ -5,12 +5,12 @@ A few things the runtime does have no public API at a cost it can pay, or none a
 and on which torch it was checked, and that fails loudly where a torch release has moved
 the field: a RuntimeError naming the field and the torch version, at first use, never a
 silent fallback. Nothing else in gpuflex names a private field of torch (tests/test_structure.py
-holds the rest of the package to that; tests/test_torch_compat.py checks each wrapper on this
+holds the rest of the package to that; tests/elastic/test_torch_compat.py checks each wrapper on this
 torch, and its failure with the field taken away).
 
 Checked on torch 2.13.0 (CPU, the Makefile's pin: every wrapper) and 2.11.0+cu130 (a GPU
 machine: the nccl and FSDP2 ones); pyproject.toml bounds torch to these releases. Upgrading
-torch: run tests/test_torch_compat.py first, then the FSDP and fault tests.
+torch: run tests/elastic/test_torch_compat.py first, then the FSDP and fault tests.
 
 The imports of torch.distributed's internals are made inside the functions that need them,
 so that a data-parallel run never loads FSDP's.

@@ -131,7 +131,7 @@ class Collectives:
         """Drop the group, the runtime's references included: with none left, gloo joins its
         threads here. A group that outlives this (referenced at exit) keeps threads that may
         free a finished work while the interpreter finalizes, and torch 2.13 then aborts the
-        process (see tests/test_examples.py)."""
+        process (see tests/e2e/test_examples.py)."""
         self.pg = None
         for fn in self._on_close:
             fn()
@@ -221,7 +221,7 @@ def _name_world_group_alike() -> None:
     failed. A member whose last formation failed inside init_process_group (a peer gone
     during gloo's connect) would name its next group "1" while the others name theirs "0":
     their connects wait for each other's keys until every formation fails (seen in
-    tests/test_fault_matrix_phases.py). No world group exists here, so the next one is
+    tests/e2e/test_fault_matrix_phases.py). No world group exists here, so the next one is
     named "0" on every member, as after a destroy. A torch without the counter fails here,
     loudly: skipping the reset would leave such formations failing as above."""
     torch_compat.reset_group_counter()
