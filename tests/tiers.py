@@ -155,7 +155,7 @@ def _fixture_keys(item: pytest.Item) -> set[str]:
 HEAVY_FILES = {
     "e2e/test_fsdp_elastic.py": 433, "e2e/test_fault_matrix_phases.py": 381, "e2e/test_elastic_jobs.py": 324,
     "e2e/test_frameworks.py": 207, "e2e/test_real_training.py": 205, "e2e/ssh/test_ssh_jobs.py": 190,
-    "elastic/membership/test_liveness.py": 152, "e2e/test_demo.py": 133, "e2e/test_fault_matrix.py": 115,
+    "e2e/test_liveness_jobs.py": 152, "e2e/test_demo.py": 133, "e2e/test_fault_matrix.py": 115,
     "cli/test_bad_input.py": 90, "e2e/ssh/test_fsdp_ssh.py": 80, "e2e/test_gang_jobs.py": 76,
     "e2e/test_hetero_split.py": 75, "e2e/test_postgres.py": 75, "e2e/test_orphans.py": 65,
     "e2e/test_formation_deadline.py": 61, "cli/test_cli.py": 59, "control/test_crashes.py": 59,

@@ -1,4 +1,4 @@
-"""A small elastic job for the liveness tests (tests/elastic/membership/test_liveness.py): the MLP of
+"""A small elastic job for the liveness tests (tests/e2e/test_liveness_jobs.py): the MLP of
 examples/elastic_mlp.py, whose rank 0 can be busy between two steps and one of whose
 workers can raise, with the same JSON report.
 
