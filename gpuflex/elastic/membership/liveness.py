@@ -51,6 +51,7 @@ import atexit
 import dataclasses
 import json
 import logging
+import signal
 import sys
 import threading
 import time
@@ -352,6 +353,16 @@ def report_crash(rdzv: Rendezvous, wid: int, record: dict[str, Any]) -> None:
         rdzv.close()
 
 
+def exit_as_crashed() -> None:
+    """From a crash on, the process only exits (with 1): SIGTERM is ignored. The job's stop
+    comes as soon as the control side reads the crash record, and the interpreter's
+    finalization (long in a torch process on a loaded host) puts SIGTERM back to its
+    default: the worker died of it (-15), its exit code no longer said it crashed. The
+    SIGKILL after the stop's grace still ends an exit that hangs."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def install_crash_hook(report: Callable[[dict[str, Any]], None], phase: Callable[[], str]) -> None:
     """Chain `sys.excepthook`: an exception escaping the script is first reported
     (`report(crash_record)`: the worker writes it to the store and closes its connections,
@@ -364,6 +375,7 @@ def install_crash_hook(report: Callable[[dict[str, Any]], None], phase: Callable
                 report(crash_record(etype, value, tb, phase()))
             except Exception as e:   # the traceback below must still be printed
                 log.warning("gpuflex: could not record the crash: %s", e)
+            exit_as_crashed()
         previous(etype, value, tb)
 
     sys.excepthook = hook

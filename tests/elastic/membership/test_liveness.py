@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import signal
 import sys
 import threading
 import time
@@ -313,11 +314,13 @@ def test_an_abort_ends_the_wait_for_a_generation(make_job):
         rdzv.wait_for_generation(G, False, lambda: next(polls, None) is None)
 
 
-def test_an_exception_escaping_the_script_is_recorded_then_printed_as_before(make_job, monkeypatch):
+def test_an_exception_escaping_the_script_is_recorded_then_printed_as_before(make_job, monkeypatch, request):
     job = make_job([0, 1])
     rdzv = job.worker(1).rdzv
     printed = []
     monkeypatch.setattr(sys, "excepthook", lambda *a: printed.append(a[0]))
+    before = signal.getsignal(signal.SIGTERM)
+    request.addfinalizer(lambda: signal.signal(signal.SIGTERM, before))
     install_crash_hook(lambda rec: report_crash(rdzv, 1, rec), lambda: "step 7 of generation 1 (rank 1)")
     try:
         1 / 0
@@ -330,6 +333,8 @@ def test_an_exception_escaping_the_script_is_recorded_then_printed_as_before(mak
     assert rec["traceback"][-1] == "ZeroDivisionError: division by zero" and len(rec["traceback"]) <= 15
     assert any("1 / 0" in line for line in rec["traceback"])
     assert rdzv.closed   # the heartbeat stopped: the worker is seen gone at once
+    # the job's stop, which the record brings at once, cannot turn its exit 1 into -15
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
 
 
 def test_a_crash_record_keeps_only_the_last_lines_of_a_deep_traceback():
