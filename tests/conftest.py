@@ -23,6 +23,12 @@ from pathlib import Path
 
 import pytest
 
+# A pytest-xdist worker starts with COLUMNS=80 in its environment, and rich fixes a
+# console's width from COLUMNS when the console is made (gpuflex.cli.common's, at import):
+# every in-process CLI call of that worker then printed 80 columns wide, whatever COLUMNS
+# the call gave. Without it the width is read at each print (the calls give 200).
+os.environ.pop("COLUMNS", None)
+
 from tests.tiers import fast_tier_starts_no_process, heaviest_first, mark_tiers  # noqa: F401 (an autouse fixture)
 
 FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
