@@ -212,8 +212,9 @@ def test_store_death_restarts_the_job_from_its_checkpoint(ej, tmp_path_factory, 
 
 
 def test_a_state_copy_that_fails_its_check_is_rolled_back(ej, tmp_path_factory, home):
-    report = home / "r.json"
-    argv = example_argv(report, epochs=8, sleep=0.05)
+    report, hold = home / "r.json", home / "hold"
+    hold.touch()   # paced until the newcomer is rejected: under load it starts late
+    argv = example_argv(report, epochs=16, sleep=0.1, hold=hold)
     argv[1:1] = [CORRUPT_COPY, "4"]           # worker 4's received copy gets a changed parameter
     job = ej.submit(argv, "--workers", "1:4")
     scale(ej, job["id"], 2)                   # workers 0 and 1 stay
@@ -223,9 +224,10 @@ def test_a_state_copy_that_fails_its_check_is_rolled_back(ej, tmp_path_factory, 
     bad = wait_for(ej, job["id"], lambda j: any(w["wid"] == 4 and w["state"] == "failed" for w in j["workers"]),
                    "the corrupted newcomer to be rejected")
     assert [w for w in bad["workers"] if w["wid"] == 4][0]["exit_code"] == EVICTED_EXIT
+    hold.unlink()
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
-    assert_matches_reference(json.loads(report.read_text()), reference(tmp_path_factory, 8))
+    assert_matches_reference(json.loads(report.read_text()), reference(tmp_path_factory, 16))
     events = ej.json("events", str(job["id"]))
     assert any("rolled back" in e["message"] for e in events), [e["message"] for e in events]
     assert any(e["data"].get("generation_kind") == "rollback" for e in events)
