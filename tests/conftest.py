@@ -18,7 +18,6 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
 
 import pytest
@@ -128,24 +127,20 @@ class GpuflexCLI:
             return json.loads(self.inside(*args, "--json"))
         return json.loads(self.ok(*args, "--json").stdout)
 
-    def inside(self, *args: str) -> str:
+    def inside(self, *args: str, timeout: float = 120) -> str:
         """`gpuflex ARGS` run in this process (the same command objects, environment,
-        working directory and exit-code rules as the console script), its stdout; the
-        test fails as `ok` fails it, on an exit code, a traceback or an exception."""
-        from typer.testing import CliRunner
-
-        from gpuflex.cli import app
+        working directory and exit-code rules as the console script, and its `timeout`),
+        its stdout; the test fails as `ok` fails it, on an exit code, a traceback or an
+        exception."""
+        from tests import clirun
 
         here = os.getcwd()
         os.chdir(self.home)
         try:
-            r = CliRunner().invoke(app, list(args), env=self.env(), catch_exceptions=True)
+            r = clirun.run(args, self.env(), timeout_s=timeout)
         finally:
             os.chdir(here)
-        crashed = r.exception is not None and not isinstance(r.exception, SystemExit)
-        detail = "".join(traceback.format_exception(r.exception)) if crashed else ""
-        assert r.exit_code == 0 and not crashed, \
-            f"gpuflex {' '.join(args)} -> {r.exit_code}\n{r.stdout}\n{r.stderr}\n{detail}"
+        assert r.exit_code == 0, f"gpuflex {' '.join(args)} -> {r.exit_code}\n{r.stdout}\n{r.stderr}"
         assert "Traceback" not in r.stdout + r.stderr
         return r.stdout
 
@@ -184,14 +179,10 @@ def busy_slots(home, config_path, db_path) -> dict:
     waits because the pool is busy now (a job the pool could never hold is refused).
     At teardown every job left is cancelled newest first, so no waiting job is ever started
     by the slots coming free, then leftovers are killed."""
-    from typer.testing import CliRunner
-
-    from gpuflex.cli import app
-
-    env = {"HOME": str(home), "GPUFLEX_CONFIG": str(config_path), "COLUMNS": "200"}
+    from tests import clirun
 
     def invoke(*args: str):
-        r = CliRunner().invoke(app, list(args), env=env)
+        r = clirun.invoke(home, config_path, *args)
         assert r.exit_code == 0, f"gpuflex {' '.join(args)} -> {r.exit_code}\n{r.stdout}\n{r.stderr}"
         return r
 

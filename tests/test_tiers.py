@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiers import FIXTURE_TIERS, TEST_TIERS, TIERS, StartedAProcess
+from tests.tiers import FIXTURE_TIERS, TEST_TIERS, TIERS, StartedAProcess, file_key
 
 from tests import REPO as ROOT
 from tests import TESTS
@@ -80,19 +80,13 @@ def imported_by(tree: ast.Module, known: set[str]) -> set[str]:
     return found & known
 
 
-def rel(path: Path) -> str:
-    """A test file's key in TEST_TIERS and FIXTURE_TIERS: its path under tests/ (a file
-    outside tests/, as the checks' own examples are, by its name)."""
-    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else path.name
-
-
 def has_a_unit_test(path: Path, tree: ast.Module) -> bool:
     """Whether a test of the file is in the fast tier, as far as its source says: the file is
     not marked whole, and a test takes no tier fixture (tests/tiers.py's, or one of the
     file's own fixtures that takes one) and is not named in TEST_TIERS."""
     if wholly_marked(tree):
         return False
-    tier_fixtures = {k.split("::")[-1] for k in FIXTURE_TIERS if "::" not in k or k.startswith(f"{rel(path)}::")}
+    tier_fixtures = {k.split("::")[-1] for k in FIXTURE_TIERS if "::" not in k or k.startswith(f"{file_key(path)}::")}
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     args = {f.name: {a.arg for a in f.args.args} for f in functions}
     grew = True
@@ -100,7 +94,7 @@ def has_a_unit_test(path: Path, tree: ast.Module) -> bool:
         more = {name for name, used in args.items() if not name.startswith("test_") and used & tier_fixtures}
         grew = bool(more - tier_fixtures)
         tier_fixtures |= more
-    named = TEST_TIERS.get(rel(path), {})
+    named = TEST_TIERS.get(file_key(path), {})
     return any(name.startswith("test_") and name not in named and not used & tier_fixtures
                for name, used in args.items())
 

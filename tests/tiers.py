@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing.process
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -149,9 +150,9 @@ def _fixture_keys(item: pytest.Item) -> set[str]:
 
 
 # Seconds each of the heaviest files took in a serial full run (docs/testing.md). `make
-# test` runs the files on several pytest workers (pytest-xdist, `--dist loadfile`: a file's
-# tests, and its module fixtures, stay on one worker) in the order collected; these go
-# first, so the run does not end waiting on one long file that started last.
+# test TEST_WORKERS=3` runs the files on several pytest workers (pytest-xdist, `--dist
+# loadfile`: a file's tests, and its module fixtures, stay on one worker) in the order
+# collected; these go first, so the run does not end waiting on one long file that started last.
 HEAVY_FILES = {
     "e2e/test_fsdp_elastic.py": 433, "e2e/test_fault_matrix_phases.py": 381, "e2e/test_elastic_jobs.py": 324,
     "e2e/test_frameworks.py": 207, "e2e/test_real_training.py": 205, "e2e/ssh/test_ssh_jobs.py": 190,
@@ -162,22 +163,23 @@ HEAVY_FILES = {
 }
 
 
-def file_key(item: pytest.Item) -> str:
-    """The item's file as TEST_TIERS and HEAVY_FILES key it: its path under tests/."""
-    return item.path.relative_to(TESTS).as_posix()
+def file_key(path: Path) -> str:
+    """A test file as TEST_TIERS, FIXTURE_TIERS and HEAVY_FILES key it: its path under
+    tests/ (a file outside tests/, as tests/test_tiers.py's own examples are, by its name)."""
+    return path.relative_to(TESTS).as_posix() if path.is_relative_to(TESTS) else path.name
 
 
 def heaviest_first(items: list[pytest.Item]) -> None:
     """`items` reordered in place: HEAVY_FILES' files first, heaviest first, then the rest as
     collected (a stable sort: each file's own order is kept)."""
-    items.sort(key=lambda item: -HEAVY_FILES.get(file_key(item), 0))
+    items.sort(key=lambda item: -HEAVY_FILES.get(file_key(item.path), 0))
 
 
 def mark_tiers(items: list[pytest.Item]) -> None:
     """Add to each test the tier markers its fixtures (and its "script" parameters) imply,
     and those TEST_TIERS names."""
     for item in items:
-        named = TEST_TIERS.get(file_key(item), {}).get(getattr(item, "originalname", item.name))
+        named = TEST_TIERS.get(file_key(item.path), {}).get(getattr(item, "originalname", item.name))
         if named is not None:
             item.add_marker(named)
         for key in _fixture_keys(item):
