@@ -132,7 +132,7 @@ def test_transformer_with_a_rank0_evaluation_longer_than_the_pg_timeout_resized_
     scale(cli, job["id"], 3)
     done = cli.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", (done.get("exit_reason"), done["workers"])
-    assert not restarts_and_rollbacks(cli, job["id"])
+    assert not (faults := restarts_and_rollbacks(cli, job["id"])), [(e["kind"], e["message"], e["data"]) for e in faults]
     assert done["generation"] <= two["generation"] + 1   # the resize, nothing else
 
     r = json.loads(report.read_text())

@@ -325,20 +325,49 @@ class Rendezvous:
         return g
 
     def barrier(self, g: int, members: list[int], timeout_s: float) -> None:
-        """Wait until every member of g has arrived; Superseded if a newer one appears."""
+        """Wait until every member of g has arrived; Superseded if a newer one appears.
+        TimeoutError once a missing member stayed silent (no heartbeat) for `timeout_s`, or
+        crashed: one still beating is busy, not gone. A resize is agreed at the members' next
+        step boundary, so a newcomer waits here while a member evaluates between steps (the
+        LM example's rank 0 for 6 s at pg_timeout_s = 3 gave up at 2 x 3 s, and the members,
+        past the barrier a moment later, timed out in the process group waiting for it)."""
         self.set(keys.joined(g, self.wid), "1")
-        pending = [keys.joined(g, w) for w in members]
-        deadline = time.monotonic() + timeout_s
+        pending = {w: keys.joined(g, w) for w in members}
+        start = time.monotonic()
+        look, deadline = start + timeout_s / 2, start + timeout_s   # heartbeats read from `look` on only
+        beats: dict[int, bytes] | None = None
         while pending:
-            pending = [k for k in pending if not self.valid(k)]
+            pending = {w: k for w, k in pending.items() if not self.valid(k)}
             if not pending:
                 return
             if self.newest_after(g):
                 raise Superseded(g)
             self.check_abort()
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"generation {g}: members missing at the barrier: {pending}")
+            now = time.monotonic()
+            if beats is None and now > look:
+                beats = {}
+                self._silent(pending, beats)
+            elif beats is not None and now > deadline:
+                silent = self._silent(pending, beats)
+                if silent:
+                    raise TimeoutError(f"generation {g}: members missing at the barrier: {list(pending.values())} "
+                                       f"({silent})")
+                deadline = now + timeout_s / 2   # all alive: look again after a while
             time.sleep(POLL_S)
+
+    def _silent(self, pending: dict[int, str], beats: dict[int, bytes]) -> str:
+        """Why a missing member counts as gone: crashed, or its heartbeat counter the same as
+        at the last look (`beats`, updated); "" when every one of them beat since."""
+        why = []
+        for w in pending:
+            if self.valid(keys.crashed(w)):
+                why.append(f"worker {w} crashed")
+                continue
+            beat = self._call(self.store.get, keys.hb(w)) if self.has(keys.hb(w)) else b""
+            if not beat or beats.get(w) == beat:
+                why.append(f"worker {w} sent no heartbeat")
+            beats[w] = beat
+        return ", ".join(why)
 
     def report_fail(self, g: int, why: str) -> None:
         self.set(keys.fail(g, self.wid), why[:500])
