@@ -47,6 +47,11 @@ def check_target(job: Job, n: int) -> None:
     every scale, in place or by a restart."""
     if not job.state.active:
         raise UsageError(f"job {job.id} is {job.state}; only running jobs can be scaled.")
+    check_range(job, n)
+
+
+def check_range(job: Job, n: int) -> None:
+    """UsageError unless `n` is within the job's MIN..MAX."""
     if not job.min_workers <= n <= job.max_workers:
         raise UsageError(f"job {job.id} takes {job.min_workers}..{job.max_workers} workers; {n} is outside.",
                          hint=f"Submit with --workers MIN:MAX to allow {n}.")

@@ -18,7 +18,8 @@ from typing import Any, Iterator
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config
-from gpuflex.control import access, executor, intents, journal, lifecycle, notify, report, resume, scaling, views
+from gpuflex.control import (access, executor, intents, journal, lifecycle, notify, report, restarts, resume, scaling,
+                             views)
 from gpuflex.control.executor import Ops
 from gpuflex.control.launch import submit_environment
 from gpuflex.control.pool import Pool
@@ -130,6 +131,17 @@ class JobService:
             for job in self.array_of(session, ref, names=names) or [self.get(session, ref)]:
                 if not job.state.final:
                     access.check_owner(self.config, job, verb)
+
+    def check_scale(self, ref: str | int, n: int) -> None:
+        """`check_may_change`, then the refusals of a scale that no refresh can change (a
+        fixed gang, `n` outside the job's MIN..MAX), read before the refresh writes its
+        probes: a refused scale writes nothing. scale_in_steps checks again, under the lock."""
+        self.check_may_change(ref, "scale")
+        with self.sessions() as session:
+            job = self.get(session, ref)
+            if not job.state.final:
+                restarts.refuse_fixed_gang(job)
+                scaling.check_range(job, n)
 
     def hosts(self) -> list[dict[str, Any]]:
         """Hosts, their devices, the last probe's figures and who holds each device."""
@@ -269,7 +281,7 @@ class JobService:
         scaling.grow_in_steps), so a `gpuflex scale` killed midway leaves nothing the
         database does not know; the next command's reconcile ends what it left. Only the
         owner or an admin may (gpuflex.control.access)."""
-        self.check_may_change(ref, "scale")
+        self.check_scale(ref, n)
         results = self.collect_probes()
         with database_lock(self.config.database_url, "ops").held():
             with self.sessions.begin() as session:

@@ -17,6 +17,8 @@ from gpuflex.elastic.protocol.keys import STORE_LOST_EXIT
 from gpuflex.policy.placement import Assignment
 from gpuflex.states import JobState as J
 from gpuflex.states import WorkerState as W
+from gpuflex.errors import UsageError
+from tests.conftest import db_dump
 from tests.fakes.hosts import FakeHost, World
 
 
@@ -154,3 +156,16 @@ def test_a_lost_store_requeues_the_job_and_it_restarts_with_new_workers(sim, tmp
     assert "queued: the job store on pool was lost in generation 1, steady; restarting from the last checkpoint" \
         in [e.message for e in info.events]
     assert world.workers(token)[1].alive and world.coordinator(token).alive   # a new coordinator
+
+
+@pytest.mark.parametrize("workers_arg,n,fragment", [((1, 1), 2, "as a gang"), ((1, 4), 5, "1..4 workers; 5 is outside")])
+def test_a_refused_scale_writes_nothing_not_even_the_probes(sim, tmp_path, workers_arg, n, fragment):
+    """Refused before the refresh that every command does first, whose probe rows would
+    otherwise be written by a command that changed nothing."""
+    world, svc, _ = sim
+    job_id = svc.submit(SubmitRequest(argv=["python3", "train.py"], min_workers=workers_arg[0],
+                                      max_workers=workers_arg[1], workdir=str(tmp_path)))
+    before = db_dump(tmp_path / "g.db")
+    with pytest.raises(UsageError, match=fragment):
+        svc.scale(str(job_id), n)
+    assert db_dump(tmp_path / "g.db") == before
