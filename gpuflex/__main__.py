@@ -1,3 +1,3 @@
-from gpuflex.cli import main
+from gpuflex.console import main
 
 main()

@@ -6,6 +6,8 @@ bad config, unknown job) exits 2, any other `GpuflexError` exits 1.
 
 from __future__ import annotations
 
+INTERRUPTED_EXIT = 130   # 128 + SIGINT, as a shell reports a command ended by Ctrl-C
+
 
 class GpuflexError(Exception):
     """An expected failure with a message fit for a user."""

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 import typer
 from typer.core import TyperGroup
 
+from gpuflex.errors import INTERRUPTED_EXIT
 from gpuflex.cli import common, db_cmd, doctor_cmd, harvest_cmd, hosts_cmd, jobs_cmd, metrics_cmd
 
 
@@ -33,7 +34,7 @@ class OneLineErrors(TyperGroup):
             if not standalone_mode:
                 raise
             sys.exit(code)
-        except typer.Abort:
+        except typer.Abort:   # EOF at a prompt
             common.print_error("aborted.")
             if not standalone_mode:
                 raise
@@ -41,6 +42,17 @@ class OneLineErrors(TyperGroup):
         if not standalone_mode:
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
+
+
+    def invoke(self, ctx: Any) -> Any:
+        """The command; a Ctrl-C during it is one line and exit 130 (typer would end it with
+        130 and no word)."""
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            common.err_console.print()   # closes the terminal's ^C echo
+            common.print_error("interrupted.")
+            raise typer.Exit(INTERRUPTED_EXIT) from None
 
 
 def _is_help(e: Exception) -> bool:
@@ -89,5 +101,6 @@ app.add_typer(db_cmd.app, name="db")
 
 
 def main() -> None:
-    """The console script: every usage error is one `error:` line and exit 2."""
+    """The CLI (the console script enters through gpuflex.console): every usage error is
+    one `error:` line and exit 2, a Ctrl-C one line and exit 130."""
     app(prog_name="gpuflex")

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
-from gpuflex.errors import GpuflexError, UsageError
+from gpuflex.errors import INTERRUPTED_EXIT, GpuflexError, UsageError
 
 
 MAX_TICKS = 1_000_000   # a typo of many digits is not a service that runs for ever
@@ -196,7 +196,7 @@ def watch(
                     break
         except KeyboardInterrupt:
             err_console.print("aborted")
-            raise typer.Exit(130)
+            raise typer.Exit(INTERRUPTED_EXIT)
     err_console.print(f"stopped after {done} tick(s)")
 
 

@@ -14,7 +14,7 @@ import typer
 import gpuflex.cli.render as render
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, seconds
 from gpuflex.control.requests import parse_count, parse_ref
-from gpuflex.errors import JobError
+from gpuflex.errors import INTERRUPTED_EXIT, JobError
 from gpuflex.policy.lifecycle import LEFT_OUT_KIND
 from gpuflex.states import JobState, WorkerState
 
@@ -41,7 +41,7 @@ def scale(
     parse_count("N", n, 1)
     seconds("--timeout", timeout, 1.0)   # less could not even ask: it would always end "not finished"
     svc = obj(ctx).service()
-    svc.check_may_change(job, "scale")   # unknown or not ours: refused before the refresh writes
+    svc.check_scale(job, n)   # unknown, not ours, a gang, N out of range: refused before the refresh writes
     deadline = time.monotonic() + timeout
     asked: list[float] = []
     scaled: list = []
@@ -65,7 +65,7 @@ def scale(
         while time.monotonic() < deadline:
             if stop.sleep(min(0.5, max(0.0, deadline - time.monotonic()))) or stop.requested:
                 err_console.print(f"job {j.id}: stopped waiting; the resize goes on (see gpuflex status {j.id}).")
-                raise typer.Exit(130)
+                raise typer.Exit(INTERRUPTED_EXIT)
             if not _within(deadline, svc.refresh):
                 break
             cur = svc.job(j.id, events=False)
