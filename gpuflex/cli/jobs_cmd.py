@@ -12,7 +12,7 @@ from rich.live import Live
 from rich.text import Text
 
 import gpuflex.cli.render as render
-from gpuflex.cli import job_settings
+import gpuflex.cli.job_settings as job_settings
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
 from gpuflex.cli.scale_cmd import scale
 from gpuflex.control import access
