@@ -217,22 +217,12 @@ def export_env(text: str, environ: Mapping[str, str]) -> tuple[bool, list[str]]:
     """`--export`: (whether the submitter's environment is kept, `--env` items). ALL (the
     default) keeps it; NONE keeps none of it; a list of names keeps only those (NAME from
     `environ`, if set there; NAME=value as given), with ALL in the list keeping the rest too."""
-    inherit, named, items = True, False, []
-    for item in (i.strip() for i in text.split(",")):
-        if item.upper() == "ALL":
-            continue
-        if item.upper() in ("NONE", "NIL"):
-            inherit = False
-            continue
-        if not item:
-            continue
-        named = True
-        if "=" in item:
-            items.append(item)
-        elif item in environ:
-            items.append(f"{item}={environ[item]}")
-    all_given = any(i.strip().upper() == "ALL" for i in text.split(","))
-    return (inherit and (all_given or not named)), items
+    words = [w.strip() for w in text.split(",") if w.strip()]
+    keywords = {w.upper() for w in words} & {"ALL", "NONE", "NIL"}
+    named = [w for w in words if w.upper() not in keywords]
+    items = [w if "=" in w else f"{w}={environ[w]}" for w in named if "=" in w or w in environ]
+    inherit = "ALL" in keywords or (not keywords and not named)
+    return inherit and not keywords & {"NONE", "NIL"}, items
 
 
 _NODES = re.compile(r"([0-9]+)(?:-([0-9]+))?")
