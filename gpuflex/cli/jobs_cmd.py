@@ -94,14 +94,15 @@ def submit(
         raise UsageError(f"no such option {argv[0]!r} for submit; give options before '--' and the command "
                          "after it, e.g. gpuflex submit --workers 2 -- python train.py.")
     given = job_settings.settings(ctx, argv)
-    try:
-        req = _request(given)
-    except UsageError as e:
-        raise given.located(e) from None
     if given.warning:
         err_console.print(f"warning: {given.warning}")
-    svc = obj(ctx).service()
-    job = svc.job(svc.submit(req), events=False)
+    try:   # a refusal names the directive or task file key that gave the value it names
+        req = _request(given)   # checked before the database is opened
+        svc = obj(ctx).service()
+        job_id = svc.submit(req)
+    except UsageError as e:
+        raise given.located(e) from None
+    job = svc.job(job_id, events=False)
     if as_json:
         print_json(render.job_json(job))
     elif req.array is not None:

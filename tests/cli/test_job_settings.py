@@ -140,6 +140,9 @@ def test_a_command_on_path_is_not_read_as_a_script(waiting, config_path):
     ("bad4.sh", "#GPUFLEX --workers 2 python\n", "bad4.sh line 1: 'python' is not an option"),
     ("bad5.sh", "#GPUFLEX --json\n", "bad5.sh line 1: --json is not a job setting"),
     ("bad6.sh", "#GPUFLEX --workers 0\n", "bad6.sh line 1: --workers '0': at least 1 worker"),
+    ("bad7.sh", "#SBATCH --dependency=afterok:99\n", "bad7.sh line 1: #SBATCH --dependency=afterok:99: --after 99: "
+                                                       "there is no job 99."),
+    ("bad8.sh", "#GPUFLEX --workers 5\n", "bad8.sh line 1: --workers 5:5 with --gpus-per-worker 1 can never start"),
     ("t1.toml", '[job]\nbogus = 1\nrun = "true"\n', "t1.toml: [job] bogus: unknown key"),
     ("t2.toml", "[job]\nworkers =\n", "t2.toml: not TOML"),
     ("t3.toml", '[job]\ntime = "soon"\nrun = "true"\n', "t3.toml [job] time: --time 'soon' is not a time"),
