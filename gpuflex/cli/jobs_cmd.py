@@ -12,7 +12,8 @@ from rich.live import Live
 from rich.text import Text
 
 import gpuflex.cli.render as render
-from gpuflex.cli.common import StopSignals, command, console, obj, print_json, seconds
+import gpuflex.cli.job_settings as job_settings
+from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
 from gpuflex.cli.scale_cmd import scale
 from gpuflex.control import access
 from gpuflex.control.requests import SubmitRequest, parse_env, parse_ref, parse_workers
@@ -35,7 +36,9 @@ def register(app: typer.Typer) -> None:
 @command
 def submit(
     ctx: typer.Context,
-    cmd: Optional[list[str]] = typer.Argument(None, metavar="-- CMD ARGS...", help="The command each worker runs."),
+    cmd: Optional[list[str]] = typer.Argument(None, metavar="-- CMD ARGS...", help="The command each worker runs: "
+                                              "a job script (train.sh: its #GPUFLEX and #SBATCH lines are read) or "
+                                              "a task file (task.toml) brings its settings too."),
     name: Optional[str] = typer.Option(None, "--name", help="A name for the job (default: the program's name)."),
     workers: str = typer.Option("1", "--workers", "-w", help="N, or MIN:MAX for an elastic job."),
     gpus_per_worker: int = typer.Option(1, "--gpus-per-worker", help="GPUs (or CPU slots) per worker."),
@@ -71,8 +74,17 @@ def submit(
     """Record a job and place it on free GPUs or slots; prints the job id.
 
     Example: gpuflex submit --name mlp --workers 1:4 -- python examples/elastic_mlp.py --epochs 3
+
+    A job script as the command brings its settings (docs/job-scripts.md): #GPUFLEX lines (submit's options)
+    and the #SBATCH options that map, in its leading comment block; the command line overrides them.
+    A task file (task.toml: a \\[job] table with the options and run = "CMD") is the other way.
+
+    Example: gpuflex submit train.sh (or gpuflex submit --priority 5 train.sh), with train.sh:
+      #!/bin/bash
+      #GPUFLEX --workers 1:4
+      #SBATCH --job-name=mlp --time=2:00:00
+      python examples/elastic_mlp.py --epochs 3
     """
-    lo, hi = parse_workers(workers)
     argv = [a for a in (cmd or [])]
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -81,15 +93,16 @@ def submit(
         # with the command), or a command named like an option: neither is run
         raise UsageError(f"no such option {argv[0]!r} for submit; give options before '--' and the command "
                          "after it, e.g. gpuflex submit --workers 2 -- python train.py.")
-    req = SubmitRequest(argv=argv, name=name, min_workers=lo, max_workers=hi,
-                        gpus_per_worker=gpus_per_worker, priority=priority, harvest=harvest,
-                        env=parse_env(env or []), workdir=workdir, retries=retries, elastic=elastic,
-                        time_limit_s=parse_time(time) if time is not None else None,
-                        after=parse_after(after) if after is not None else (),
-                        array=parse_array(array) if array is not None else None, requeue=requeue,
-                        notify=notify, split=split, resume_from=resume_from)
-    svc = obj(ctx).service()
-    job = svc.job(svc.submit(req), events=False)
+    given = job_settings.settings(ctx, argv)
+    if given.warning:
+        err_console.print(f"warning: {given.warning}")
+    try:   # a refusal names the directive or task file key that gave the value it names
+        req = _request(given)   # checked before the database is opened
+        svc = obj(ctx).service()
+        job_id = svc.submit(req)
+    except UsageError as e:
+        raise given.located(e) from None
+    job = svc.job(job_id, events=False)
     if as_json:
         print_json(render.job_json(job))
     elif req.array is not None:
@@ -102,6 +115,20 @@ def submit(
                          f" with {job.world_size} worker(s)"))
     if job.state in (JobState.FAILED, JobState.CANCELLED):
         raise typer.Exit(1)
+
+
+def _request(given: job_settings.Settings) -> SubmitRequest:
+    """The request the settings make, checked by the same parsers whatever layer gave them."""
+    v = given.values
+    lo, hi = parse_workers(v["workers"])
+    return SubmitRequest(argv=given.argv, name=v["name"], min_workers=lo, max_workers=hi,
+                         gpus_per_worker=v["gpus_per_worker"], priority=v["priority"], harvest=v["harvest"],
+                         env=parse_env(v["env"] or []), workdir=v["workdir"], retries=v["retries"],
+                         elastic=v["elastic"], time_limit_s=parse_time(v["time"]) if v["time"] is not None else None,
+                         after=parse_after(v["after"]) if v["after"] is not None else (),
+                         array=parse_array(v["array"]) if v["array"] is not None else None,
+                         requeue=v["requeue"], notify=v["notify"], split=v["split"], resume_from=v["resume_from"],
+                         environ=None if given.inherit_env else {}, sources=dict(given.sources))
 
 
 ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
@@ -190,6 +217,8 @@ def status(
             head += f"\n{forming}"
         if j.queue_reason and j.state is JobState.QUEUED:
             head += f"\n{j.queue_reason}"
+        if job_settings.sources_text(j.sources):
+            head += f"\nsettings: {job_settings.sources_text(j.sources)}; the rest default"
         if j.exit_reason:
             head += f"\n{j.exit_reason}"
         elif j.last_crash and not j.state.final:

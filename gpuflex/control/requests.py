@@ -72,6 +72,9 @@ class SubmitRequest:
     notify: str | None = None   # --notify: the webhook URL (None: [notify] url, if any)
     split: str | None = None    # --split speed|even (issue 12; None: speed for an in-place job)
     resume_from: str | None = None   # --resume-from PATH as given (issue 13; see control/resume.py)
+    # issue 33: where each setting came from (setting -> "command line", "#GPUFLEX",
+    # "#SBATCH", "task file" or "default"; gpuflex/cli/job_settings.py); None: not told
+    sources: dict[str, str] | None = None
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)

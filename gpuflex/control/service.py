@@ -207,7 +207,7 @@ class JobService:
                     gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
                     retries=req.retries, elastic=req.elastic_mode, time_limit_s=limit, resume_from=resume_from,
                     split=split_mode(req.split, req.elastic_mode), after=list(req.after) or None, requeue=req.requeue,
-                    notify_url=req.notify or self.config.notify.url,
+                    notify_url=req.notify or self.config.notify.url, sources=dict(req.sources) if req.sources is not None else None,
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
                     user=access.caller(),
                 )

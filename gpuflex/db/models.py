@@ -135,6 +135,10 @@ class Job(Base):
     # at whatever world size wrote it (`submit --resume-from`, absolute; migration 0009);
     # None: the job starts afresh
     resume_from: Mapped[str | None] = mapped_column(Text)
+    # where each of submit's settings came from: {"workers": "#GPUFLEX", "time": "#SBATCH",
+    # "name": "command line", ...} (issue 33, migration 0011); None: submitted before, or
+    # not through the CLI
+    sources: Mapped[dict[str, str] | None] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
