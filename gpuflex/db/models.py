@@ -135,6 +135,11 @@ class Job(Base):
     # at whatever world size wrote it (`submit --resume-from`, absolute; migration 0009);
     # None: the job starts afresh
     resume_from: Mapped[str | None] = mapped_column(Text)
+    # issue 33 (migration 0011): a queued job the scheduler leaves alone until `gpuflex
+    # release`; the --after kinds beyond afterok ({"afterany": [ids], "afternotok": [ids],
+    # "singleton": true}, only those given; afterok's ids stay in `after`)
+    held: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    dependency: Mapped[dict | None] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
