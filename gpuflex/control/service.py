@@ -277,6 +277,8 @@ class JobService:
             else:
                 jobs = verbs.matching(session, user or access.caller(), states, name)
             verbs.check_may_change(self.config, jobs, "cancel")
+            if not jobs:   # the filters matched none: nothing written
+                return []
             ops = self.ops(session)
             verbs.cancel(ops, jobs)
             lifecycle.place_queued(ops)
