@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import typer
 from typer.core import TyperGroup
 
-from gpuflex.cli import common, db_cmd, doctor_cmd, harvest_cmd, hosts_cmd, jobs_cmd, metrics_cmd, verbs_cmd
+from gpuflex.cli import common, db_cmd, doctor_cmd, harvest_cmd, hosts_cmd, jobs_cmd, metrics_cmd
 
 
 class OneLineErrors(TyperGroup):
