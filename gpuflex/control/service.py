@@ -284,14 +284,16 @@ class JobService:
             lifecycle.place_queued(ops)
             return views.job_infos(jobs)
 
-    def _resolve(self, session: Session, refs: list[str]) -> list[Job]:
-        return verbs.resolve(refs, lambda r: self.array_of(session, r, names=True), lambda r: self.get(session, r))
+    def _resolve(self, session: Session, refs: list[str], states=verbs.CANCELLABLE) -> list[Job]:
+        return verbs.resolve(refs, lambda r: self.array_of(session, r, names=True), lambda r: self.get(session, r),
+                             states)
 
-    def _change(self, refs: list[str], verb: str, act) -> list[str]:
-        """Resolve `refs`, check the caller may `verb` each, `act(ops, jobs)` (lines to
-        print), then place the queue: all under one lock, nothing written on a refusal."""
+    def _change(self, refs: list[str], verb: str, act, states=verbs.CANCELLABLE) -> list[str]:
+        """Resolve `refs` (an array: its jobs in `states`), check the caller may `verb`
+        each, `act(ops, jobs)` (lines to print), then place the queue: all under one lock,
+        nothing written on a refusal."""
         with self.locked() as session:
-            jobs = self._resolve(session, refs)
+            jobs = self._resolve(session, refs, states)
             verbs.check_may_change(self.config, jobs, verb)
             ops = self.ops(session)
             lines = act(ops, jobs)
@@ -301,11 +303,11 @@ class JobService:
 
     def hold(self, refs: list[str]) -> list[str]:
         """Hold queued jobs (gpuflex.control.verbs.hold)."""
-        return self._change(refs, "hold", lambda ops, jobs: verbs.hold(ops.session, jobs))
+        return self._change(refs, "hold", lambda ops, jobs: verbs.hold(ops.session, jobs), [JobState.QUEUED])
 
     def release(self, refs: list[str]) -> list[str]:
         """Release held jobs; they start when they fit (gpuflex.control.verbs.release)."""
-        return self._change(refs, "release", lambda ops, jobs: verbs.release(ops.session, jobs))
+        return self._change(refs, "release", lambda ops, jobs: verbs.release(ops.session, jobs), [JobState.QUEUED])
 
     def update(self, refs: list[str], time_limit_s: float | None, priority: int | None) -> list[str]:
         """Change queued or running jobs' time limit and priority (gpuflex.control.verbs.update)."""
@@ -313,7 +315,8 @@ class JobService:
 
     def requeue(self, refs: list[str], hold: bool = False) -> list[str]:
         """Stop running jobs as preemption does and queue them again (gpuflex.control.verbs.requeue)."""
-        return self._change(refs, "requeue", lambda ops, jobs: verbs.requeue(ops, jobs, hold))
+        return self._change(refs, "requeue", lambda ops, jobs: verbs.requeue(ops, jobs, hold),
+                            [JobState.RUNNING, JobState.SCALING])
 
     def scale(self, ref: str, n: int) -> views.JobInfo:
         """Resize a running job. A grow commits its steps one by one under the ops lock

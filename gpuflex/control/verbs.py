@@ -39,14 +39,18 @@ MANUAL_CAUSE = "requeued"   # a manual requeue's cause (never counted against --
 CANCELLABLE = (JobState.QUEUED, JobState.RUNNING, JobState.SCALING)
 
 
-def resolve(refs: Iterable[str], expand: Callable[[str], list[Job]], get: Callable[[str], Job]) -> list[Job]:
+def resolve(refs: Iterable[str], expand: Callable[[str], list[Job]], get: Callable[[str], Job],
+            states: Iterable[JobState] = CANCELLABLE) -> list[Job]:
     """The jobs `refs` name, once each, by id: an array's id (or a name whose newest job
-    is one of an array's) stands for every job of the array not ended yet (`expand`), any
-    other reference for its job (`get`: UnknownJobError for the first that names none)."""
+    is one of an array's) stands for every job of the array in `states` (`expand`: not
+    ended, or only the queued ones for hold and release), or all of them when none is (so
+    the verb's refusal names one); any other reference for its job (`get`:
+    UnknownJobError for the first that names none)."""
+    wanted = set(states)
     out: dict[int, Job] = {}
     for ref in refs:
         array = expand(ref)
-        for job in [j for j in array if not j.state.final] if array else [get(ref)]:
+        for job in ([j for j in array if j.state in wanted] or array) if array else [get(ref)]:
             out.setdefault(job.id, job)
     return sorted(out.values(), key=lambda j: j.id)
 

@@ -222,3 +222,15 @@ def test_submit_records_the_kinds_and_an_unknown_id_among_them_is_refused(queue,
     job = json.loads(r.stdout)
     assert (job["after"], job["dependency"]) == ([], {"afterany": [1], "afternotok": [2], "singleton": True})
     assert job["queue_reason"] == "waiting for job 1 (queued) (afterany), job 2 (queued) (afternotok)"
+
+
+def test_an_arrays_id_holds_its_queued_jobs_and_an_ended_array_refuses(queue, home, db_path):
+    """Array 6 (6 succeeded, 7 queued) and array 8 (8, 9 succeeded)."""
+    with JobService(load_config(str(queue))).sessions.begin() as s:
+        for i, (array, state) in enumerate([(6, "succeeded"), (6, "queued"), (8, "succeeded"), (8, "succeeded")]):
+            s.add(Job(token=f"a{i}", name=f"arr{array}", state=state, argv=["true"], workdir=str(home), env={},
+                      min_workers=5, max_workers=5, gpus_per_worker=1, user=ME, array_id=array, array_index=i % 2))
+    r = run(queue, home, "hold", "6")
+    assert (r.exit_code, r.stdout.strip()) == (0, "job 7 held")
+    assert "job 8 is already succeeded; nothing cancelled" in refused(queue, home, db_path, "cancel", "1", "8")
+    assert "job 8 is succeeded: only a queued job can be held" in refused(queue, home, db_path, "hold", "8")
