@@ -234,3 +234,12 @@ def test_an_arrays_id_holds_its_queued_jobs_and_an_ended_array_refuses(queue, ho
     assert (r.exit_code, r.stdout.strip()) == (0, "job 7 held")
     assert "job 8 is already succeeded; nothing cancelled" in refused(queue, home, db_path, "cancel", "1", "8")
     assert "job 8 is succeeded: only a queued job can be held" in refused(queue, home, db_path, "hold", "8")
+
+
+def test_singleton_waits_for_the_callers_jobs_of_its_name_not_another_users(queue, home, db_path):
+    r = run(queue, home, "submit", "--json", "--name", "train", "--after", "singleton", "--", "true")
+    assert r.exit_code == 0, r.stderr
+    job = json.loads(r.stdout)
+    assert (job["state"], job["dependency"]) == ("queued", {"singleton": True})
+    # jobs 1 and 2 are mine and queued ahead; alice's job 4 of that name is hers
+    assert job["queue_reason"] == "waiting for job 1 (queued), job 2 (queued) of the same name 'train' (singleton)"
