@@ -2,8 +2,9 @@
 that every command changing a job goes through.
 
 A job's owner is the unix user who submitted it (`jobs.user`). Cancelling, scaling,
-holding, releasing, updating or requeuing a job is its owner's or an admin's: `[access] admins` lists user names and `@group` unix groups (membership from the
-group database, the primary group included). The caller is the real user of this
+holding, releasing, updating or requeuing a job is its owner's or an admin's:
+`[access] admins` lists user names and `@group` unix groups (membership from the group
+database, the primary group included). The caller is the real user of this
 process (its uid), never $USER or $LOGNAME, which anyone can set to another name.
 
 Processes belong to a unix account too. A job runs as whoever's gpuflex started it
