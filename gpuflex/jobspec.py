@@ -111,17 +111,64 @@ def parse_array(text: str) -> ArraySpec:
     return ArraySpec(tuple(indices), limit)
 
 
-def parse_after(text: str) -> tuple[int, ...]:
-    """`12,13` -> (12, 13): job ids (whether they exist is the service's to check)."""
-    ids = []
+AFTER_KINDS = ("afterok", "afterany", "afternotok")
+
+
+@dataclasses.dataclass(frozen=True)
+class After:
+    """What `--after` asks a job to wait for (Slurm's --dependency kinds, ANDed): job ids
+    that must succeed (afterok), end however (afterany), end badly (afternotok), and
+    `singleton` (no other job of its name and owner running or queued ahead of it)."""
+
+    afterok: tuple[int, ...] = ()
+    afterany: tuple[int, ...] = ()
+    afternotok: tuple[int, ...] = ()
+    singleton: bool = False
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """Every id named, once (whether each names a job is the service's to check)."""
+        return tuple(dict.fromkeys(self.afterok + self.afterany + self.afternotok))
+
+    def extra(self) -> dict | None:
+        """The kinds beyond afterok, as jobs.dependency stores them (None: none)."""
+        out: dict = {k: list(getattr(self, k)) for k in ("afterany", "afternotok") if getattr(self, k)}
+        if self.singleton:
+            out["singleton"] = True
+        return out or None
+
+
+def _after_id(text: str, p: str) -> int:
+    if not p.isascii() or not p.isdigit() or len(p) > 10 or not 1 <= int(p) <= 2**31 - 1:
+        raise UsageError(f"--after {text!r}: give job ids separated by commas (e.g. --after 12,13), or "
+                         "afterok:ID[:ID...], afterany:ID, afternotok:ID, singleton.")
+    return int(p)
+
+
+def parse_after(text: str) -> After:
+    """`12,13` (afterok, as before), `afterok:12:13`, `afterany:7`, `afternotok:7`,
+    `singleton`, and these joined by commas (every one must hold: Slurm's `,`; its `?`,
+    any one of them, is refused)."""
+    kinds: dict[str, list[int]] = {k: [] for k in AFTER_KINDS}
+    singleton = False
     for part in str(text).split(","):
         p = part.strip()
-        if not p.isascii() or not p.isdigit() or len(p) > 10 or not 1 <= int(p) <= 2**31 - 1:
-            raise UsageError(f"--after {text!r}: give job ids separated by commas (e.g. --after 12,13).")
-        ids.append(int(p))
-    if len(ids) > MAX_AFTER:
+        head, colon, rest = p.partition(":")
+        if p.lower() == "singleton":
+            singleton = True
+        elif colon and head.lower() in AFTER_KINDS:
+            kinds[head.lower()] += [_after_id(text, i.strip()) for i in rest.split(":")]
+        elif colon or "?" in p:
+            raise UsageError(f"--after {text!r}: {p!r} is not afterok:ID, afterany:ID, afternotok:ID or "
+                             "singleton (several joined by ',' must all hold; '?' is not supported).")
+        else:
+            kinds["afterok"].append(_after_id(text, p))
+    after = After(**{k: tuple(dict.fromkeys(v)) for k, v in kinds.items()}, singleton=singleton)
+    if len(after.ids) > MAX_AFTER:
         raise UsageError(f"--after {text!r}: at most {MAX_AFTER} jobs.")
-    return tuple(dict.fromkeys(ids))
+    if set(after.afterok) & set(after.afternotok):
+        raise UsageError(f"--after {text!r}: a job cannot be both afterok and afternotok (it could never start).")
+    return after
 
 
 def elastic_mode(value: str | None, min_workers: int, max_workers: int) -> str | None:

@@ -19,6 +19,7 @@ from rich.markup import escape
 from gpuflex.config import DAY_S, Config, load_config
 from gpuflex.control.service import JobService
 from gpuflex.errors import GpuflexError, UsageError
+from gpuflex.states import JobState
 
 PIPE_WIDTH = 10_000   # columns for output that goes to no terminal: wider than any row
 
@@ -109,6 +110,18 @@ def one_line(text: str) -> str:
 def print_error(message: str) -> None:
     # escape: messages quote user values and name TOML tables ("[database] url")
     err_console.print(f"[red]error:[/red] {escape(one_line(message))}", markup=True)
+
+
+def parse_states(values: list[str]) -> list[JobState]:
+    """`--state` values (each may be a comma-separated list) as job states; UsageError
+    naming the first that is none."""
+    out = []
+    for name in (n.strip() for v in values for n in v.split(",")):
+        try:
+            out.append(JobState(name))
+        except ValueError:
+            raise UsageError(f"--state {name!r}: give one of " + ", ".join(s.value for s in JobState) + ".") from None
+    return out
 
 
 def seconds(option: str, value: float, low: float, high: float = DAY_S) -> float:

@@ -1,4 +1,5 @@
-"""Job commands: submit, status, cancel, logs, events (scale: scale_cmd.py)."""
+"""Job commands: submit, status, logs, events (scale: scale_cmd.py; cancel, hold, release,
+update, requeue: verbs_cmd.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ from rich.text import Text
 
 import gpuflex.cli.render as render
 import gpuflex.cli.job_settings as job_settings
-from gpuflex.cli.common import StopSignals, command, console, err_console, obj, print_json, seconds
+import gpuflex.cli.verbs_cmd as verbs_cmd
+from gpuflex.cli.common import StopSignals, command, console, err_console, obj, parse_states, print_json, seconds
 from gpuflex.cli.scale_cmd import scale
 from gpuflex.control import access
 from gpuflex.control.requests import SubmitRequest, parse_env, parse_ref, parse_workers
 from gpuflex.errors import UsageError
-from gpuflex.jobspec import parse_after, parse_array, parse_time
+from gpuflex.jobspec import After, parse_after, parse_array, parse_time
 from gpuflex.states import JobState
 
 
@@ -26,7 +28,7 @@ def register(app: typer.Typer) -> None:
     app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(submit)
     app.command()(status)
     app.command()(scale)
-    app.command()(cancel)
+    verbs_cmd.register(app)   # cancel, hold, release, update, requeue: verbs_cmd.py
     app.command()(logs)
     app.command()(events)
 
@@ -56,8 +58,13 @@ def submit(
     time: Optional[str] = typer.Option(None, "--time", help="Time limit: 90s, 30m, 4h, 2d or 1-12:00:00 (a bare "
                                        "number is minutes, as in Slurm); then SIGTERM, grace, SIGKILL, state "
                                        "timeout. Default: \\[jobs] default_time."),
-    after: Optional[str] = typer.Option(None, "--after", help="Job ids (or array ids) that must succeed first, "
-                                        "e.g. 12,13; if one fails or is cancelled, so is this job."),
+    after: Optional[str] = typer.Option(None, "--after", help="What must end first, as Slurm's --dependency: "
+                                        "job ids (or array ids) that must succeed (12,13 or afterok:12:13; if one "
+                                        "fails or is cancelled, so is this job), afterany:ID (ended, however), "
+                                        "afternotok:ID (failed, cancelled or timed out; cancelled if it "
+                                        "succeeds), singleton (no other job of this name of mine runs or is "
+                                        "queued ahead); joined by commas, all must hold. "
+                                        "E.g. --after afterok:12,singleton."),
     array: Optional[str] = typer.Option(None, "--array", help="Submit an array: 0-15, 1,3,5, with %N for at "
                                         "most N running at once (0-15%4); each gets GPUFLEX_ARRAY_INDEX."),
     requeue: bool = typer.Option(False, "--requeue", help="Let a higher-priority job preempt it: stopped "
@@ -125,25 +132,13 @@ def _request(given: job_settings.Settings) -> SubmitRequest:
                          gpus_per_worker=v["gpus_per_worker"], priority=v["priority"], harvest=v["harvest"],
                          env=parse_env(v["env"] or []), workdir=v["workdir"], retries=v["retries"],
                          elastic=v["elastic"], time_limit_s=parse_time(v["time"]) if v["time"] is not None else None,
-                         after=parse_after(v["after"]) if v["after"] is not None else (),
+                         after=parse_after(v["after"]) if v["after"] is not None else After(),
                          array=parse_array(v["array"]) if v["array"] is not None else None,
                          requeue=v["requeue"], notify=v["notify"], split=v["split"], resume_from=v["resume_from"],
                          environ=None if given.inherit_env else {}, sources=dict(given.sources))
 
 
 ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
-
-
-def parse_states(values: list[str]) -> list[JobState]:
-    """`--state` values (each may be a comma-separated list) as job states; UsageError
-    naming the first that is none."""
-    out = []
-    for name in (n.strip() for v in values for n in v.split(",")):
-        try:
-            out.append(JobState(name))
-        except ValueError:
-            raise UsageError(f"--state {name!r}: give one of " + ", ".join(s.value for s in JobState) + ".") from None
-    return out
 
 
 def _known(svc, job: str) -> None:
@@ -242,24 +237,6 @@ def status(
         with Live(snapshot(), console=console, auto_refresh=False) as live:
             while not stop.sleep(interval):
                 live.update(snapshot(), refresh=True)
-
-
-@command
-def cancel(ctx: typer.Context, job: str = typer.Argument(..., help="A job id or name.")) -> None:
-    """Stop all workers of a job (SIGTERM, then SIGKILL after the grace period) and free its GPUs.
-    An array's id, or its name, cancels every job of the array not ended yet; ID_INDEX (5_3),
-    or the id of a job of it other than the first, that one job.
-
-    Example: gpuflex cancel 3
-    """
-    parse_ref(job)
-    svc = obj(ctx).service()
-    done = svc.cancel(job)
-    if len(done) == 1:
-        console.print(f"job {done[0].id} cancelled")
-    else:
-        console.print(f"array {done[0].array_id}: cancelled {len(done)} job(s) "
-                      f"({render.id_ranges([j.id for j in done])})")
 
 
 @command

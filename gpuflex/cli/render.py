@@ -42,6 +42,7 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
         "after": list(job.after), "array_id": job.array_id, "array_index": job.array_index,
         "requeue": job.requeue, "checkpoint_dir": job.checkpoint_dir, "resume_from": job.resume_from,
         "sources": job.sources,   # issue 33: setting -> command line, #GPUFLEX, #SBATCH, task file, default
+        "held": job.held, "dependency": job.dependency,   # issue 33: hold/release; afterany/afternotok/singleton
     }
 
 
@@ -186,7 +187,8 @@ def _job_row(t: Table, j: JobInfo, progress: dict[int, dict[str, Any]], indent: 
     step = (progress.get(j.id) or {}).get("step")
     left = format_time(j.time_left_s) if j.time_left_s is not None else "-"
     t.add_row(f"  {j.id}" if indent else str(j.id), f"{j.name}[{j.array_index}]" if indent else j.name,
-              Text(str(j.state), style=_STATE_STYLE.get(j.state, "")),
+              Text(f"{j.state} (held)" if j.held and j.state is JobState.QUEUED else str(j.state),
+                   style=_STATE_STYLE.get(j.state, "")),
               f"{j.world_size}/{j.min_workers}:{j.max_workers}", str(j.generation),
               "-" if step is None else str(step), left, j.user, ago(j.created_at), note or "")
 

@@ -1,18 +1,20 @@
 """Owners and permissions (issue 14): who the caller is, who is an admin, and the one check
 that every command changing a job goes through.
 
-A job's owner is the unix user who submitted it (`jobs.user`). Cancelling or scaling a
-job is its owner's or an admin's: `[access] admins` lists user names and `@group` unix groups (membership from the
-group database, the primary group included). The caller is the real user of this
+A job's owner is the unix user who submitted it (`jobs.user`). Cancelling, scaling,
+holding, releasing, updating or requeuing a job is its owner's or an admin's:
+`[access] admins` lists user names and `@group` unix groups (membership from the group
+database, the primary group included). The caller is the real user of this
 process (its uid), never $USER or $LOGNAME, which anyone can set to another name.
 
 Processes belong to a unix account too. A job runs as whoever's gpuflex started it
 on each host: the caller on the local host and on an SSH host reached as each user, one
 shared account on an SSH host whose `[[hosts]] user` is set. A command can see (exit
 records, sockets) and signal only processes of the account it reaches, so it reconciles
-only the active jobs whose processes it can reach (`reaches`), and an admin cannot
-cancel or scale another user's running job on hosts it reaches as itself: refused, not
-recorded as stopped while its processes run on.
+only the active jobs whose processes it can reach (`reaches`), and an admin other than
+root cannot cancel or scale another user's running job on hosts it reaches as itself:
+refused, not recorded as stopped while its processes run on. Root, which reaches every
+process, may (`reaches_all`).
 
 The service calls these checks before it writes anything, so a refused command leaves
 the database as it was. What they protect against is a mistake between lab members who
@@ -91,7 +93,7 @@ def check_owner(config: Config, job: Job, verb: str) -> None:
     the processes of another user's running job."""
     if not may_change(config, job.user, caller()):
         raise NotOwnerError(job.id, job.user, verb)
-    if not reaches(config, job):
+    if not reaches(config, job) and not reaches_all():
         hosts = ", ".join(sorted(process_hosts(job)))
         raise UsageError(f"job {job.id} runs as {job.user} on {hosts}, which gpuflex reaches as each user: "
                          f"only {job.user}'s own gpuflex can {verb} it (or reach the hosts through one "
@@ -123,6 +125,22 @@ def reaches(config: Config, job: Job) -> bool:
     """Whether this caller's commands can see and signal `job`'s processes: its own job,
     or one whose processes all run on shared-account hosts."""
     return job.user == caller() or all(shared_account(config, h) for h in process_hosts(job))
+
+
+def reaches_all() -> bool:
+    """Whether this process can signal and read every user's processes and files here:
+    root (uid 0). Root listed as an admin may so change another user's running job on the
+    local host too (issue 33), as Slurm's operators scancel any job; on an SSH host reached
+    as each user, root's gpuflex logs in as root. A non-root admin is given a way in
+    docs/security.md (a sudo rule running gpuflex as the job's owner), never a path
+    here around the kernel's own check. Starting a job stays the owner's (`may_start`):
+    its processes must run as its owner, never as root. Asked of `caller()`, the one
+    function that says who runs the command."""
+    who = caller()
+    try:
+        return pwd.getpwnam(who).pw_uid == 0
+    except (KeyError, ValueError):
+        return who == "0"
 
 
 def may_start(config: Config, job: Job, hosts: Iterable[str] | None = None) -> bool:

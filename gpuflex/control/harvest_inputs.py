@@ -67,6 +67,8 @@ def snapshot(session: Session, config: Config,
     jobs = []
     shun = shunned(session, time.time())
     for j in queries.jobs(session, queries.NOT_FINAL):
+        if j.held:   # queued and left alone until released: it claims no device in the plan
+            continue
         workers = tuple(WorkerView(w.wid, w.host, tuple(w.gpus), w.state) for w in j.live_workers)
         shut = {h for h in names if not access.may_start(config, j, [h])}
         closed = {g.ref for g in gpus if g.host in shut}

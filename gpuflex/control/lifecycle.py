@@ -86,10 +86,11 @@ def sweep_socket_dirs(ops: Ops, active: list[Job]) -> None:
 def place_queued(ops: Ops) -> None:
     """Start queued jobs that fit, by priority, then their owner's decayed usage (fair
     share), then age, once their dependencies succeeded, their array has room and their
-    owner's quota allows (gpuflex.control.queueing); a job that does not fit may preempt
+    owner's quota allows (gpuflex.control.queueing), unless held; a job that does not fit may preempt
     lower-priority ones; record why the others wait."""
     queueing.settle_dependencies(ops)
-    queued = queries.queued_jobs(ops.session)
+    # a held job (`gpuflex hold`) waits, with the reason its hold gave, until released
+    queued = [j for j in queries.queued_jobs(ops.session) if not j.held]
     # a host failed these a moment ago: do not hammer it on every command
     failed = queries.with_event_since(ops.session, [j.id for j in queued], "launch-failed",
                                       time.time() - LAUNCH_RETRY_S)

@@ -3,8 +3,9 @@ for a queued job, read from the database and acted on.
 
 gpuflex.control.lifecycle.place_queued asks, per queued job in `placing_order` (priority,
 then the owner's decayed usage, then age: gpuflex.policy.fairshare): `settle_dependencies`
-first (a failed, cancelled or timed-out dependency cancels the job, and a chain below it in
-the same command), then `gate` (dependencies not done yet, the array's cap), then
+first (a dependency that can never be satisfied cancels the job: afterok on a failed,
+cancelled or timed-out job, afternotok on one that succeeded; and a chain below it in the
+same command), then `gate` (dependencies not done yet, singleton, the array's cap), then
 `over_quota` (its MIN would take its owner past their [quota] limit: it waits, and
 preempts nothing), `placement` (MIN up to what the quota leaves), and when the job does
 not fit, `make_room` (preempt lower-priority jobs). The pool's state (`Room`) is read once
@@ -26,8 +27,9 @@ from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
 from gpuflex.policy import fairshare
 from gpuflex.policy.placement import Assignment, HostFree, Placement, place
-from gpuflex.policy.preemption import (Dependency, Gate, HeldWorker, Shrink, Stop, Victim, array_gate,
-                                       could_preempt, dependency_gate, plan_preemption)
+from gpuflex.policy.preemption import (AFTERANY, AFTERNOTOK, AFTEROK, Dependency, Gate, HeldWorker, Shrink,
+                                       Stop, Victim, array_gate, could_preempt, dependency_gate, plan_preemption,
+                                       singleton_gate)
 from gpuflex.states import JobState, WorkerState
 
 log = logging.getLogger(__name__)
@@ -107,14 +109,20 @@ def room(ops: Ops) -> Room:
 
 # ---- the queue's gates -----------------------------------------------------------------
 def dependencies(ops: Ops, job: Job) -> list[Dependency]:
-    states = queries.job_states(ops.session, job.after or [])
-    return [Dependency(ref, tuple(states[ref]), array=any(jid != ref for jid, _ in states[ref]))
-            for ref in states]
+    """The job's `--after` ids with the states of the jobs each stands for, each with its
+    kind (afterok from jobs.after, the others from jobs.dependency)."""
+    extra = job.dependency or {}
+    kinds = [(ref, AFTEROK) for ref in job.after or []] + \
+        [(ref, kind) for kind in (AFTERANY, AFTERNOTOK) for ref in extra.get(kind, [])]
+    states = queries.job_states(ops.session, [ref for ref, _ in kinds])
+    return [Dependency(ref, tuple(states[ref]), array=any(jid != ref for jid, _ in states[ref]), kind=kind)
+            for ref, kind in kinds]
 
 
 def settle_dependencies(ops: Ops) -> None:
-    """Cancel every queued job whose dependency ended badly, until none is left: a job
-    cancelled here may be the dependency of the next (A failed -> B cancelled -> C)."""
+    """Cancel every queued job whose dependency can never be satisfied (afterok: it ended
+    badly; afternotok: it succeeded), until none is left: a job cancelled here may be the
+    dependency of the next (A failed -> B cancelled -> C)."""
     for _ in range(1000):   # each round cancels at least one job; a chain is never this long
         cancelled = False
         for job in queries.dependents(ops.session):
@@ -131,8 +139,12 @@ def settle_dependencies(ops: Ops) -> None:
 
 def gate(ops: Ops, job: Job) -> Gate:
     """Why the job may not start yet (its dependencies, its array's cap), or open."""
-    if job.after:
+    if job.after or job.dependency:
         verdict = dependency_gate(dependencies(ops, job))
+        if not verdict.open:
+            return verdict
+    if (job.dependency or {}).get("singleton"):
+        verdict = singleton_gate(job.name, queries.singleton_blockers(ops.session, job))
         if not verdict.open:
             return verdict
     if job.array_id is not None and job.array_limit is not None:

@@ -13,7 +13,7 @@ from typing import Mapping
 
 from gpuflex.config_fields import check_webhook_url
 from gpuflex.errors import UnknownJobError, UsageError
-from gpuflex.jobspec import ArraySpec, check_torchrun, elastic_mode, split_mode
+from gpuflex.jobspec import After, ArraySpec, check_torchrun, elastic_mode, split_mode
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -62,11 +62,11 @@ class SubmitRequest:
     workdir: str | None = None
     retries: int = 0   # restarts allowed after a worker crashed (a bug); faults never count
     # issue 11: --elastic as given (None: inplace for MIN < MAX, a fixed gang otherwise),
-    # --time in seconds (None: [jobs] default_time, else none), --after ids, --array,
+    # --time in seconds (None: [jobs] default_time, else none), --after (issue 33: its kinds), --array,
     # --requeue (a higher-priority job may stop and requeue it)
     elastic: str | None = None
     time_limit_s: float | None = None
-    after: tuple[int, ...] = ()
+    after: After = After()
     array: ArraySpec | None = None
     requeue: bool = False
     notify: str | None = None   # --notify: the webhook URL (None: [notify] url, if any)

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config
 from gpuflex.control import (access, executor, intents, journal, lifecycle, notify, report, restarts, resume, scaling,
+                             verbs,
                              views)
 from gpuflex.control.executor import Ops
 from gpuflex.control.launch import submit_environment
@@ -191,7 +192,7 @@ class JobService:
             self.pool.sync_hosts(session)
             self.record_probes(session, results)
             self.check_pool_can_hold(session, req)   # bad input: the transaction is undone
-            self.check_after(session, req.after)
+            self.check_after(session, req.after.ids)
             environ = os.environ if req.environ is None else req.environ
             limit = req.time_limit_s
             if limit is None and self.config.jobs.default_time is not None:
@@ -206,8 +207,10 @@ class JobService:
                     min_workers=req.min_workers, max_workers=req.max_workers,
                     gpus_per_worker=req.gpus_per_worker, priority=req.priority, harvest=req.harvest,
                     retries=req.retries, elastic=req.elastic_mode, time_limit_s=limit, resume_from=resume_from,
-                    split=split_mode(req.split, req.elastic_mode), after=list(req.after) or None, requeue=req.requeue,
-                    notify_url=req.notify or self.config.notify.url, sources=dict(req.sources) if req.sources is not None else None,
+                    split=split_mode(req.split, req.elastic_mode), after=list(req.after.afterok) or None,
+                    dependency=req.after.extra(), requeue=req.requeue,
+                    notify_url=req.notify or self.config.notify.url,
+                    sources=dict(req.sources) if req.sources is not None else None,
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
                     user=access.caller(),
                 )
@@ -265,15 +268,68 @@ class JobService:
                 what = f"array {array[0].array_id}: every job" if array else f"job {jobs[0].id}"
                 raise UsageError(f"{what} is already {'ended' if array else jobs[0].state}; nothing to cancel.")
             ops = self.ops(session)
-            for job in jobs:
-                # who: the owner, or an admin (named so) cancelling another user's job
-                job.exit_reason = why = f"cancelled by {access.changed_by(job)}"
-                if job.state is JobState.QUEUED:   # nothing runs: no process to stop
-                    journal.set_state(session, job, JobState.CANCELLED, why, by=access.caller())
-                else:
-                    executor.stop_job(ops, job, JobState.CANCELLED, why, by=access.caller())
+            verbs.cancel(ops, jobs)
             lifecycle.place_queued(ops)
             return views.job_infos(jobs)
+
+    def cancel_many(self, refs: list[str], user: str | None = None, states: list[JobState] | None = None,
+                    name: str | None = None) -> list[views.JobInfo]:
+        """`cancel` of several jobs and/or filters (gpuflex.control.verbs): the jobs `refs`
+        name that the filters keep, or with no refs the caller's (or `user`'s) jobs not
+        ended that the filters keep. Every job is checked before any is cancelled: an
+        unknown or ended one named, or one the caller may not change, refuses the whole
+        command. Returns the jobs cancelled ([] when the filters match none)."""
+        verbs.check_cancellable_states(states)
+        with self.locked() as session:
+            if refs:
+                named = self._resolve(session, refs)
+                for job in named:
+                    if job.state.final:
+                        raise UsageError(f"job {job.id} is already {job.state}; nothing cancelled.")
+                jobs = verbs.filtered(named, user, states, name)
+            else:
+                jobs = verbs.matching(session, user or access.caller(), states, name)
+            verbs.check_may_change(self.config, jobs, "cancel")
+            if not jobs:   # the filters matched none: nothing written
+                return []
+            ops = self.ops(session)
+            verbs.cancel(ops, jobs)
+            lifecycle.place_queued(ops)
+            return views.job_infos(jobs)
+
+    def _resolve(self, session: Session, refs: list[str], states=verbs.CANCELLABLE) -> list[Job]:
+        return verbs.resolve(refs, lambda r: self.array_of(session, r, names=True), lambda r: self.get(session, r),
+                             states)
+
+    def _change(self, refs: list[str], verb: str, act, states=verbs.CANCELLABLE) -> list[str]:
+        """Resolve `refs` (an array: its jobs in `states`), check the caller may `verb`
+        each, `act(ops, jobs)` (lines to print), then place the queue: all under one lock,
+        nothing written on a refusal."""
+        with self.locked() as session:
+            jobs = self._resolve(session, refs, states)
+            verbs.check_may_change(self.config, jobs, verb)
+            ops = self.ops(session)
+            lines = act(ops, jobs)
+            session.flush()
+            lifecycle.place_queued(ops)
+            return lines
+
+    def hold(self, refs: list[str]) -> list[str]:
+        """Hold queued jobs (gpuflex.control.verbs.hold)."""
+        return self._change(refs, "hold", lambda ops, jobs: verbs.hold(ops.session, jobs), [JobState.QUEUED])
+
+    def release(self, refs: list[str]) -> list[str]:
+        """Release held jobs; they start when they fit (gpuflex.control.verbs.release)."""
+        return self._change(refs, "release", lambda ops, jobs: verbs.release(ops.session, jobs), [JobState.QUEUED])
+
+    def update(self, refs: list[str], time_limit_s: float | None, priority: int | None) -> list[str]:
+        """Change queued or running jobs' time limit and priority (gpuflex.control.verbs.update)."""
+        return self._change(refs, "update", lambda ops, jobs: verbs.update(ops.session, jobs, time_limit_s, priority))
+
+    def requeue(self, refs: list[str], hold: bool = False) -> list[str]:
+        """Stop running jobs as preemption does and queue them again (gpuflex.control.verbs.requeue)."""
+        return self._change(refs, "requeue", lambda ops, jobs: verbs.requeue(ops, jobs, hold),
+                            [JobState.RUNNING, JobState.SCALING])
 
     def scale(self, ref: str, n: int) -> views.JobInfo:
         """Resize a running job. A grow commits its steps one by one under the ops lock

@@ -99,6 +99,10 @@ class JobInfo:
     resume_from: str | None = None
     # issue 33: where each submit setting came from (None: a job submitted before)
     sources: dict[str, str] | None = None
+    # issue 33: held (`gpuflex hold`: never started until released); the --after kinds
+    # beyond afterok ({"afterany": [ids], "afternotok": [ids], "singleton": true})
+    held: bool = False
+    dependency: dict[str, Any] | None = None
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -177,7 +181,8 @@ def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Itera
         elastic=job.elastic, time_limit_s=job.time_limit_s, time_left_s=time_left(job),
         after=tuple(job.after or ()), array_id=job.array_id, array_index=job.array_index,
         array_limit=job.array_limit, requeue=bool(job.requeue), split=job.split,
-        checkpoint_dir=job.checkpoint_dir, resume_from=job.resume_from,
+        checkpoint_dir=job.checkpoint_dir, resume_from=job.resume_from, held=bool(job.held),
+        dependency=dict(job.dependency) if job.dependency else None,
         sources=dict(job.sources) if job.sources is not None else None)
 
 

@@ -139,6 +139,11 @@ class Job(Base):
     # "name": "command line", ...} (issue 33, migration 0011); None: submitted before, or
     # not through the CLI
     sources: Mapped[dict[str, str] | None] = mapped_column(JSON)
+    # issue 33 (migration 0012): a queued job the scheduler leaves alone until `gpuflex
+    # release`; the --after kinds beyond afterok ({"afterany": [ids], "afternotok": [ids],
+    # "singleton": true}, only those given; afterok's ids stay in `after`)
+    held: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    dependency: Mapped[dict | None] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

@@ -136,9 +136,19 @@ def active_in_array(session: Session, array_id: int) -> int:
 
 
 def dependents(session: Session) -> list[Job]:
-    """Queued jobs that wait for others (`--after`), by id."""
-    return [j for j in session.scalars(select(Job).where(Job.state == JobState.QUEUED,
-                                                         Job.after.is_not(None)).order_by(Job.id)) if j.after]
+    """Queued jobs that wait for others (`--after`, any kind), by id."""
+    return [j for j in session.scalars(select(Job).where(
+        Job.state == JobState.QUEUED, Job.after.is_not(None) | Job.dependency.is_not(None)).order_by(Job.id))
+        if j.after or j.dependency]
+
+
+def singleton_blockers(session: Session, job: Job) -> list[tuple[int, JobState]]:
+    """Other jobs of `job`'s name and owner that `--after singleton` waits for: running
+    ones, and queued ones submitted before it (id, state), by id."""
+    rows = session.execute(select(Job.id, Job.state).where(
+        Job.name == job.name, Job.user == job.user, Job.id != job.id,
+        Job.state.in_([*ACTIVE, JobState.QUEUED])).order_by(Job.id))
+    return [(jid, state) for jid, state in rows if state is not JobState.QUEUED or jid < job.id]
 
 
 # ---- workers ------------------------------------------------------------------------------

@@ -2,9 +2,13 @@
 lower-priority jobs holding what it needs. Pure: plain facts in, a decision out.
 
 The queue (gpuflex.control.queueing) asks, per queued job in placing order:
-1. `dependency_gate`: every job of `--after` succeeded (an array id stands for each job
-   of the array); one that failed, was cancelled or timed out cancels the job (and a chain
-   below it, one job at a time, in the same command); otherwise it waits, naming whom.
+1. `dependency_gate`: every dependency of `--after` is satisfied: afterok (every job it
+   names succeeded; an array id stands for each job of the array), afterany (ended,
+   however), afternotok (ended, not all succeeded); one that never can be (afterok on a
+   job that failed, was cancelled or timed out; afternotok on jobs that all succeeded)
+   cancels the job (and a chain below it, one job at a time, in the same command);
+   otherwise it waits, naming whom. `singleton_gate`: no other job of its name and owner
+   runs or waits ahead of it.
 2. `array_gate`: at most `--array ...%N` jobs of its array run at once.
 3. `plan_preemption`, when it does not fit: lower-priority jobs give up devices, cheapest
    first, and only as many as needed. In-place elastic jobs first shrink toward their MIN
@@ -28,13 +32,18 @@ _ENDED_BADLY = {JobState.FAILED: "failed", JobState.CANCELLED: "was cancelled", 
 
 
 # ---- dependencies and arrays ----------------------------------------------------------------
+AFTEROK, AFTERANY, AFTERNOTOK = "afterok", "afterany", "afternotok"
+
+
 @dataclasses.dataclass(frozen=True)
 class Dependency:
-    """One id of a job's `--after`: the job it names, or every job of the array it names."""
+    """One id of a job's `--after`: the job it names, or every job of the array it names,
+    and how it must end first (`kind`: afterok, afterany or afternotok)."""
 
     ref: int
     jobs: tuple[tuple[int, JobState], ...]   # (id, state) of each job it stands for
     array: bool = False
+    kind: str = AFTEROK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,25 +58,59 @@ class Gate:
         return self.wait is None and self.cancel is None
 
 
-def dependency_gate(deps: Sequence[Dependency]) -> Gate:
-    """Open once every job the dependencies stand for succeeded; cancel ("job 12 failed",
-    "job 7 of array 5 timed out") when one ended otherwise; else wait ("waiting for job 12
-    (running), array 5 (3 of 4 not done)"). An id that names no job (deleted rows) is
-    never satisfied: the job waits, saying so."""
-    waiting = []
-    for d in deps:
+def _never(d: Dependency) -> str | None:
+    """Why `d` can never be satisfied (None: it still may be). afterok: one of its jobs
+    ended badly. afternotok: every job ended, and each succeeded (nothing left to fail).
+    afterany: never (any end will do)."""
+    of = f" of array {d.ref}" if d.array else ""
+    if d.kind == AFTEROK:
         for jid, state in d.jobs:
             if state in _ENDED_BADLY:
-                of = f" of array {d.ref}" if d.array else ""
-                return Gate(cancel=f"job {jid}{of} {_ENDED_BADLY[state]}")
-        pending = [(jid, state) for jid, state in d.jobs if state is not JobState.SUCCEEDED]
+                return f"job {jid}{of} {_ENDED_BADLY[state]}"
+    elif d.kind == AFTERNOTOK and d.jobs and all(state is JobState.SUCCEEDED for _, state in d.jobs):
+        what = f"every job of array {d.ref}" if d.array else f"job {d.ref}"
+        return f"{what} succeeded (afternotok:{d.ref} waits for a failure)"
+    return None
+
+
+def _pending(d: Dependency) -> list[tuple[int, JobState]]:
+    """The jobs `d` still waits for: not succeeded (afterok), not ended (the others)."""
+    if d.kind == AFTEROK:
+        return [(jid, state) for jid, state in d.jobs if state is not JobState.SUCCEEDED]
+    return [(jid, state) for jid, state in d.jobs if not state.final]
+
+
+def dependency_gate(deps: Sequence[Dependency]) -> Gate:
+    """Open once every dependency is satisfied (Slurm's kinds): afterok, every job it
+    stands for succeeded; afterany, every one ended, however; afternotok, every one ended
+    and not all succeeded. Cancel when one can never be ("job 12 failed", "job 7 of array 5
+    timed out", "job 4 succeeded (afternotok:4 waits for a failure)"); else wait ("waiting
+    for job 12 (running), array 5 (3 of 4 not done)"). An id that names no job (deleted
+    rows) is never satisfied: the job waits, saying so."""
+    waiting = []
+    for d in deps:
+        never = _never(d)
+        if never is not None:
+            return Gate(cancel=never)
+        pending = _pending(d)
+        kind = "" if d.kind == AFTEROK else f" ({d.kind})"
         if not d.jobs:
             waiting.append(f"job {d.ref} (unknown)")
         elif d.array and pending:
-            waiting.append(f"array {d.ref} ({len(pending)} of {len(d.jobs)} not done)")
+            waiting.append(f"array {d.ref} ({len(pending)} of {len(d.jobs)} not done){kind}")
         elif pending:
-            waiting.append(", ".join(f"job {jid} ({state.value})" for jid, state in pending))
+            waiting.append(", ".join(f"job {jid} ({state.value})" for jid, state in pending) + kind)
     return Gate(wait="waiting for " + ", ".join(waiting)) if waiting else Gate()
+
+
+def singleton_gate(name: str, others: Sequence[tuple[int, JobState]]) -> Gate:
+    """`--after singleton`: wait while another job of the same name and owner runs, or
+    waits in the queue ahead of this one (`others`: those jobs, as the caller found them:
+    running ones of any id, queued ones with a lower id). Never cancels: they all end."""
+    if not others:
+        return Gate()
+    jobs = ", ".join(f"job {jid} ({state.value})" for jid, state in others)
+    return Gate(wait=f"waiting for {jobs} of the same name {name!r} (singleton)")
 
 
 def array_gate(array_id: int | None, limit: int | None, running: int) -> Gate:

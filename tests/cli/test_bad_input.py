@@ -343,7 +343,7 @@ def test_a_rejected_priority_leaves_the_database_unchanged(run, seeded, db_path)
 # ---- the parser's own errors: one line too ------------------------------------------------------------
 @pytest.mark.parametrize("args,fragments", [
     (["status", "--bogus"], ("No such option", "--bogus", "gpuflex status --help")),
-    (["cancel"], ("Missing argument", "'job'", "gpuflex cancel --help")),
+    (["logs"], ("Missing argument", "'job'", "gpuflex logs --help")),
     (["logs", "1", "--worker", "x"], ("--worker", "valid integer")),
     (["stauts"], ("No such command", "stauts", "status")),
     (["--bogus", "status"], ("No such option", "--bogus")),

@@ -125,7 +125,7 @@ def generate_command_lines(seed: int, n: int) -> list[tuple[list[str], int]]:
                                       ["submit", "--workers"], ["status", "--interval"],
                                       ["report", "--since"], ["hosts", "trust"]]), 2))
         else:               # one argument too many, or two values at once
-            cases.append((rng.choice([["cancel", "1", "2"], ["events", "1", "x"], ["status", "1", "2"],
+            cases.append((rng.choice([["hold", "1", "99"], ["events", "1", "x"], ["status", "1", "2"],
                                       ["scale", "1", "2", "3"], ["report", "--json", "--csv"],
                                       ["db", "upgrade", "now"], ["logs", "1", "--worker", "x"]]), 2))
     return cases

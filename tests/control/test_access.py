@@ -213,17 +213,22 @@ def test_another_user_sees_no_secret(lab, home, db_path, monkeypatch):
         assert hidden not in out
 
 
+def alices_job_running_on_the_local_host(cfg, home) -> None:
+    """Job 1 (alice's) running one worker on the local host, a pid nobody here can signal."""
+    with JobService(load_config(str(cfg))).sessions.begin() as s:
+        job = s.get(Job, 1)
+        job.state, job.world_size, job.started_at = "running", 1, time.time()
+        job.workers.append(Worker(wid=0, rank=0, host="local", gpus=[0], state="running", pid=999999, pgid=999999,
+                                  log_path=str(home / "a.log"), exit_path=str(home / "a.exit")))
+
+
 def test_another_users_running_processes_are_neither_reconciled_nor_cancelled(lab, home, db_path, monkeypatch):
     """alice's job 1 runs a worker (pid and exit record hers alone) on the local host, which
     each user's gpuflex reaches as themselves: bob's refresh leaves it to her commands
     (it is not marked lost), and carol, an admin, is refused rather than recording a stop
     of processes she cannot signal."""
     cfg = lab(admins=("carol",))
-    with JobService(load_config(str(cfg))).sessions.begin() as s:
-        job = s.get(Job, 1)
-        job.state, job.world_size, job.started_at = "running", 1, time.time()
-        job.workers.append(Worker(wid=0, rank=0, host="local", gpus=[0], state="running", pid=999999, pgid=999999,
-                                  log_path=str(home / "a.log"), exit_path=str(home / "a.exit")))
+    alices_job_running_on_the_local_host(cfg, home)
     as_user(monkeypatch, "bob")
     assert invoke(cfg, home, "status", "1", "--json").exit_code == 0
     assert db_rows(db_path, "SELECT state, exit_code FROM workers WHERE job_id = 1") == [("running", None)]
@@ -272,3 +277,21 @@ def test_another_users_queued_job_keeps_its_place_until_its_owner_starts_it(lab,
         assert rows == {"first": "running", "sleep": "queued"}, rows
     finally:
         cleanup_jobs(GpuflexCLI(home, cfg), db_path)
+
+
+def test_root_listed_as_admin_may_change_another_users_running_job_on_the_local_host(lab, home, db_path,
+                                                                                    monkeypatch):
+    """Root reaches every process (access.reaches_all): where carol, an admin, is refused
+    (above), root listed in [access] admins cancels it; root not listed is refused as anyone."""
+    cfg = lab(admins=("root",))
+    alices_job_running_on_the_local_host(cfg, home)
+    as_user(monkeypatch, "root")
+    assert access.reaches_all()
+    r = invoke(cfg, home, "cancel", "1")
+    assert r.exit_code == 0, r.stderr
+    assert _cancel_records(db_path, 1)[0] == "cancelled by root (admin)"
+    as_user(monkeypatch, "carol")
+    assert not access.reaches_all()
+    other = write_config(home, name="other.toml", extra='\n[access]\nadmins = ["carol"]\n')
+    as_user(monkeypatch, "root")
+    assert "may cancel it" in refused_line(invoke(other, home, "cancel", "2"))

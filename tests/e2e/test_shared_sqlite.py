@@ -175,3 +175,29 @@ def test_a_members_running_job_is_left_to_them_and_each_keeps_their_own_launch_r
             break
         time.sleep(1)
     assert state["state"] == "succeeded"
+
+
+def test_root_as_admin_cancels_another_users_running_job_where_a_non_root_admin_cannot(lab):
+    """On the local host a job runs as its owner: carol, an admin through her group, cannot
+    signal alice's processes and is refused with nothing recorded; root, listed in
+    [access] admins, reaches every process and cancels it (issue 33)."""
+    cfg = lab / "adm.toml"
+    cfg.write_text(f'[database]\nurl = "sqlite:///{lab}/db/adm.db"\n\n[access]\nadmins = ["root", "@{ADMINS}"]\n\n'
+                   '[jobs]\ncancel_grace_s = 2\n\n[[hosts]]\nname = "slots"\ngpus = "cpu:1"\n')
+    os.chmod(cfg, 0o644)
+    sub = gpuflex(lab, ALICE, "--config", str(cfg), "submit", "--json", "--", "sleep", "600")
+    assert sub.returncode == 0, sub.stderr
+    job = json.loads(sub.stdout)
+    assert job["state"] == "running"
+    try:
+        refused = one_error(gpuflex(lab, CAROL, "--config", str(cfg), "cancel", str(job["id"])))
+        assert f"only {ALICE}'s own gpuflex can cancel it" in refused
+        env = {**os.environ, "GPUFLEX_CONFIG": str(cfg), "COLUMNS": "200"}
+        done = subprocess.run([sys.executable, "-m", "gpuflex", "cancel", str(job["id"])], capture_output=True,
+                              text=True, timeout=120, env=env, cwd=lab)
+        assert (done.returncode, done.stdout.strip()) == (0, f"job {job['id']} cancelled"), done.stderr
+        after = json.loads(gpuflex(lab, ALICE, "--config", str(cfg), "status", str(job["id"]), "--json").stdout)
+        assert (after["state"], after["exit_reason"]) == ("cancelled", "cancelled by root (admin)")
+        assert [w["state"] for w in after["workers"]] == ["stopped"]
+    finally:
+        gpuflex(lab, ALICE, "--config", str(cfg), "cancel", str(job["id"]))

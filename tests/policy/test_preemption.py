@@ -21,8 +21,9 @@ from gpuflex.jobspec import format_time, parse_array, parse_time
 from gpuflex.policy.lifecycle import JobFacts, Observation, ProcSeen, WorkerFacts
 from gpuflex.policy.placement import HostFree
 from gpuflex.policy.reconcile import timed_out
-from gpuflex.policy.preemption import (Dependency, HeldWorker, Shrink, Stop, Victim, array_gate,
-                                       could_preempt, dependency_gate, plan_preemption)
+from gpuflex.policy.preemption import (AFTERANY, AFTERNOTOK, Dependency, HeldWorker, Shrink, Stop, Victim,
+                                       array_gate, could_preempt, dependency_gate, plan_preemption,
+                                       singleton_gate)
 from gpuflex.states import JobState as S
 from gpuflex.states import WorkerState
 from tests.fakes.hosts import FakeHost, World
@@ -30,8 +31,8 @@ from tests.fakes.hosts import FakeHost, World
 # ---- dependencies ---------------------------------------------------------------------------
 
 
-def dep(ref: int, *states: S, array: bool = False) -> Dependency:
-    return Dependency(ref, tuple((ref + i, s) for i, s in enumerate(states)), array=array)
+def dep(ref: int, *states: S, array: bool = False, kind: str = "afterok") -> Dependency:
+    return Dependency(ref, tuple((ref + i, s) for i, s in enumerate(states)), array=array, kind=kind)
 
 
 def test_a_job_waits_naming_each_dependency_not_done_and_its_state():
@@ -61,6 +62,50 @@ def test_an_array_id_stands_for_every_job_of_the_array():
 
 def test_an_id_that_names_no_job_any_more_waits_and_says_so():
     assert dependency_gate([Dependency(99, ())]).wait == "waiting for job 99 (unknown)"
+
+
+@pytest.mark.parametrize("state", [S.SUCCEEDED, S.FAILED, S.CANCELLED, S.TIMEOUT])
+def test_afterany_opens_once_the_job_ended_however(state):
+    assert dependency_gate([dep(12, state, kind=AFTERANY)]).open
+
+
+@pytest.mark.parametrize("state", [S.QUEUED, S.RUNNING])
+def test_afterany_and_afternotok_wait_while_the_job_has_not_ended(state):
+    for kind in (AFTERANY, AFTERNOTOK):
+        gate = dependency_gate([dep(12, state, kind=kind)])
+        assert (gate.cancel, gate.wait) == (None, f"waiting for job 12 ({state.value}) ({kind})")
+
+
+@pytest.mark.parametrize("state", [S.FAILED, S.CANCELLED, S.TIMEOUT])
+def test_afternotok_opens_when_the_job_ended_badly(state):
+    assert dependency_gate([dep(12, state, kind=AFTERNOTOK)]).open
+
+
+def test_afternotok_on_a_job_that_succeeded_can_never_start_and_cancels():
+    gate = dependency_gate([dep(12, S.SUCCEEDED, kind=AFTERNOTOK)])
+    assert gate.cancel == "job 12 succeeded (afternotok:12 waits for a failure)"
+
+
+def test_afternotok_on_an_array_waits_for_all_and_opens_when_one_failed():
+    assert dependency_gate([dep(5, S.SUCCEEDED, S.RUNNING, array=True, kind=AFTERNOTOK)]).wait == \
+        "waiting for array 5 (1 of 2 not done) (afternotok)"
+    assert dependency_gate([dep(5, S.SUCCEEDED, S.FAILED, array=True, kind=AFTERNOTOK)]).open
+    assert dependency_gate([dep(5, S.SUCCEEDED, S.SUCCEEDED, array=True, kind=AFTERNOTOK)]).cancel == \
+        "every job of array 5 succeeded (afternotok:5 waits for a failure)"
+
+
+def test_kinds_mix_and_an_afterok_that_failed_still_cancels():
+    gate = dependency_gate([dep(3, S.FAILED, kind=AFTERNOTOK), dep(4, S.CANCELLED, kind=AFTERANY),
+                            dep(5, S.SUCCEEDED)])
+    assert gate.open
+    assert dependency_gate([dep(3, S.FAILED, kind=AFTERANY), dep(5, S.FAILED)]).cancel == "job 5 failed"
+
+
+def test_singleton_waits_for_the_others_of_its_name_and_opens_without_them():
+    assert singleton_gate("train", []).open
+    gate = singleton_gate("train", [(3, S.RUNNING), (4, S.QUEUED)])
+    assert (gate.cancel, gate.wait) == (None, "waiting for job 3 (running), job 4 (queued) of the same "
+                                              "name 'train' (singleton)")
 
 
 # ---- arrays ---------------------------------------------------------------------------------
