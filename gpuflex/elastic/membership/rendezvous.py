@@ -326,11 +326,12 @@ class Rendezvous:
 
     def barrier(self, g: int, members: list[int], timeout_s: float) -> None:
         """Wait until every member of g has arrived; Superseded if a newer one appears.
-        TimeoutError once a missing member stayed silent (no heartbeat) for `timeout_s`, or
-        crashed: one still beating is busy, not gone. A resize is agreed at the members' next
-        step boundary, so a newcomer waits here while a member evaluates between steps (the
-        LM example's rank 0 for 6 s at pg_timeout_s = 3 gave up at 2 x 3 s, and the members,
-        past the barrier a moment later, timed out in the process group waiting for it)."""
+        Past `timeout_s`, TimeoutError once a missing member crashed or its heartbeat counter
+        stood still for the last `timeout_s / 2`; one still beating is busy, not gone (a
+        resize is agreed at the members' next step boundary, so a newcomer waits here while
+        a member evaluates between steps). That wait is bounded by the coordinator: a member
+        alive but not joined within its formation deadline (`[jobs] formation_timeout_s`,
+        coordinator/forming.py) is formed without, and the newer generation supersedes this one."""
         self.set(keys.joined(g, self.wid), "1")
         pending = {w: keys.joined(g, w) for w in members}
         start = time.monotonic()
@@ -344,7 +345,7 @@ class Rendezvous:
                 raise Superseded(g)
             self.check_abort()
             now = time.monotonic()
-            if beats is None and now > look:
+            if beats is None and now > look:   # the baseline the deadline's look compares with
                 beats = {}
                 self._silent(pending, beats)
             elif beats is not None and now > deadline:
