@@ -28,6 +28,7 @@ from gpuflex.errors import UsageError
 GPUFLEX = "#GPUFLEX"
 SBATCH = "#SBATCH"
 READ_LIMIT = 1 << 20   # bytes of a script read for its directives: they sit at its top
+SNIFF_BYTES = 4096     # the first bytes, which tell a script from a program (a NUL byte)
 
 # sbatch's short options, as the long ones they stand for (the ones a script uses)
 SHORT = {"J": "job-name", "t": "time", "n": "ntasks", "N": "nodes", "a": "array", "d": "dependency",
@@ -72,7 +73,7 @@ class Directives:
 
 def looks_like_text(head: bytes) -> bool:
     """Whether a file's first bytes are a script's, not a program's (no NUL byte)."""
-    return b"\0" not in head[:4096]
+    return b"\0" not in head[:SNIFF_BYTES]
 
 
 def read_directives(text: str) -> Directives:

@@ -132,11 +132,12 @@ def _script_layers(argv: list[str], environ: Mapping[str, str]):
     path = argv[0]
     try:
         with open(path, "rb") as f:
-            head = f.read(jobscript.READ_LIMIT)
+            head = f.read(jobscript.SNIFF_BYTES)   # a program (the python of `python x.py`) is not read further
+            if not jobscript.looks_like_text(head):
+                return [], True, None, _runnable(argv, ())
+            head += f.read(jobscript.READ_LIMIT - len(head))
     except OSError as e:
         raise UsageError(f"{path}: cannot read the job script: {e.strerror}.") from None
-    if not jobscript.looks_like_text(head):
-        return [], True, None, _runnable(argv, ())
     try:
         found = jobscript.read_directives(head.decode("utf-8", "surrogateescape"))
     except UsageError as e:
