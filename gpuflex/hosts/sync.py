@@ -28,9 +28,12 @@ import re
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
-from gpuflex.errors import UsageError
+from gpuflex.errors import TransportError, UsageError
+
+if TYPE_CHECKING:
+    from gpuflex.hosts.transport import Transport
 
 DEFAULT_CAP = 100 * 1024 * 1024
 CODE_DIR = ".gpuflex/code"      # under a host's workdir; one directory per pack's sha256
@@ -214,3 +217,33 @@ class _Tee(io.RawIOBase):
         self.digest.update(b)
         self.out.write(b)
         return len(b)
+
+
+def code_dir(workdir: str, sha256: str) -> str:
+    """Where a pack is unpacked on a host (`~` left for the host to expand)."""
+    return f"{workdir.rstrip('/')}/{CODE_DIR}/{sha256}"
+
+
+def send_code(transport: "Transport", sha256: str, tar_path: str) -> tuple[str, bool]:
+    """Make sure the host holds the pack `sha256` unpacked; returns its absolute directory
+    there and whether the tar had to be sent (False: a job before this one sent it).
+
+    The same steps on every kind of host (the local one copies instead of SFTP), through
+    the host-side `python -m gpuflex.hosts.unpack`."""
+    host = transport.host
+    word, where = _unpack(transport, [code_dir(host.workdir, sha256)])
+    if word == "present":
+        return where, False
+    remote_tar = f"{where}.tar.{os.getpid()}"
+    transport.put(tar_path, remote_tar)
+    word, where = _unpack(transport, [where, remote_tar], timeout=host.command_timeout_s + 300)
+    return where, True
+
+
+def _unpack(transport: "Transport", args: list[str], timeout: float | None = None) -> tuple[str, str]:
+    res = transport.run([transport.host.python, "-m", "gpuflex.hosts.unpack", *args], timeout=timeout)
+    words = res.stdout.strip().split(" ", 1)
+    if res.returncode != 0 or len(words) != 2 or words[0] not in ("present", "absent"):
+        said = ((res.stderr + res.stdout).strip() or f"exit {res.returncode}").splitlines()[0][:300]
+        raise TransportError(transport.host.name, f"--sync: {said}")
+    return words[0], words[1]

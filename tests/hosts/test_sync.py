@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import shutil
 import tarfile
 from pathlib import Path
 
 import pytest
 
-from gpuflex.errors import UsageError
-from gpuflex.hosts.sync import ignored, pack_bytes, parse_gitignore
+from gpuflex.config import HostConfig
+from gpuflex.errors import TransportError, UsageError
+from gpuflex.hosts import unpack
+from gpuflex.hosts.sync import ignored, pack, pack_bytes, parse_gitignore, send_code
+from gpuflex.hosts.transport import CommandResult
 
 
 def tree(root: Path, files: dict[str, str]) -> Path:
@@ -127,3 +132,58 @@ def test_ignored_link_leaving_the_tree_is_not_refused(tmp_path):
     root = tree(tmp_path / "src", {".gitignore": "leak\n"})
     (root / "leak").symlink_to("/etc")
     assert names(pack_bytes(root)[0]) == [".gitignore"]
+
+
+# ---- sending: the host-side unpacker run in-process by a fake transport -----------------
+class InProcess:
+    """A transport whose `run` is `python -m gpuflex.hosts.unpack` called in this process."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.host = HostConfig(name="h", workdir=str(workdir))
+        self.puts: list[str] = []
+
+    def run(self, argv, *, input=None, timeout=None):
+        assert argv[1:3] == ["-m", "gpuflex.hosts.unpack"]
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = unpack.main(argv[3:])
+        return CommandResult(rc, out.getvalue(), err.getvalue())
+
+    def put(self, local_path, remote_path):
+        self.puts.append(remote_path)
+        shutil.copyfile(local_path, remote_path)
+
+
+def test_code_is_sent_once_and_unpacked_whole(tmp_path):
+    root = tree(tmp_path / "src", {"run.sh": "#!/bin/sh\necho hi\n", "lib/m.py": "x = 1\n"})
+    os.chmod(root / "run.sh", 0o755)
+    tar = tmp_path / "code.tar"
+    with tar.open("wb") as f:
+        sha = pack(root, f).sha256
+    t = InProcess(tmp_path / "work")
+    where, sent = send_code(t, sha, str(tar))
+    assert where == str(tmp_path / "work" / ".gpuflex" / "code" / sha) and sent
+    assert (Path(where) / "lib/m.py").read_text() == "x = 1\n"
+    assert os.access(Path(where) / "run.sh", os.X_OK)
+    assert sorted(p.name for p in Path(where).parent.iterdir()) == [sha]   # no tar, no temporary left
+    assert send_code(t, sha, str(tar)) == (where, False) and len(t.puts) == 1
+
+
+def test_unpack_refuses_a_member_leaving_the_directory(tmp_path):
+    evil = tmp_path / "evil.tar"
+    with tarfile.open(evil, "w") as tar:
+        info = tarfile.TarInfo("../escaped")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"x"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        assert unpack.main([str(tmp_path / "code" / "abc"), str(evil)]) == 1
+    assert "leaves the directory" in err.getvalue()
+    assert not (tmp_path / "code" / "escaped").exists() and not (tmp_path / "code" / "abc").exists()
+
+
+def test_unpack_failure_is_a_transport_error_naming_the_host(tmp_path):
+    t = InProcess(tmp_path / "work")
+    (tmp_path / "bad.tar").write_bytes(b"not a tar")
+    with pytest.raises(TransportError, match="cannot unpack"):
+        send_code(t, "f" * 64, str(tmp_path / "bad.tar"))
