@@ -26,11 +26,13 @@ import io
 import os
 import re
 import tarfile
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from gpuflex.errors import TransportError, UsageError
+from gpuflex.hosts.private import private_dir
 
 if TYPE_CHECKING:
     from gpuflex.hosts.transport import Transport
@@ -234,6 +236,9 @@ def send_code(transport: "Transport", sha256: str, tar_path: str) -> tuple[str, 
     word, where = _unpack(transport, [code_dir(host.workdir, sha256)])
     if word == "present":
         return where, False
+    if not os.path.isfile(tar_path):   # packed by another user's gpuflex, or the cache was cleared
+        raise TransportError(host.name, f"--sync: {where} is missing and the pack {tar_path} is not here "
+                                        "to send; submit the job again from its directory.")
     remote_tar = f"{where}.tar.{os.getpid()}"
     transport.put(tar_path, remote_tar)
     word, where = _unpack(transport, [where, remote_tar], timeout=host.command_timeout_s + 300)
@@ -247,3 +252,25 @@ def _unpack(transport: "Transport", args: list[str], timeout: float | None = Non
         said = ((res.stderr + res.stdout).strip() or f"exit {res.returncode}").splitlines()[0][:300]
         raise TransportError(transport.host.name, f"--sync: {said}")
     return words[0], words[1]
+
+
+CACHE = "~/.local/state/gpuflex/code"   # the submitter's packs, until the hosts hold them
+
+
+def cached_tar(sha256: str, cache: str = CACHE) -> str:
+    return os.path.join(os.path.expanduser(cache), f"{sha256}.tar")
+
+
+def pack_to_cache(root: Path, *, cap: int = DEFAULT_CAP, cache: str = CACHE) -> Pack:
+    """Pack `root` into `<cache>/<sha256>.tar` (0600 in a 0700 directory: the code may be
+    private); an identical pack already there is kept."""
+    private_dir(cache)
+    fd, tmp = tempfile.mkstemp(prefix=".pack-", dir=os.path.expanduser(cache))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            result = pack(root, f, cap=cap)
+        os.replace(tmp, cached_tar(result.sha256, cache))
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return result
