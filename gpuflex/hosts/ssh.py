@@ -231,7 +231,8 @@ class SSHTransport(Transport):
             with self.client().open_sftp() as sftp:
                 sftp.put(local_path, remote_path)
         except (paramiko.SSHException, EOFError, OSError) as e:
-            raise TransportError(self.host.name, f"cannot send {remote_path} to {_where(self.host)}: "
+            raise TransportError(self.host.name, f"cannot send {remote_path} to {_where(self.host)} by SFTP "
+                                                 f"(its sshd needs a 'Subsystem sftp' line): "
                                                  f"{e or type(e).__name__}") from None
 
     def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
