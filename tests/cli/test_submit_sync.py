@@ -92,3 +92,15 @@ def test_a_host_with_sync_true_runs_the_sent_code_others_the_submit_directory(ho
     assert worker_cwd(config, config.host("far"), row) == str(src)
     row.sync = True   # --sync: every host
     assert worker_cwd(config, config.host("far"), row) == f"~/gpuflex/.gpuflex/code/{sha}"
+
+
+def test_a_script_inside_the_synced_workdir_is_named_from_the_sent_copy(home, src):
+    cfg = write_config(home)
+    blocked(cfg)
+    (src / "mine.sh").write_text("#!/bin/sh\n#GPUFLEX --priority 3\necho hi\n")
+    (src / "mine.sh").chmod(0o755)
+    r = run(cfg, home, "submit", "--sync", "--after", "1", "--workdir", "src", "--json", "src/mine.sh")
+    job = json.loads(r.stdout)
+    assert (job["argv"], job["priority"]) == (["./mine.sh"], 3)
+    r = run(cfg, home, "submit", "--after", "1", "--workdir", "src", "--json", "src/mine.sh")
+    assert json.loads(r.stdout)["argv"] == [str(src / "mine.sh")]   # without --sync: the path read
