@@ -94,7 +94,8 @@ def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int
     except OSError as e:
         error = f"cannot start {spec['argv'][0]!r}: {e.strerror}"
         if not os.access(cwd, os.R_OK | os.X_OK):   # issue 33: say whose view of which directory failed
-            error = (f"user {pwd.getpwuid(os.getuid()).pw_name} cannot read the job's directory {cwd} "
+            error = (f"cannot start {spec['argv'][0]!r}: user {pwd.getpwuid(os.getuid()).pw_name} "
+                     f"cannot read the job's directory {cwd} "
                      f"({e.strerror}); the workers run there as this host's SSH user: give it a path "
                      "this user shares, or submit with --sync to send the code")
         os.write(report_fd, json.dumps({"error": error}).encode())

@@ -237,8 +237,9 @@ def send_code(transport: "Transport", sha256: str, tar_path: str) -> tuple[str, 
     if word == "present":
         return where, False
     if not os.path.isfile(tar_path):   # packed by another user's gpuflex, or the cache was cleared
-        raise TransportError(host.name, f"--sync: {where} is missing and the pack {tar_path} is not here "
-                                        "to send; submit the job again from its directory.")
+        # "cannot start": the launch fails at once (lifecycle), since retrying cannot help
+        raise TransportError(host.name, f"--sync: cannot start the job: {where} is missing and the pack "
+                                        f"{tar_path} is not here to send; submit it again from its directory.")
     remote_tar = f"{where}.tar.{os.getpid()}"
     transport.put(tar_path, remote_tar)
     word, where = _unpack(transport, [where, remote_tar], timeout=host.command_timeout_s + 300)

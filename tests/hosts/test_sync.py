@@ -187,3 +187,10 @@ def test_unpack_failure_is_a_transport_error_naming_the_host(tmp_path):
     (tmp_path / "bad.tar").write_bytes(b"not a tar")
     with pytest.raises(TransportError, match="cannot unpack"):
         send_code(t, "f" * 64, str(tmp_path / "bad.tar"))
+
+
+def test_a_pack_missing_here_fails_the_launch_at_once(tmp_path):
+    t = InProcess(tmp_path / "work")
+    with pytest.raises(TransportError, match="cannot start the job: .* is missing and the pack .* is not here"):
+        send_code(t, "e" * 64, str(tmp_path / "gone.tar"))
+    assert t.puts == []
