@@ -77,6 +77,10 @@ class JobSettings:
     # above its MIN, is released (shrunk away in place)
     straggler_factor: Number = Field(3, ge=1.1, le=1000)
     straggler_s: Number = Field(300, ge=1, le=DAY_S)
+    # issue 33: `submit --sync` by default (a host's own `sync` overrides it), and the most
+    # the packed submit directory may hold (gpuflex.hosts.sync)
+    sync: StrictBool = False
+    sync_cap_mib: Number = Field(100, gt=0, le=1 << 20)
 
 
 @dataclass(frozen=True, config=_TABLE)
@@ -128,6 +132,13 @@ class HostConfig:
     # relative speed of its GPUs (issue 12: the first guess of a worker's share before it is
     # measured); None: from the GPU model (gpuflex.policy.speeds' table)
     speed: Optional[Number] = Field(None, gt=0, le=1000)
+    # issue 33: whether jobs on this host get the submit directory sent (`submit --sync`);
+    # None: the pool's `[jobs] sync`
+    sync: Optional[StrictBool] = None
+
+    def syncs(self, pool_default: bool) -> bool:
+        """Whether a job not asking for `--sync` gets its code sent here anyway."""
+        return pool_default if self.sync is None else self.sync
 
     @property
     def is_local(self) -> bool:

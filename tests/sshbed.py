@@ -194,6 +194,7 @@ def _config_text(h: SshdHost, authorized: Path, extra: list[str]) -> str:
         "MaxSessions 64",           # one pooled connection carries many channels
         "MaxStartups 64:30:128",
         "LogLevel INFO",
+        "Subsystem sftp internal-sftp",   # submit --sync sends its tar by SFTP, as a stock sshd allows
         # a throw-away HOME: the login shell would otherwise source the real ~/.bashrc
         # for every command (bash does so under sshd), and a developer's pyenv/conda
         # init there costs a quarter second per command

@@ -98,6 +98,8 @@ reclaim_deadline_s = 20
 
 [jobs]
 cancel_grace_s = 2.5
+sync = true
+sync_cap_mib = 20
 
 [[hosts]]
 name = "gpu01"
@@ -112,6 +114,7 @@ nvidia_smi = "/usr/bin/nvidia-smi"
 python = "python3.11"
 workdir = "/scratch/gpuflex"
 cpus = 64
+sync = false
 
 [[hosts]]
 name = "local"
@@ -123,11 +126,13 @@ gpus = "cpu:3"
     assert (cfg.harvest.interval_s, cfg.harvest.idle_util_pct, cfg.harvest.idle_memory_mib,
             cfg.harvest.idle_samples, cfg.harvest.reclaim_deadline_s) == (30, 7, 256, 4, 20)
     assert cfg.jobs.cancel_grace_s == 2.5
+    assert (cfg.jobs.sync, cfg.jobs.sync_cap_mib) == (True, 20)
     gpu01 = cfg.host("gpu01")
     assert gpu01 == HostConfig(name="gpu01", address="gpu01.lab", port=2222, user="train",
                                identity_file="~/.ssh/id_ed25519", known_hosts="~/.ssh/kh",
                                gpus=[0, 2], owner="alice", nvidia_smi="/usr/bin/nvidia-smi",
-                               python="python3.11", workdir="/scratch/gpuflex", cpus=64)
+                               python="python3.11", workdir="/scratch/gpuflex", cpus=64, sync=False)
+    assert not gpu01.syncs(cfg.jobs.sync) and cfg.host("local").syncs(cfg.jobs.sync)
     assert not gpu01.is_local and gpu01.cpu_slots is None and gpu01.cpu_count == 64
     assert cfg.host("local").cpu_slots == 3
     with pytest.raises(ConfigError, match="no host named 'nope'"):
@@ -163,6 +168,9 @@ BAD = [
     ("empty hosts", "hosts = []\n", "hosts", "non-empty"),
     ("no cpus", "[[hosts]]\nname = 'a'\ncpus = 0\n", "hosts[0].cpus", "0"),
     ("cpus as text", "[[hosts]]\nname = 'a'\ncpus = '8'\n", "hosts[0].cpus", "'8'"),
+    ("sync as text", "[[hosts]]\nname = 'a'\nsync = 'yes'\n", "hosts[0].sync", "'yes'"),
+    ("sync as a number", "[jobs]\nsync = 1\n", "jobs.sync", "1"),
+    ("no sync cap", "[jobs]\nsync_cap_mib = 0\n", "jobs.sync_cap_mib", "0"),
 ]
 
 

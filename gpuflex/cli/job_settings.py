@@ -82,8 +82,12 @@ def settings(ctx: typer.Context, argv: list[str], environ: Mapping[str, str] | N
     if out.default_name is not None and out.sources["name"] == DEFAULT:
         out.values["name"] = _job_name(out.default_name)
     if script is not None and out.values.get("workdir") and not os.path.isabs(out.argv[script]):
-        # the script was read from here; the workers run in another directory
-        out.argv[script] = os.path.abspath(out.argv[script])
+        # the script was read from here; the workers run in another directory (with --sync,
+        # in the sent copy of that directory: a script inside it is named from there)
+        path = os.path.abspath(out.argv[script])
+        top = os.path.abspath(os.path.expanduser(out.values["workdir"]))
+        inside = out.values.get("sync") and path.startswith(top + os.sep)
+        out.argv[script] = "./" + os.path.relpath(path, top) if inside else path
     return out
 
 

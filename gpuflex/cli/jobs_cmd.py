@@ -76,6 +76,10 @@ def submit(
                                         "mixed GPUs; default) or even."),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="An in-place job starts from this "
                                               "checkpoint directory of an earlier job, at any world size."),
+    sync: bool = typer.Option(False, "--sync", help="Send the working directory to the hosts (packed once, "
+                              "minding .gitignore, at most \\[jobs] sync_cap_mib; a host that already has this "
+                              "tree gets nothing) and run there; outputs stay on the host. Default: \\[jobs] sync, "
+                              "a host's sync. E.g. gpuflex submit --sync -- python train.py."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -135,7 +139,8 @@ def _request(given: job_settings.Settings) -> SubmitRequest:
                          after=parse_after(v["after"]) if v["after"] is not None else After(),
                          array=parse_array(v["array"]) if v["array"] is not None else None,
                          requeue=v["requeue"], notify=v["notify"], split=v["split"], resume_from=v["resume_from"],
-                         environ=None if given.inherit_env else {}, sources=dict(given.sources))
+                         environ=None if given.inherit_env else {}, sources=dict(given.sources),
+                         sync=v["sync"])
 
 
 ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
@@ -214,6 +219,9 @@ def status(
             head += f"\n{j.queue_reason}"
         if job_settings.sources_text(j.sources):
             head += f"\nsettings: {job_settings.sources_text(j.sources)}; the rest default"
+        if j.code_sha256:
+            head += f"\ncode: {j.code_sha256[:12]} ({'--sync' if j.sync else 'hosts with sync = true'}, " \
+                    f"in <workdir>/.gpuflex/code/{j.code_sha256[:12]}...)"
         if j.exit_reason:
             head += f"\n{j.exit_reason}"
         elif j.last_crash and not j.state.final:

@@ -41,6 +41,7 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
         "elastic": job.elastic, "time_limit_s": job.time_limit_s, "time_left_s": job.time_left_s,
         "after": list(job.after), "array_id": job.array_id, "array_index": job.array_index,
         "requeue": job.requeue, "checkpoint_dir": job.checkpoint_dir, "resume_from": job.resume_from,
+        "sync": job.sync, "code_sha256": job.code_sha256,   # issue 33: --sync, the code's address
         "sources": job.sources,   # issue 33: setting -> command line, #GPUFLEX, #SBATCH, task file, default
         "held": job.held, "dependency": job.dependency,   # issue 33: hold/release; afterany/afternotok/singleton
     }

@@ -27,6 +27,7 @@ from gpuflex.db.models import Job, Worker
 from gpuflex.elastic.protocol import failpoints
 from gpuflex.elastic.protocol.wire import resize_request
 from gpuflex.errors import TransportError
+from gpuflex.hosts import sync as sync_code
 from gpuflex.policy import lifecycle as P
 from gpuflex.policy.placement import Assignment
 from gpuflex.states import JobState, WorkerState
@@ -125,6 +126,12 @@ def launch_worker(ops: Ops, job: Job, w: Worker, rank: int, world: int, layout: 
     """Start the process of a reserved row and record its group. `layout`: the run's, when
     the whole run is launched (else launch.worker_spec reads it from the rows)."""
     host = ops.config.host(w.host)
+    if L.syncs(ops.config, host, job):   # issue 33: the code first (sent once per host and tree)
+        where, sent = sync_code.send_code(ops.pool.transport(host), job.code_sha256,
+                                          sync_code.cached_tar(job.code_sha256))
+        if sent:
+            journal.record(ops.session, job, "code", f"sent the code ({job.code_sha256[:12]}) to {host.name}: "
+                                                     f"{where}", host=host.name, sha256=job.code_sha256)
     spawned = ops.pool.transport(host).spawn(L.worker_spec(ops.config, host, job, w, rank, world, layout))
     w.pid, w.pgid = spawned.pid, spawned.pgid
     return w

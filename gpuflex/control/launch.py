@@ -16,6 +16,7 @@ import os
 import posixpath
 import secrets
 import socket
+from pathlib import Path
 from typing import Mapping
 
 from sqlalchemy.orm import object_session
@@ -28,6 +29,7 @@ from gpuflex.elastic.protocol import failpoints
 from gpuflex.jobspec import INPLACE, SPLIT_EVEN, torchrun_args
 from gpuflex.elastic.protocol.env import SPEED_HINT, SPLIT, STRAGGLER_FACTOR, WorkerEnv
 from gpuflex.hosts import hostops
+from gpuflex.hosts import sync as sync_code
 from gpuflex.hosts.transport import SpawnSpec, Transport
 from gpuflex.policy.speeds import speed_hint
 
@@ -214,7 +216,7 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
         env.update({ARRAY_ID: str(job.array_id), ARRAY_INDEX: str(job.array_index)})
     if not is_gang(job):
         env.update(split_env(config, host, job, worker))
-    return SpawnSpec(argv=list(job.argv), cwd=job.workdir, env=env,
+    return SpawnSpec(argv=list(job.argv), cwd=worker_cwd(config, host, job), env=env,
                      log=worker.log_path, exit_path=worker.exit_path,
                      private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job),
                      clean_env=job.submit_env is not None,
@@ -312,3 +314,21 @@ def local_user() -> str:
         return getpass.getuser()
     except (KeyError, OSError):
         return str(os.getuid())
+
+
+def pack_code(config: Config, sync: bool, workdir: str) -> str | None:
+    """`submit --sync` (issue 33): the submit directory packed into the submitter's cache, its
+    sha256 returned; None when no host would use it (neither --sync, `[jobs] sync` nor any
+    host's `sync`). A tree over `[jobs] sync_cap_mib` is a UsageError (exit 2)."""
+    if not (sync or any(h.syncs(config.jobs.sync) for h in config.hosts)):
+        return None
+    return sync_code.pack_to_cache(Path(workdir), cap=int(config.jobs.sync_cap_mib * 1024 * 1024)).sha256
+
+
+def syncs(config: Config, host: HostConfig, job: Job) -> bool:
+    """Whether `job` runs on `host` in its sent code rather than in its submit directory."""
+    return job.code_sha256 is not None and (bool(job.sync) or host.syncs(config.jobs.sync))
+
+
+def worker_cwd(config: Config, host: HostConfig, job: Job) -> str:
+    return sync_code.code_dir(host.workdir, job.code_sha256) if syncs(config, host, job) else job.workdir

@@ -103,6 +103,9 @@ class JobInfo:
     # beyond afterok ({"afterany": [ids], "afternotok": [ids], "singleton": true})
     held: bool = False
     dependency: dict[str, Any] | None = None
+    # issue 33: --sync given, and the sha256 of the code sent (None: the hosts read workdir)
+    sync: bool = False
+    code_sha256: str | None = None
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -183,7 +186,8 @@ def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Itera
         array_limit=job.array_limit, requeue=bool(job.requeue), split=job.split,
         checkpoint_dir=job.checkpoint_dir, resume_from=job.resume_from, held=bool(job.held),
         dependency=dict(job.dependency) if job.dependency else None,
-        sources=dict(job.sources) if job.sources is not None else None)
+        sources=dict(job.sources) if job.sources is not None else None,
+        sync=bool(job.sync), code_sha256=job.code_sha256)
 
 
 SPLIT_FIELDS = ("share", "samples_per_s", "relative")

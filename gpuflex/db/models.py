@@ -144,6 +144,10 @@ class Job(Base):
     # "singleton": true}, only those given; afterok's ids stay in `after`)
     held: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     dependency: Mapped[dict | None] = mapped_column(JSON)
+    # issue 33 (migration 0013): `submit --sync` given (every host runs the sent copy), and
+    # the packed submit directory's sha256 (gpuflex.hosts.sync); None: nothing packed
+    sync: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
+    code_sha256: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

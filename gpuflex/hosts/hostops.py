@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pwd
 import re
 import signal
 import socket
@@ -84,13 +85,20 @@ def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int
         mark_group(spec["socket_dir"])   # before the process exists: see end_run
     argv = list(spec["argv"])
     argv[0] = os.path.expanduser(argv[0])
+    cwd = os.path.expanduser(spec.get("cwd") or "~")
     try:
         proc = subprocess.Popen(
-            argv, cwd=os.path.expanduser(spec.get("cwd") or "~"), env=spawn_env(spec),
+            argv, cwd=cwd, env=spawn_env(spec),
             stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
         )
     except OSError as e:
-        os.write(report_fd, json.dumps({"error": f"cannot start {spec['argv'][0]!r}: {e.strerror}"}).encode())
+        error = f"cannot start {spec['argv'][0]!r}: {e.strerror}"
+        if not os.access(cwd, os.R_OK | os.X_OK):   # issue 33: say whose view of which directory failed
+            error = (f"cannot start {spec['argv'][0]!r}: user {pwd.getpwuid(os.getuid()).pw_name} "
+                     f"cannot read the job's directory {cwd} "
+                     f"({e.strerror}); the workers run there as this host's SSH user: give it a path "
+                     "this user shares, or submit with --sync to send the code")
+        os.write(report_fd, json.dumps({"error": error}).encode())
         os.close(report_fd)
         return
     os.close(log_fd)

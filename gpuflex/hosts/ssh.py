@@ -225,6 +225,16 @@ class SSHTransport(Transport):
         # -1: the remote process died from a signal (OpenSSH sends exit-signal, no status)
         return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
+    def put(self, local_path: str, remote_path: str) -> None:
+        """By SFTP over the pooled connection (no second login)."""
+        try:
+            with self.client().open_sftp() as sftp:
+                sftp.put(local_path, remote_path)
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise TransportError(self.host.name, f"cannot send {remote_path} to {_where(self.host)} by SFTP "
+                                                 f"(its sshd needs a 'Subsystem sftp' line): "
+                                                 f"{e or type(e).__name__}") from None
+
     def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
         """Relay one JSON-lines exchange through `python -m gpuflex.hosts.relay PATH` on the host.
 

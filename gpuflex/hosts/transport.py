@@ -21,6 +21,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 from typing import Any, Callable
 
@@ -140,6 +141,10 @@ class Transport(abc.ABC):
     def read(self, path: str, offset: int = 0, limit: int = 1 << 20) -> dict[str, Any]:
         return self.hostop("read", {"path": path, "offset": offset, "limit": limit})
 
+    def put(self, local_path: str, remote_path: str) -> None:
+        """Copy a local file to an absolute path on the host (`submit --sync`'s tar)."""
+        raise TransportError(self.host.name, f"a {self.host.transport} host cannot be sent files")
+
     def cleanup(self, socket_dirs: list[str]) -> list[bool]:
         """Remove a finished run's socket directories (ours only); True per one gone."""
         return self.hostop("cleanup", {"socket_dirs": socket_dirs})
@@ -180,6 +185,12 @@ class LocalTransport(Transport):
             except (ValueError, OSError) as e:
                 raise TransportError(self.host.name, f"hostops {op}: {type(e).__name__}: {e}") from None
         raise ValueError(op)
+
+    def put(self, local_path: str, remote_path: str) -> None:
+        try:
+            shutil.copyfile(local_path, remote_path)
+        except OSError as e:
+            raise TransportError(self.host.name, f"cannot copy to {remote_path}: {e.strerror}") from None
 
     def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
         try:

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from gpuflex.hosts.hostops import group_alive
+import os
+import pwd
+
+import pytest
+
+from gpuflex.hosts.hostops import group_alive, spawn
 from tests.conftest import db_rows
 
 
@@ -18,3 +23,17 @@ def test_a_command_that_cannot_start_fails_the_job(gf, db_path):
     pgids = [r[0] for r in db_rows(db_path, "SELECT pgid FROM workers WHERE pgid IS NOT NULL")]
     pgids += [r[0] for r in db_rows(db_path, "SELECT store_pgid FROM jobs WHERE store_pgid IS NOT NULL")]
     assert not any(group_alive(p) for p in pgids)
+
+
+@pytest.mark.e2e   # spawn forks its supervisor
+def test_a_directory_the_host_cannot_see_names_user_directory_and_sync(tmp_path):
+    """Issue 33: a worker's directory this host's user cannot read (here: not there at all)
+    is said so, with the user, the directory and --sync; not just "cannot start './mine.sh'"."""
+    gone = tmp_path / "not-shared"
+    with pytest.raises(RuntimeError) as err:
+        spawn({"argv": ["./mine.sh"], "cwd": str(gone), "env": {}, "log": str(tmp_path / "w.log"),
+               "exit_path": str(tmp_path / "w.exit")})
+    text = str(err.value)
+    assert text.startswith(f"cannot start './mine.sh': user {pwd.getpwuid(os.getuid()).pw_name} "
+                           f"cannot read the job's directory {gone} (No such file or directory)")
+    assert "--sync" in text   # "cannot start" stays: the launch fails at once, no retry
