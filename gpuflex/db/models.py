@@ -144,6 +144,9 @@ class Job(Base):
     # "singleton": true}, only those given; afterok's ids stay in `after`)
     held: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     dependency: Mapped[dict | None] = mapped_column(JSON)
+    # issue 33 (migration 0013): None for a batch job, "interactive" (`gpuflex run`) or
+    # "alloc" (`gpuflex alloc`): never preempted or harvested (policy.preemption.never_preempted)
+    kind: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

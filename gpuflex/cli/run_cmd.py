@@ -1,0 +1,62 @@
+"""`gpuflex run`: an interactive session (issue 33), Slurm's `srun --pty`. Thin: the job is
+recorded by gpuflex.control.interactive, the terminal kept by gpuflex.hosts.terminal."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from gpuflex.cli.common import command, obj
+from gpuflex.control.requests import MAX_GPUS_PER_WORKER, check_text, parse_count
+from gpuflex.errors import UsageError
+from gpuflex.hosts import terminal
+from gpuflex.jobspec import parse_time
+
+
+def register(app: typer.Typer) -> None:
+    app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(run)
+
+
+@command
+def run(
+    ctx: typer.Context,
+    cmd: Optional[list[str]] = typer.Argument(None, metavar="-- CMD ARGS...", help="The command to run on this "
+                                              "terminal (default: $SHELL)."),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs (or CPU slots) to hold while it runs, e.g. --gpus 2."),
+    time: Optional[str] = typer.Option(None, "--time", help="Time limit: 90s, 30m, 4h, 2d or 1-12:00:00 (a bare "
+                                       "number is minutes); then SIGTERM, grace, SIGKILL, state timeout. "
+                                       "E.g. --time 2h."),
+) -> None:
+    """Run a command (default: your shell) in the foreground on devices of a local host,
+    recorded as an interactive job of yours while it runs.
+
+    It gets CUDA_VISIBLE_DEVICES (GPUFLEX_SLOTS on a CPU-slot host) and GPUFLEX_JOB_ID,
+    and a terminal of its own when stdin is one. It counts toward your quota and fair
+    share, is never preempted or harvested, and `gpuflex cancel` ends it. When it ends the
+    devices are free and `run` exits with its exit code. A pool without the devices free
+    now refuses it (exit 2, nothing recorded): it does not wait; submit a job to queue.
+
+    Example: gpuflex run --gpus 1 --time 2h -- python    gpuflex run -- nvidia-smi
+    """
+    argv = list(cmd or []) or [os.environ.get("SHELL") or "/bin/sh"]
+    for i, arg in enumerate(argv):
+        check_text(f"the command's argument {i}", arg)
+    parse_count("--gpus", gpus, 1, MAX_GPUS_PER_WORKER)
+    limit = parse_time(time) if time is not None else None
+    if limit is not None and limit <= 0:
+        raise UsageError(f"--time {time!r}: give a positive time limit.")
+    service = obj(ctx).service()
+    held = terminal.fork_blocked(argv, use_pty=os.isatty(sys.stdin.fileno()))
+    try:
+        session = service.open_session(argv, gpus, limit, held.pid)
+    except BaseException:
+        terminal.abort(held)
+        raise
+    terminal.go(held, session.env)
+    rc, timed_out = terminal.attend(held, session.deadline, session.grace_s)
+    terminal.write_exit(session.exit_path, rc, timed_out)
+    service.refresh()
+    raise typer.Exit(rc)
