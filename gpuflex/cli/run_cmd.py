@@ -11,7 +11,6 @@ import typer
 
 from gpuflex.cli.common import command, obj
 from gpuflex.control.requests import MAX_GPUS_PER_WORKER, check_text, parse_count
-from gpuflex.errors import UsageError
 from gpuflex.hosts import terminal
 from gpuflex.jobspec import parse_time
 
@@ -46,8 +45,6 @@ def run(
         check_text(f"the command's argument {i}", arg)
     parse_count("--gpus", gpus, 1, MAX_GPUS_PER_WORKER)
     limit = parse_time(time) if time is not None else None
-    if limit is not None and limit <= 0:
-        raise UsageError(f"--time {time!r}: give a positive time limit.")
     service = obj(ctx).service()
     held = terminal.fork_blocked(argv, use_pty=os.isatty(sys.stdin.fileno()))
     try:
