@@ -234,6 +234,13 @@ class JobService:
         with self.locked() as session:
             return interactive.open_session(self.ops(session), argv, gpus, time_limit_s, pgid)
 
+    def open_alloc(self, gpus: int, time_limit_s: float | None) -> interactive.Session:
+        """Record an allocation (gpuflex.control.interactive.open_alloc): devices held by
+        a sleeper until `time_limit_s` or a cancel; interactive.Full as for a session."""
+        self.refresh(probe=True)
+        with self.locked() as session:
+            return interactive.open_alloc(self.ops(session), gpus, time_limit_s)
+
     def check_after(self, session: Session, after: tuple[int, ...]) -> None:
         """UsageError for an --after id that names no job (before anything is written)."""
         for ref in after:

@@ -94,3 +94,18 @@ def test_a_session_ends_at_its_time_limit_and_at_a_cancel(gf):
         if run.poll() is None:
             run.kill()
     assert gf.json("status", "2")["state"] == "cancelled"
+
+
+def test_alloc_holds_slots_for_the_printed_environment_until_a_cancel(gf, db_path):
+    p = gf.ok("alloc", "--gpus", "3", "--time", "1h")
+    first, export = p.stdout.strip().splitlines()
+    assert first.startswith("job 1 holds slot(s) 0,1,2 on local until ") and "'gpuflex cancel 1'" in first
+    assert export == "export GPUFLEX_JOB_ID=1 GPUFLEX_SLOTS=0,1,2 CUDA_VISIBLE_DEVICES=''"
+    (job,) = gf.json("status")
+    assert (job["kind"], job["state"], job["name"]) == ("alloc", "running", "alloc")
+    full = gf("alloc", "--gpus", "2")
+    assert full.returncode == 2 and "gpuflex alloc: not started" in full.stderr
+    assert db_rows(db_path, "SELECT count(*) FROM jobs") == [(1,)]
+    gf.ok("cancel", "1")
+    assert gf.json("status", "1")["state"] == "cancelled"
+    assert gf.ok("run", "--gpus", "4", "--", "true").returncode == 0   # every slot free again
