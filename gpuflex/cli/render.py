@@ -44,6 +44,7 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
         "sync": job.sync, "code_sha256": job.code_sha256,   # issue 33: --sync, the code's address
         "sources": job.sources,   # issue 33: setting -> command line, #GPUFLEX, #SBATCH, task file, default
         "held": job.held, "dependency": job.dependency,   # issue 33: hold/release; afterany/afternotok/singleton
+        "kind": job.kind,   # issue 33: None (a batch job) or "interactive" (gpuflex run)
     }
 
 
@@ -185,6 +186,8 @@ def _job_row(t: Table, j: JobInfo, progress: dict[int, dict[str, Any]], indent: 
         note = waiting_text(j.waiting)
     if j.restarts and not j.state.final:
         note = f"restarts {j.restarts}" + (f"; {note}" if note else "")
+    if j.kind is not None:   # a `gpuflex run` session: its owner is at a terminal
+        note = j.kind + (f"; {note}" if note else "")
     step = (progress.get(j.id) or {}).get("step")
     left = format_time(j.time_left_s) if j.time_left_s is not None else "-"
     t.add_row(f"  {j.id}" if indent else str(j.id), f"{j.name}[{j.array_index}]" if indent else j.name,

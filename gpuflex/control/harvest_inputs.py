@@ -75,7 +75,7 @@ def snapshot(session: Session, config: Config,
         jobs.append(JobView(id=j.id, state=j.state, min_workers=j.min_workers, max_workers=j.max_workers,
                             gpus_per_worker=j.gpus_per_worker, priority=j.priority, harvest=j.harvest,
                             workers=workers, target_workers=j.target_workers, name=j.name, user=j.user,
-                            finished=j.id in finished, shunned=shun.get(j.id, frozenset()) | closed))
+                            finished=j.id in finished, pinned=j.kind is not None, shunned=shun.get(j.id, frozenset()) | closed))
     return jobs, gpus
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from gpuflex.control import access, executor, journal, queueing, split
+from gpuflex.control import access, executor, interactive, journal, queueing, split
 from gpuflex.control import launch as L
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import facts, observe
@@ -43,7 +43,11 @@ LEAVE_BOUND_S = 120    # after the shrink's request: a leaver still alive then n
 def reconcile(ops: Ops, job: Job) -> CoordinatorStatus | None:
     """Bring one running job's record in line with its processes and coordinator: observe,
     decide (gpuflex.policy.reconcile, then gpuflex.policy.lifecycle: pure), apply. Returns
-    the coordinator's status (None when it did not answer)."""
+    the coordinator's status (None when it did not answer). An interactive session has no
+    coordinator: gpuflex.control.interactive reconciles it."""
+    if job.kind is not None:
+        interactive.reconcile(ops, job)
+        return None
     seen = observe(ops.config, ops.pool, job)
     known = facts(job)
     first = first_look(known, seen, time.time(), LEAVE_BOUND_S)

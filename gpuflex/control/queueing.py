@@ -104,7 +104,7 @@ def room(ops: Ops) -> Room:
                  if w.state is WorkerState.LEAVING],
                 [Victim(j.id, j.priority, j.elastic, bool(j.requeue), j.min_workers,
                         tuple(HeldWorker(w.wid, w.host, tuple(w.gpus)) for w in j.members),
-                        can_shrink=j.state is JobState.RUNNING) for j in active])
+                        can_shrink=j.state is JobState.RUNNING, pinned=j.kind is not None) for j in active])
 
 
 # ---- the queue's gates -----------------------------------------------------------------

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config
-from gpuflex.control import (access, executor, intents, journal, lifecycle, notify, report, restarts, resume, scaling,
+from gpuflex.control import (access, executor, intents, interactive, journal, lifecycle, notify, report, restarts, resume, scaling,
                              verbs,
                              views)
 from gpuflex.control.executor import Ops
@@ -225,6 +225,22 @@ class JobService:
                                **({"array_id": job.array_id, "array_index": index} if req.array else {}))
             lifecycle.place_queued(self.ops(session))
             return jobs[0].id
+
+    def open_session(self, argv: list[str], gpus: int, time_limit_s: float | None,
+                     pgid: int) -> interactive.Session:
+        """Record an interactive session (gpuflex.control.interactive) for the command
+        whose group is `pgid`, on devices free now; interactive.Full, with nothing written,
+        when there are none. Queued jobs that fit are started first (a refresh)."""
+        self.refresh(probe=True)
+        with self.locked() as session:
+            return interactive.open_session(self.ops(session), argv, gpus, time_limit_s, pgid)
+
+    def open_alloc(self, gpus: int, time_limit_s: float | None) -> interactive.Session:
+        """Record an allocation (gpuflex.control.interactive.open_alloc): devices held by
+        a sleeper until `time_limit_s` or a cancel; interactive.Full as for a session."""
+        self.refresh(probe=True)
+        with self.locked() as session:
+            return interactive.open_alloc(self.ops(session), gpus, time_limit_s)
 
     def check_after(self, session: Session, after: tuple[int, ...]) -> None:
         """UsageError for an --after id that names no job (before anything is written)."""

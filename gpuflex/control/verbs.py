@@ -172,6 +172,9 @@ def requeue(ops: Ops, jobs: list[Job], hold_after: bool) -> list[str]:
         if not job.state.active:
             raise UsageError(f"job {job.id} is {job.state}: only a running job can be requeued"
                              + (" (submit it again)." if job.state.final else "."))
+        if job.kind is not None:   # its command lives on its owner's terminal: nothing could restart it
+            raise UsageError(f"job {job.id} is an interactive session: it cannot be requeued "
+                             f"(cancel it, or end its command).")
     lines = []
     for job in jobs:
         executor.requeue(ops, job, f"requeued by {access.changed_by(job)}", cause=MANUAL_CAUSE)

@@ -106,6 +106,8 @@ class JobInfo:
     # issue 33: --sync given, and the sha256 of the code sent (None: the hosts read workdir)
     sync: bool = False
     code_sha256: str | None = None
+    # issue 33: None for a batch job, "interactive" for a `gpuflex run` session
+    kind: str | None = None
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -180,7 +182,7 @@ def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Itera
         retries=job.retries or 0,
         last_crash={**crash.data, "time": crash.time} if crash is not None else None,
         waiting=tuple((waited.data or {}).get("waiting") or ()) if waited is not None else (),
-        recent=tuple(event_info(e) for e in recent),
+        recent=tuple(event_info(e) for e in recent), kind=job.kind,
         elastic=job.elastic, time_limit_s=job.time_limit_s, time_left_s=time_left(job),
         after=tuple(job.after or ()), array_id=job.array_id, array_index=job.array_index,
         array_limit=job.array_limit, requeue=bool(job.requeue), split=job.split,

@@ -148,6 +148,9 @@ class Job(Base):
     # the packed submit directory's sha256 (gpuflex.hosts.sync); None: nothing packed
     sync: Mapped[bool] = mapped_column(Boolean, default=False, server_default="0")
     code_sha256: Mapped[str | None] = mapped_column(String(64))
+    # issue 33 (migration 0014): None for a batch job, "interactive" (`gpuflex run`) or
+    # "alloc" (`gpuflex alloc`): never preempted or harvested (policy.preemption.never_preempted)
+    kind: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

@@ -63,6 +63,9 @@ class JobView:
     user: str = ""
     finished: bool = False        # its training ended (training_finished): never grown
     shunned: frozenset[GpuRef] = frozenset()   # not grown onto: a straggler's lately, or where it cannot start
+    # an interactive session or alloc (issue 33): its user is at the terminal, so a process
+    # on its GPUs is theirs, not an owner's coming back: never yielded nor requeued
+    pinned: bool = False
 
     def __post_init__(self) -> None:
         if self.min_workers < 1 or self.max_workers < self.min_workers or self.gpus_per_worker < 0:
@@ -226,7 +229,7 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
         if g.foreign_since is None or not seen(g) or g.ref not in holder:
             continue
         j, w = holder[g.ref]
-        if j.state not in ACTIVE:
+        if j.state not in ACTIVE or j.pinned:
             continue
         reclaimed.setdefault(j.id, {}).setdefault(w.wid, set()).add(g.ref)
         since[j.id] = min(since.get(j.id, g.foreign_since), g.foreign_since)

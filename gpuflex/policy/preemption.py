@@ -139,6 +139,7 @@ class Victim:
     min_workers: int
     members: tuple[HeldWorker, ...]   # live, not leaving
     can_shrink: bool = True        # False while it is already resizing
+    pinned: bool = False           # an interactive session or alloc (issue 33): never preempted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,8 @@ def _fits(free: dict[str, tuple[list[int], bool]], minimum: int, per_worker: int
 
 def _offers(victims: Sequence[Victim], priority: int) -> list[tuple[Preempt, tuple[HeldWorker, ...]]]:
     """Every action allowed against `priority`, cheapest first, with the workers it frees."""
-    lower = sorted((v for v in victims if v.priority < priority), key=lambda v: (v.priority, -v.job_id))
+    lower = sorted((v for v in victims if v.priority < priority and not v.pinned),
+                   key=lambda v: (v.priority, -v.job_id))
     shrinks = []
     for v in lower:
         if v.elastic == "inplace" and v.can_shrink and len(v.members) > v.min_workers:

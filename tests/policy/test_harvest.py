@@ -153,6 +153,16 @@ def test_yield_carries_the_first_moment_the_owner_was_seen():
     assert y.since == NOW - 5 and y.wids == (1, 2) and "a:0, a:1" in y.reason
 
 
+def test_a_pinned_job_is_never_yielded_nor_requeued_for_a_process_on_its_gpus():
+    """An interactive session (issue 33): the process on its GPU is its user's own, not an
+    owner coming back; an ordinary job on the same kind of GPU yields."""
+    gpus = [g(A0, "busy", streak=0, foreign=NOW - 5), g(A1, "busy", streak=0, foreign=NOW - 5)]
+    session = dataclasses.replace(job(1, [w(0, A0)], hi=1, harvest=False), pinned=True)
+    other = job(2, [w(0, A1), w(1, "c:0")], harvest=False)
+    p = plan([session, other], gpus, S, NOW)
+    assert p.of(Requeue) == [] and [(y.job, y.wids) for y in p.of(Yield)] == [(2, (0,))]
+
+
 def test_the_plan_is_repeatable_and_serialisable():
     jobs = [job(1, [w(0, "c:0")]), job(2, state="queued", hi=1)]
     gpus = [g(A0), g(A1), g("c:0", "slot", owner=None, kind="slot"), g("c:1", "slot", owner=None, kind="slot")]

@@ -4,6 +4,8 @@ theirs (gpuflex.policy.reconcile.timed_out)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from rich.console import Console
@@ -176,6 +178,19 @@ def test_gangs_equal_or_higher_priority_and_resizing_jobs_are_never_preempted():
     assert not plan([victim(1, 0, (0, 1), elastic="inplace", min_workers=2)], 1).ok   # at its MIN
     busy = Victim(1, 0, "inplace", False, 1, workers("h", 0, 1), can_shrink=False)
     assert not plan([busy], 1).ok
+
+
+def test_an_interactive_session_is_never_preempted_whatever_its_priority_or_shape():
+    """A pinned victim (`gpuflex run`, issue 33): neither stopped nor shrunk, even where the
+    same job unpinned would be; the others still are."""
+    shapes = [dict(requeue=True), dict(elastic="restart", min_workers=1), dict(elastic="inplace", min_workers=1)]
+    for shape in shapes:
+        free = victim(1, 0, (0, 1), **shape)
+        pinned = dataclasses.replace(free, pinned=True)
+        assert plan([free], 1).ok and could_preempt([free], 10)
+        assert not plan([pinned], 1).ok and not could_preempt([pinned], 10)
+    both = [dataclasses.replace(victim(1, 0, (0, 1), requeue=True), pinned=True), victim(2, 0, (2,), requeue=True)]
+    assert plan(both, 1).actions == (Stop(2),)
 
 
 def test_a_job_could_preempt_only_what_a_plan_may_stop_or_shrink():
