@@ -18,7 +18,7 @@ from typing import Any, Iterator
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.config import Config
-from gpuflex.control import (access, executor, intents, interactive, journal, lifecycle, notify, report, restarts, resume, scaling,
+from gpuflex.control import (access, acct, executor, intents, interactive, journal, lifecycle, notify, report, restarts, resume, scaling,
                              verbs,
                              views)
 from gpuflex.control.executor import Ops
@@ -153,6 +153,17 @@ class JobService:
         """`gpuflex report` from `since` until now (gpuflex.control.report)."""
         with self.sessions() as session:
             return report.build(session, since)
+
+    def acct_page(self, f: acct.Filter, limit: int, cursor: int | None) -> tuple[list[dict[str, Any]], int | None]:
+        """One page of `gpuflex acct` (gpuflex.control.acct) and the next page's cursor."""
+        with self.sessions() as session:
+            return acct.page(session, f, limit, cursor)
+
+    def acct_rows(self, f: acct.Filter, cursor: int | None = None) -> Iterator[dict[str, Any]]:
+        """Every row of `gpuflex acct` from `cursor` down, read a page at a time (a session
+        held while the caller iterates)."""
+        with self.sessions() as session:
+            yield from acct.every_row(session, f, cursor)
 
     # ---- the periodic work every command does first ----------------------------
     def collect_probes(self):

@@ -74,6 +74,46 @@ def ended_count(session: Session, *, owner: str | None = None, states: Iterable[
     return session.scalar(select(func.count(Job.id)).where(*_listed(owner, states), Job.state.in_(FINAL))) or 0
 
 
+def ended_jobs_page(session: Session, *, users: Iterable[str] | None = None, since: float | None = None,
+                    until: float | None = None, states: Iterable[JobState] | None = None,
+                    name: str | None = None, below: int | None = None, limit: int = 100) -> list[Job]:
+    """Up to `limit` ended jobs, newest id first and below `below` when given, that ended in
+    [since, until], of `users`, in `states` (final ones), named `name` (acct's page)."""
+    q = select(Job).where(Job.state.in_(list(states) if states else list(FINAL)))
+    if users is not None:
+        q = q.where(Job.user.in_(list(users)))
+    if since is not None:
+        q = q.where(Job.ended_at >= since)
+    if until is not None:
+        q = q.where(Job.ended_at <= until)
+    if name is not None:
+        q = q.where(Job.name == name)
+    if below is not None:
+        q = q.where(Job.id < below)
+    return list(session.scalars(q.order_by(Job.id.desc()).limit(limit)))
+
+
+def worker_spans(session: Session, job_ids: Iterable[int]) -> dict[int, list[tuple[float, float | None, int, str]]]:
+    """job id -> (started_at, ended_at, devices, host) of each of its workers, by start."""
+    out: dict[int, list[tuple[float, float | None, int, str]]] = {}
+    for ids in _chunks(job_ids):
+        rows = session.execute(select(Worker.job_id, Worker.started_at, Worker.ended_at, Worker.gpus, Worker.host)
+                               .where(Worker.job_id.in_(ids)).order_by(Worker.started_at, Worker.id))
+        for job_id, start, end, gpus, host in rows:
+            out.setdefault(job_id, []).append((start, end, len(gpus or ()), host))
+    return out
+
+
+def events_of_jobs(session: Session, job_ids: Iterable[int], kinds: Iterable[str]) -> dict[int, list[Event]]:
+    """job id -> its events of `kinds`, oldest first."""
+    out: dict[int, list[Event]] = {}
+    for ids in _chunks(job_ids):
+        for e in session.scalars(select(Event).where(Event.job_id.in_(ids), Event.kind.in_(list(kinds)))
+                                 .order_by(Event.time, Event.id)):
+            out.setdefault(e.job_id, []).append(e)
+    return out
+
+
 def owners(session: Session) -> set[str]:
     """Every job owner in the database."""
     return set(session.scalars(select(Job.user).distinct()))
