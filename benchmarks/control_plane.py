@@ -1,4 +1,4 @@
-"""The control plane under a lab's load (issue 14): `status`, `submit` and `metrics`
+"""The control plane under a lab's load (issue 14): `status`, `acct`, `submit` and `metrics`
 latency with 10,000 jobs in the database, and 32 CLIs at once, on SQLite and PostgreSQL
 side by side.
 
@@ -150,6 +150,9 @@ def bench_backend(name: str, url: str, root: Path, args: argparse.Namespace) -> 
         "status --user user3": ("status", "--user", "user3"),
         "status --all (every job)": ("status", "--all"),
         "status --json (every job)": ("status", "--json"),
+        "acct (a page of 100)": ("acct",),
+        "acct --user user3 --since 7d": ("acct", "--user", "user3", "--since", "7d"),
+        "acct --totals (every job)": ("acct", "--totals"),
         "submit (queued)": ("submit", "--name", "bench", "--", "true"),
         "metrics": ("metrics",),
     }

@@ -261,6 +261,7 @@ def logs(
     parse_ref(job)
     svc = obj(ctx).service()
     _known(svc, job)
+    svc.check_reader(job, "logs")
     svc.refresh()
     j = svc.job(job, events=False)
     chosen = list(j.workers)
@@ -325,6 +326,7 @@ def events(
     parse_ref(job)
     svc = obj(ctx).service()
     _known(svc, job)
+    svc.check_reader(job, "events")
     svc.refresh()
     j = svc.job(job)
     if as_json:

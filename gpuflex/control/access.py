@@ -1,5 +1,6 @@
-"""Owners and permissions (issue 14): who the caller is, who is an admin, and the one check
-that every command changing a job goes through.
+"""Owners and permissions (issue 14): who the caller is, who is an admin, the one check
+that every command changing a job goes through, and the one that reading a job's output
+or history goes through (issue 30: its owner's and the admins').
 
 A job's owner is the unix user who submitted it (`jobs.user`). Cancelling, scaling,
 holding, releasing, updating or requeuing a job is its owner's or an admin's:
@@ -45,6 +46,15 @@ class NotOwnerError(UsageError):
         self.job_id = job_id
         self.owner = owner
         self.verb = verb
+
+
+class NotReaderError(UsageError):
+    """The caller is neither the job's owner nor an admin: its output and history are not
+    theirs to read."""
+
+    def __init__(self, job_id: int, owner: str, what: str) -> None:
+        super().__init__(f"job {job_id} belongs to {owner}; only {owner} or an admin "
+                         f"([access] admins) may read its {what}.")
 
 
 def caller() -> str:
@@ -98,6 +108,19 @@ def check_owner(config: Config, job: Job, verb: str) -> None:
         raise UsageError(f"job {job.id} runs as {job.user} on {hosts}, which gpuflex reaches as each user: "
                          f"only {job.user}'s own gpuflex can {verb} it (or reach the hosts through one "
                          f"shared account: [[hosts]] user).")
+
+
+def check_reader(config: Config, job: Job, what: str) -> None:
+    """NotReaderError (exit 2) unless the caller owns `job` or is an admin: a job's output
+    (`logs`, `fetch`), its history (`events`) and its crash's traceback are its owner's;
+    the queue (`status`) shows every job without them."""
+    if not may_change(config, job.user, caller()):
+        raise NotReaderError(job.id, job.user, what)
+
+
+def may_read(config: Config, owner: str) -> bool:
+    """Whether the caller may read the output and history of a job `owner` submitted."""
+    return may_change(config, owner, caller())
 
 
 def changed_by(job: Job) -> str:

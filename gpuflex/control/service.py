@@ -11,6 +11,7 @@ Reads come back as plain records (gpuflex.control.views) for the CLI to render.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 from typing import Any, Iterator
@@ -90,7 +91,20 @@ class JobService:
     def job(self, ref: str | int, *, events: bool = True) -> views.JobInfo:
         """One job with its workers (and its events), as a plain record."""
         with self.sessions() as session:
-            return views.job_info(self.get(session, ref), events=events)
+            return self.as_seen(views.job_info(self.get(session, ref), events=events))
+
+    def as_seen(self, info: views.JobInfo) -> views.JobInfo:
+        """`info` as the caller may see it: another user's job without its output."""
+        return info if access.may_read(self.config, info.user) else views.without_output(info)
+
+    def check_reader(self, ref: str | int, what: str) -> None:
+        """NotReaderError unless the caller may read the job's `what` (logs, events):
+        its owner or an admin (gpuflex.control.access.check_reader)."""
+        with self.sessions() as session:
+            access.check_reader(self.config, self.get(session, ref), what)
+
+    def may_read(self, owner: str) -> bool:
+        return access.may_read(self.config, owner)
 
     def jobs(self, owner: str | None = None) -> list[views.JobInfo]:
         """Every job with its workers, by id; only `owner`'s when given."""
@@ -101,7 +115,8 @@ class JobService:
         """The jobs `status` lists (views.listing): those not ended and the `ended` newest
         ended ones (all when None); only `owner`'s and those in `states` when given."""
         with self.sessions() as session:
-            return views.listing(session, owner, states, ended)
+            shown = views.listing(session, owner, states, ended)
+            return dataclasses.replace(shown, jobs=[self.as_seen(j) for j in shown.jobs])
 
     def check_owner_name(self, name: str) -> str:
         """`name` for `status --user` (gpuflex.control.access.check_user): a unix user, or

@@ -152,6 +152,14 @@ def job_info(job: Job, *, events: bool = False) -> JobInfo:
     return dataclasses.replace(info, events=tuple(event_info(e) for e in job.events)) if events else info
 
 
+def without_output(info: JobInfo) -> JobInfo:
+    """`info` as another user sees it (gpuflex.control.access.check_reader): its last
+    crash without the traceback, which is the job's output."""
+    if not info.last_crash or "traceback" not in info.last_crash:
+        return info
+    return dataclasses.replace(info, last_crash={k: v for k, v in info.last_crash.items() if k != "traceback"})
+
+
 def job_infos(jobs: list[Job], *, recent: bool = False) -> list[JobInfo]:
     """Jobs of one session as records, in their order, read in a few queries whatever
     their number (the workers come loaded with the jobs, or one query each: see

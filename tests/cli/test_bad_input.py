@@ -14,6 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from gpuflex.cli import app
+from gpuflex.control import access
 from gpuflex.config import load_config
 from gpuflex.control.service import JobService
 from gpuflex.db.models import Event, Job, Worker
@@ -51,12 +52,12 @@ def run_fast(home):
 
 @pytest.fixture
 def seeded(config_path, db_path) -> Path:
-    """A DB at head with the host mirrored and one succeeded job (id 1, name 'done')."""
+    """A DB at head with the host mirrored and one succeeded job of the caller's (id 1, name 'done')."""
     svc = JobService(load_config(str(config_path)))
     svc.refresh()
     with svc.sessions.begin() as s:
         job = Job(token="abc123", name="done", state="succeeded", argv=["true"], workdir=str(db_path.parent),
-                  env={}, min_workers=1, max_workers=2, elastic="inplace", gpus_per_worker=1, user="u", world_size=1,
+                  env={}, min_workers=1, max_workers=2, elastic="inplace", gpus_per_worker=1, user=access.caller(), world_size=1,
                   exit_code=0, exit_reason="all workers exited 0", started_at=time.time(),
                   ended_at=time.time())
         job.workers.append(Worker(wid=0, rank=0, host="local", gpus=[0], state="exited", exit_code=0,

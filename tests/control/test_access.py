@@ -29,8 +29,8 @@ STORE_PORT = 47123
 def lab(home):
     """A DB holding alice's jobs, none of which can start (5 workers on a 4-slot pool):
     1 "train" (queued, --env API_KEY, a secret and a store port recorded), 2 and 3 an
-    array (id 2), 4 "done" (succeeded, one worker with a log: `logs` is not checked, the
-    files' modes on the host decide)."""
+    array (id 2), 4 "done" (succeeded, one worker with a log and a crash event whose
+    traceback is its output)."""
     def make(admins: tuple[str, ...] = ()) -> Path:
         extra = f"\n[access]\nadmins = {json.dumps(list(admins))}\n" if admins else ""
         cfg = write_config(home, extra=extra)
@@ -53,6 +53,9 @@ def lab(home):
             done.workers.append(Worker(wid=0, rank=0, host="local", gpus=[0], state="exited", exit_code=0,
                                        log_path=str(home / "w0.log"), exit_path=str(home / "w0.exit")))
             done.events.append(Event(kind="state", message="succeeded: all workers exited 0"))
+            done.events.append(Event(kind="crash", message="worker 0 crashed", data={
+                "wid": 0, "host": "local", "error": "ValueError: bad batch",
+                "traceback": ["Traceback (most recent call last):", f"ValueError: token {SECRET_ENV}"]}))
         svc.close()
         (home / "w0.log").write_text("epoch 1 loss 0.5\n")
         return cfg
@@ -201,16 +204,36 @@ def test_status_user_bad_input(lab, home, db_path, monkeypatch, args, fragment):
 
 
 def test_another_user_sees_no_secret(lab, home, db_path, monkeypatch):
-    """status --json and events of alice's job, as bob: no job secret, store port or --env
-    value (its name stays)."""
+    """status --json of alice's jobs, as bob: no job secret, store port, --env value (its
+    name stays) or crash traceback (the job's output; the error's line stays)."""
     cfg = lab()
     secret = db_rows(db_path, "SELECT secret FROM jobs WHERE id = 1")[0][0]
     as_user(monkeypatch, "bob")
     out = "".join(invoke(cfg, home, *a).stdout for a in (("status", "1", "--json"), ("status", "--json"),
-                                                          ("events", "1", "--json"), ("status", "1")))
-    assert "API_KEY" in out
-    for hidden in (secret, SECRET_ENV, str(STORE_PORT)):
+                                                          ("status", "4", "--json"), ("status", "1")))
+    assert "API_KEY" in out and "ValueError: bad batch" in out
+    for hidden in (secret, SECRET_ENV, str(STORE_PORT), "Traceback"):
         assert hidden not in out
+    as_user(monkeypatch, "alice")   # the owner's own view holds the traceback
+    assert json.loads(invoke(cfg, home, "status", "4", "--json").stdout)["last_crash"]["traceback"][1] == \
+        f"ValueError: token {SECRET_ENV}"
+
+
+@pytest.mark.parametrize("verb, what", [("logs", "logs"), ("events", "events")])
+def test_a_jobs_output_and_history_are_its_owners_and_the_admins(lab, home, db_path, monkeypatch, verb, what):
+    """logs and events of alice's job: bob is refused (one line naming the owner, exit 2,
+    nothing written); alice and carol, an admin, read them."""
+    cfg = lab(admins=("carol",))
+    as_user(monkeypatch, "bob")
+    before = db_dump(db_path)
+    assert refused_line(invoke(cfg, home, verb, "4")) == \
+        f"error: job 4 belongs to alice; only alice or an admin ([access] admins) may read its {what}."
+    assert db_dump(db_path) == before
+    for reader in ("alice", "carol"):
+        as_user(monkeypatch, reader)
+        r = invoke(cfg, home, verb, "4")
+        assert r.exit_code == 0, r.stderr
+        assert ("epoch 1 loss 0.5" if verb == "logs" else "worker 0 crashed") in r.stdout
 
 
 def alices_job_running_on_the_local_host(cfg, home) -> None:
