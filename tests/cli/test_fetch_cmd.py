@@ -87,3 +87,19 @@ def test_a_file_and_a_directory_come_back_without_the_link_leaving_the_job(setup
 
 def test_help_gives_an_example():
     assert "Example: gpuflex fetch 3 out/model.pt" in (fetch_cmd.fetch.__doc__ or "")
+
+
+def test_a_host_that_cannot_be_reached_is_one_line_and_exit_1(home):
+    cfg = write_config(home, extra='\n[[hosts]]\nname = "far"\naddress = "127.0.0.1"\nport = 1\n'
+                                   'gpus = "cpu:2"\nconnect_timeout_s = 2\n')
+    svc = JobService(load_config(str(cfg)))
+    svc.refresh()
+    with svc.sessions.begin() as s:
+        job = Job(token="t", name="far", state="failed", argv=["true"], workdir="/x", env={}, min_workers=1,
+                  max_workers=1, gpus_per_worker=1, user=access.caller(), created_at=time.time())
+        job.workers.append(Worker(wid=0, rank=0, host="far", gpus=[0], state="lost", log_path="l", exit_path="e"))
+        s.add(job)
+    svc.close()
+    r = invoke(home, cfg, "fetch", "1", "out", "--to", str(home / "back"))
+    assert r.exit_code == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "far" in r.stderr and "refused" in r.stderr
