@@ -92,6 +92,9 @@ def test_no_sync_overrides_the_pools_sync_true(home, src):
     assert not (home / ".local/state/gpuflex/code").exists()   # nothing packed
     r = run(cfg, home, "submit", "--after", "1", "--workdir", str(src), "--json", "--", "python", "x.py")
     assert json.loads(r.stdout)["code_sha256"] == pack_bytes(src)[1].sha256   # the pool's default
+    (src / "task.toml").write_text('[job]\nsync = false\nafter = "1"\nrun = "python x.py"\n')
+    r = run(cfg, home, "submit", "--workdir", str(src), "--json", str(src / "task.toml"))
+    assert json.loads(r.stdout)["code_sha256"] is None, r.stderr   # a task file's sync = false too
 
 
 def test_a_host_with_sync_true_runs_the_sent_code_others_the_submit_directory(home, src):
