@@ -11,8 +11,8 @@ Where the copy goes, as scp and Slurm's sgather do it: `DIR/<last part of PATH>`
 host holds it; when the job ran on several hosts and no `--host` chose one, each host's
 copy goes to `DIR/<host>/<last part of PATH>`, so no host's file overwrites another's. A
 host without PATH (only rank 0 wrote it) is reported, not an error, as long as one host
-had it. Like `gpuflex logs`, fetch reads and changes nothing in the database; unlike logs
-it asks for the job's owner or an admin, since it copies files out.
+had it. Like `gpuflex logs`, fetch changes nothing in the database; unlike logs it asks
+for the job's owner or an admin, since it copies files out.
 """
 
 from __future__ import annotations
