@@ -30,7 +30,8 @@ def is_task_file(path: str) -> bool:
 def task_args(text: str, options: Mapping[str, tuple[str, bool]]) -> tuple[list[tuple[str, tuple[str, ...]]],
                                                                             list[str]]:
     """(each setting's key and option words, the command) of a task file. `options`:
-    each key a task file may hold -> (its option, whether it is a flag). A file that is
+    each key a task file may hold -> (its option, whether it is a flag; a two-way flag is
+    written as click does, "--sync/--no-sync"). A file that is
     not TOML, a key that is none of them, a value of the wrong kind or no `run` is a
     UsageError naming it."""
     try:
@@ -80,7 +81,8 @@ def _words(key: str, flag: str, is_flag: bool, value: Any) -> tuple[str, ...]:
     if is_flag:
         if not isinstance(value, bool):
             raise UsageError(f"[job] {key} = {value!r}: give true or false.")
-        return (flag,) if value else ()
+        on, _, off = flag.partition("/")   # "--sync/--no-sync": false says --no-sync (over a default true)
+        return (on,) if value else ((off,) if off else ())
     if key == "env" and isinstance(value, dict):
         return tuple(w for k, v in value.items() for w in (flag, f"{k}={_scalar(key, v)}"))
     if key == "env" and isinstance(value, list):

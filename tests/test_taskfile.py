@@ -8,7 +8,7 @@ from gpuflex.errors import UsageError
 from gpuflex.taskfile import is_task_file, task_args
 
 OPTIONS = {"name": ("--name", False), "workers": ("--workers", False), "harvest": ("--harvest", True),
-           "requeue": ("--requeue", True), "env": ("--env", False), "after": ("--after", False),
+           "requeue": ("--requeue", True), "sync": ("--sync/--no-sync", True), "env": ("--env", False), "after": ("--after", False),
            "time": ("--time", False), "gpus_per_worker": ("--gpus-per-worker", False)}
 
 
@@ -21,6 +21,9 @@ def test_each_key_becomes_its_options_words_and_run_the_command():
                      ("requeue", ()), ("env", ("--env", "LR=3e-4", "--env", "SEED=1")),
                      ("after", ("--after", "3,4")), ("time", ("--time", "90"))]
     assert run == ["python", "train.py", "--lr", "3e-4"]
+    keyed, _ = task_args('[job]\nsync = false\nrun = "x"\n', OPTIONS)
+    assert keyed == [("sync", ("--no-sync",))]   # a two-way flag's false is its other word
+    assert task_args('[job]\nsync = true\nrun = "x"\n', OPTIONS)[0] == [("sync", ("--sync",))]
 
 
 def test_run_may_be_a_list_and_env_a_list_of_items():

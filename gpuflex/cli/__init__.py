@@ -17,7 +17,8 @@ import typer
 from typer.core import TyperGroup
 
 from gpuflex.errors import INTERRUPTED_EXIT
-from gpuflex.cli import acct_cmd, common, db_cmd, doctor_cmd, harvest_cmd, hosts_cmd, jobs_cmd, metrics_cmd, run_cmd
+from gpuflex.cli import (acct_cmd, common, db_cmd, doctor_cmd, fetch_cmd, harvest_cmd, hosts_cmd, jobs_cmd,
+                         metrics_cmd, run_cmd)
 
 
 class OneLineErrors(TyperGroup):
@@ -98,6 +99,7 @@ doctor_cmd.register(app)
 harvest_cmd.register(app)
 metrics_cmd.register(app)
 run_cmd.register(app)
+fetch_cmd.register(app)
 acct_cmd.register(app)
 app.add_typer(db_cmd.app, name="db")
 

@@ -179,7 +179,8 @@ def _task_layers(argv: list[str], params) -> tuple[list, list[str], str]:
         raise UsageError(f"{path}: no such task file.") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"{path}: cannot read the task file: {getattr(e, 'strerror', None) or e}.") from None
-    options = {p.name: (p.opts[0], bool(getattr(p, "is_flag", False))) for p in params}
+    options = {p.name: ("/".join(p.opts[:1] + p.secondary_opts[:1]), bool(getattr(p, "is_flag", False)))
+               for p in params}
     try:
         keyed, run = taskfile.task_args(text, options)
     except UsageError as e:

@@ -76,10 +76,14 @@ def submit(
                                         "mixed GPUs; default) or even."),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", help="An in-place job starts from this "
                                               "checkpoint directory of an earlier job, at any world size."),
-    sync: bool = typer.Option(False, "--sync", help="Send the working directory to the hosts (packed once, "
-                              "minding .gitignore, at most \\[jobs] sync_cap_mib; a host that already has this "
-                              "tree gets nothing) and run there; outputs stay on the host. Default: \\[jobs] sync, "
-                              "a host's sync. E.g. gpuflex submit --sync -- python train.py."),
+    sync: Optional[bool] = typer.Option(None, "--sync/--no-sync", show_default=False,
+                                        help="Send the working directory to the hosts (packed once, "
+                                        "minding .gitignore, at most \\[jobs] sync_cap_mib; a host that already "
+                                        "has this tree gets nothing) and run there; outputs stay on the host "
+                                        "(gpuflex fetch brings them back). --no-sync: run in the working "
+                                        "directory on every host, whatever \\[jobs] sync or a host's sync say "
+                                        "(the default when neither is given). "
+                                        "E.g. gpuflex submit --sync -- python train.py."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.

@@ -316,11 +316,12 @@ def local_user() -> str:
         return str(os.getuid())
 
 
-def pack_code(config: Config, sync: bool, workdir: str) -> str | None:
+def pack_code(config: Config, sync: bool | None, workdir: str) -> str | None:
     """`submit --sync` (issue 33): the submit directory packed into the submitter's cache, its
     sha256 returned; None when no host would use it (neither --sync, `[jobs] sync` nor any
-    host's `sync`). A tree over `[jobs] sync_cap_mib` is a UsageError (exit 2)."""
-    if not (sync or any(h.syncs(config.jobs.sync) for h in config.hosts)):
+    host's `sync`), or `--no-sync` (`sync` False, not None) turned them all off. A tree over
+    `[jobs] sync_cap_mib` is a UsageError (exit 2)."""
+    if sync is False or not (sync or any(h.syncs(config.jobs.sync) for h in config.hosts)):
         return None
     return sync_code.pack_to_cache(Path(workdir), cap=int(config.jobs.sync_cap_mib * 1024 * 1024)).sha256
 

@@ -75,7 +75,9 @@ class SubmitRequest:
     # issue 33: where each setting came from (setting -> "command line", "#GPUFLEX",
     # "#SBATCH", "task file" or "default"; gpuflex/cli/job_settings.py); None: not told
     sources: dict[str, str] | None = None
-    sync: bool = False   # issue 33: --sync (pack the workdir, send it to every host)
+    # issue 33: --sync (pack the workdir, send it to every host), --no-sync (to none, whatever
+    # the pool's or a host's `sync`); None: neither given, the config decides per host
+    sync: bool | None = None
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)

@@ -239,7 +239,7 @@ class JobService:
                     notify_url=req.notify or self.config.notify.url,
                     sources=dict(req.sources) if req.sources is not None else None,
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
-                    user=access.caller(), sync=req.sync, code_sha256=code,
+                    user=access.caller(), sync=bool(req.sync), code_sha256=code,
                 )
                 session.add(job)
                 session.flush()

@@ -235,6 +235,17 @@ class SSHTransport(Transport):
                                                  f"(its sshd needs a 'Subsystem sftp' line): "
                                                  f"{e or type(e).__name__}") from None
 
+    def get(self, files: list[tuple[str, str]]) -> None:
+        """By SFTP over the pooled connection, one SFTP session for all the files."""
+        remote = ""
+        try:
+            with self.client().open_sftp() as sftp:
+                for remote, local in files:
+                    sftp.get(remote, local)
+        except (paramiko.SSHException, EOFError, OSError) as e:
+            raise TransportError(self.host.name, f"cannot fetch {remote} from {_where(self.host)} by SFTP: "
+                                                 f"{getattr(e, 'strerror', None) or e or type(e).__name__}") from None
+
     def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
         """Relay one JSON-lines exchange through `python -m gpuflex.hosts.relay PATH` on the host.
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from gpuflex.config import HostConfig
 from gpuflex.errors import CommandTimeout, TransportError
-from gpuflex.hosts import hostops
+from gpuflex.hosts import gather, hostops
 from gpuflex.hosts.relay import unix_request
 
 
@@ -145,6 +145,20 @@ class Transport(abc.ABC):
         """Copy a local file to an absolute path on the host (`submit --sync`'s tar)."""
         raise TransportError(self.host.name, f"a {self.host.transport} host cannot be sent files")
 
+    def gather(self, root: str, path: str) -> dict[str, Any]:
+        """What `gpuflex fetch` copies of `path` under `root` on the host (gpuflex.hosts.gather's reply)."""
+        res = self.run([self.host.python, "-m", "gpuflex.hosts.gather", root, path])
+        try:
+            return json.loads(res.stdout.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            said = ((res.stderr + res.stdout).strip() or f"exit {res.returncode}").splitlines()[-1][:300]
+            raise TransportError(self.host.name, f"fetch: {said}") from None
+
+    def get(self, files: list[tuple[str, str]]) -> None:
+        """Copy files of the host (absolute paths) to local paths whose directories exist
+        (`gpuflex fetch`), in one session."""
+        raise TransportError(self.host.name, f"a {self.host.transport} host cannot send files back")
+
     def cleanup(self, socket_dirs: list[str]) -> list[bool]:
         """Remove a finished run's socket directories (ours only); True per one gone."""
         return self.hostop("cleanup", {"socket_dirs": socket_dirs})
@@ -191,6 +205,18 @@ class LocalTransport(Transport):
             shutil.copyfile(local_path, remote_path)
         except OSError as e:
             raise TransportError(self.host.name, f"cannot copy to {remote_path}: {e.strerror}") from None
+
+    def gather(self, root: str, path: str) -> dict[str, Any]:
+        return gather.gather(root, path)
+
+    def get(self, files: list[tuple[str, str]]) -> None:
+        for remote, local in files:
+            try:   # the path was resolved on the host side: a link put in its place since is not read
+                fd = os.open(remote, os.O_RDONLY | os.O_NOFOLLOW)
+                with os.fdopen(fd, "rb") as src, open(local, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+            except OSError as e:
+                raise TransportError(self.host.name, f"cannot copy {e.filename or remote}: {e.strerror}") from None
 
     def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
         try:

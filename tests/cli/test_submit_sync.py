@@ -82,10 +82,25 @@ def test_no_sync_anywhere_packs_nothing(home, src):
     assert not (home / ".local/state/gpuflex/code").exists()
 
 
+def test_no_sync_overrides_the_pools_sync_true(home, src):
+    cfg = write_config(home)
+    cfg.write_text(cfg.read_text().replace("[jobs]\n", "[jobs]\nsync = true\n"))
+    blocked(cfg)
+    r = run(cfg, home, "submit", "--no-sync", "--after", "1", "--workdir", str(src), "--json", "--", "python", "x.py")
+    assert r.exit_code == 0, r.stderr
+    assert (json.loads(r.stdout)["sync"], json.loads(r.stdout)["code_sha256"]) == (False, None)
+    assert not (home / ".local/state/gpuflex/code").exists()   # nothing packed
+    r = run(cfg, home, "submit", "--after", "1", "--workdir", str(src), "--json", "--", "python", "x.py")
+    assert json.loads(r.stdout)["code_sha256"] == pack_bytes(src)[1].sha256   # the pool's default
+    (src / "task.toml").write_text('[job]\nsync = false\nafter = "1"\nrun = "python x.py"\n')
+    r = run(cfg, home, "submit", "--workdir", str(src), "--json", str(src / "task.toml"))
+    assert json.loads(r.stdout)["code_sha256"] is None, r.stderr   # a task file's sync = false too
+
+
 def test_a_host_with_sync_true_runs_the_sent_code_others_the_submit_directory(home, src):
     cfg = write_config(home, extra='sync = true\n\n[[hosts]]\nname = "far"\naddress = "far.lab"\ngpus = "cpu:2"\n')
     config = load_config(str(cfg))
-    sha = pack_code(config, False, str(src))   # a host syncs: packed without --sync
+    sha = pack_code(config, None, str(src))   # a host syncs: packed without --sync
     assert sha == pack_bytes(src)[1].sha256
     row = Job(workdir=str(src), sync=False, code_sha256=sha)
     assert worker_cwd(config, config.host("local"), row) == f"{home}/work/.gpuflex/code/{sha}"

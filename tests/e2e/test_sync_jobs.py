@@ -1,11 +1,12 @@
 """`submit --sync` on the local host (issue 33): the same layout as over SSH, through a
-local copy; the workers run in `<workdir>/.gpuflex/code/<sha256>`, not where submit ran."""
+local copy; the workers run in `<workdir>/.gpuflex/code/<sha256>`, not where submit ran, and `gpuflex fetch` copies back
+what they wrote there."""
 
 from __future__ import annotations
 
 import os
 
-SCRIPT = "#!/bin/sh\necho \"ran in $(pwd)\"\ncat data.txt\n"
+SCRIPT = "#!/bin/sh\necho \"ran in $(pwd)\"\ncat data.txt\necho result > result.txt\n"
 
 
 def test_local_sync_runs_in_the_code_directory(gf, home):
@@ -21,3 +22,6 @@ def test_local_sync_runs_in_the_code_directory(gf, home):
     out = gf.ok("logs", str(job["id"])).stdout
     assert f"ran in {code}" in out and "local data" in out
     assert [e["kind"] for e in gf.json("events", str(job["id"])) if e["kind"] == "code"] == ["code"]
+    gf.ok("fetch", str(job["id"]), "result.txt", "--to", str(home / "back"))
+    assert (home / "back" / "result.txt").read_text() == "result\n"
+    assert not (src / "result.txt").exists()   # written in the sent copy, not the submit directory

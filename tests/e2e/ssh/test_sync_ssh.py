@@ -1,5 +1,6 @@
 """`submit --sync` over SSH (issue 33): the workers run in the copy sent to the host, never
-in the submit directory, and a second job of the same tree sends nothing.
+in the submit directory, a second job of the same tree sends nothing, and `gpuflex fetch`
+brings a file and a directory back by SFTP.
 
 The bed's sshd logs in as the test's own user (root on the test machines), who reads
 every directory, so "a submit directory the SSH user cannot read" is made the strongest
@@ -16,7 +17,8 @@ import pytest
 from tests.conftest import GpuflexCLI, cleanup_jobs
 from tests.sshbed import host_toml, ssh_hosts  # noqa: F401
 
-SCRIPT = "#!/bin/sh\necho \"ran in $(pwd)\"\ncat data.txt\necho written >> result.txt\ncat result.txt\n"
+SCRIPT = ("#!/bin/sh\necho \"ran in $(pwd)\"\ncat data.txt\necho written >> result.txt\ncat result.txt\n"
+          "mkdir -p out/sub && echo deep > out/sub/d.txt && ln -sf /etc/hostname out/leak\n")
 
 
 @pytest.fixture
@@ -70,3 +72,10 @@ def test_sync_runs_the_sent_copy_and_a_second_job_sends_nothing(one_host, home):
     assert done["state"] == "succeeded", done
     assert "written\nwritten" in cli.ok("logs", str(again["id"])).stdout   # the same directory
     assert code_events(cli, again["id"]) == []
+
+    back = home / "back"
+    cli.ok("fetch", str(again["id"]), "result.txt", "--to", str(back))
+    assert (back / "result.txt").read_text() == "written\nwritten\n"
+    r = cli.ok("fetch", str(again["id"]), "out", "--to", str(back))
+    assert (back / "out" / "sub" / "d.txt").read_text() == "deep\n"
+    assert not (back / "out" / "leak").exists() and "left out leak" in r.stderr   # never followed out
