@@ -49,7 +49,7 @@ def test_a_session_holds_its_devices_and_one_that_does_not_fit_records_nothing(s
     info = svc.job(1)
     assert (info.kind, info.state, info.world_size, info.workers[0].pid) == ("interactive", JobState.RUNNING, 1,
                                                                             os.getpgrp())
-    with pytest.raises(interactive.Full, match="no local host has 3 free device"):
+    with pytest.raises(interactive.Full, match="no host has 3 free device"):
         svc.open_session(["bash"], 3, None, NO_GROUP)
     assert jobs(svc) == [(1, "interactive", JobState.RUNNING)]
 
