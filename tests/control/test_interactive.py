@@ -95,3 +95,11 @@ def test_requeue_refuses_a_session(svc):
     with pytest.raises(Exception, match="interactive session: it cannot be requeued"):
         svc.requeue([str(s.job_id)])
     assert svc.job(s.job_id).state is JobState.RUNNING
+
+
+def test_an_ssh_hosts_login_is_the_ssh_command_gpuflex_uses():
+    from gpuflex.config import HostConfig
+    assert interactive.login(HostConfig(name="gpu01", address="10.0.0.5", port=2222, user="me", gpus="all")) \
+        == "ssh -p 2222 me@10.0.0.5"
+    assert interactive.login(HostConfig(name="gpu02", address="gpu02.lab", gpus="all")) == "ssh gpu02.lab"
+    assert interactive.login(HostConfig(name="local", address="local", gpus="cpu:2")) is None
