@@ -42,7 +42,7 @@ from gpuflex.db.models import Job, Worker
 from gpuflex.elastic.protocol import env as env_contract
 from gpuflex.errors import UsageError
 from gpuflex.hosts.transport import SpawnSpec
-from gpuflex.policy.placement import Placement, place
+from gpuflex.policy.placement import Assignment, Placement, place
 from gpuflex.states import JobState, WorkerState
 
 INTERACTIVE = "interactive"
@@ -132,7 +132,7 @@ def _job(verb: str, kind: str, argv: list[str], gpus: int, time_limit_s: float |
                time_limit_s=time_limit_s, kind=kind, user=access.caller())
 
 
-def _placed(ops: Ops, verb: str, job: Job, host: str | None):
+def _placed(ops: Ops, verb: str, job: Job, host: str | None) -> Assignment:
     """The one assignment of `job` now, or `Full` (the owner's quota, or no room)."""
     over = queueing.over_quota(ops, job)
     if over is not None:
