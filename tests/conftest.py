@@ -259,6 +259,7 @@ def py(code: str) -> list[str]:
 def add_finished_job(config_path: Path, name: str, logs: list[Path]) -> int:
     """Record a succeeded job whose workers wrote `logs` (no processes); returns its id."""
     from gpuflex.config import load_config
+    from gpuflex.control import access
     from gpuflex.control.service import JobService
     from gpuflex.db.models import Job, Worker
 
@@ -268,7 +269,7 @@ def add_finished_job(config_path: Path, name: str, logs: list[Path]) -> int:
         with svc.sessions.begin() as s:
             job = Job(token=f"t{time.time_ns()}"[-12:], name=name, state="succeeded", argv=["true"],
                       workdir=str(config_path.parent), env={}, min_workers=len(logs),
-                      max_workers=len(logs), gpus_per_worker=1, user="u", world_size=len(logs),
+                      max_workers=len(logs), gpus_per_worker=1, user=access.caller(), world_size=len(logs),
                       exit_code=0, started_at=time.time(), ended_at=time.time())
             for wid, log in enumerate(logs):
                 job.workers.append(Worker(wid=wid, rank=wid, host="local", gpus=[wid], state="exited",

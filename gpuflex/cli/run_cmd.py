@@ -36,8 +36,9 @@ def run(
     gpus: int = typer.Option(1, "--gpus", help=_GPUS_HELP),
     time: Optional[str] = typer.Option(None, "--time", help=_TIME_HELP),
 ) -> None:
-    """Run a command (default: your shell) in the foreground on devices of a local host,
-    recorded as an interactive job of yours while it runs.
+    """Run a command (default: your shell) in the foreground on devices of a host of the
+    pool (local, or SSH: it runs there, in this directory's path, over the host's SSH
+    connection), recorded as an interactive job of yours while it runs.
 
     It gets CUDA_VISIBLE_DEVICES (GPUFLEX_SLOTS on a CPU-slot host) and GPUFLEX_JOB_ID,
     and a terminal of its own when stdin is one. It counts toward your quota and fair
@@ -53,9 +54,13 @@ def run(
     parse_count("--gpus", gpus, 1, MAX_GPUS_PER_WORKER)
     limit = parse_time(time) if time is not None else None
     service = obj(ctx).service()
-    held = terminal.fork_blocked(argv, use_pty=os.isatty(sys.stdin.fileno()))
+    host = service.session_host(gpus)
+    use_pty = os.isatty(sys.stdin.fileno())
+    if not host.is_local:
+        raise typer.Exit(_run_remote(service, host, argv, gpus, limit, use_pty))
+    held = terminal.fork_blocked(argv, use_pty=use_pty)
     try:
-        session = service.open_session(argv, gpus, limit, held.pid)
+        session = service.open_session(argv, gpus, limit, held.pid, host.name)
     except BaseException:
         terminal.abort(held)
         raise
@@ -66,14 +71,32 @@ def run(
     raise typer.Exit(rc)
 
 
+def _run_remote(service, host, argv: list[str], gpus: int, limit: float | None, use_pty: bool) -> int:
+    """The session on an SSH host: its command started there under a supervisor
+    (gpuflex.hosts.attach), which keeps the time limit and writes the exit record."""
+    from gpuflex.hosts import remote_session   # paramiko, loaded only where SSH is used
+    transport = service.pool.transport(host)
+    held = remote_session.start(transport, os.getcwd(), argv, use_pty)
+    try:
+        session = service.open_session(argv, gpus, limit, held.pid, host.name)
+    except BaseException:
+        remote_session.abort(held)
+        raise
+    remote_session.go(held, session.env, session.exit_path, session.deadline, session.grace_s)
+    rc = remote_session.attend(held, lambda signum: transport.signal([held.pid], signum))
+    service.refresh()
+    return rc
+
+
 @command
 def alloc(
     ctx: typer.Context,
     gpus: int = typer.Option(1, "--gpus", help=_GPUS_HELP),
     time: Optional[str] = typer.Option(None, "--time", help=_TIME_HELP),
 ) -> None:
-    """Hold devices of a local host for your own use until --time or `gpuflex cancel JOB`
-    (Slurm's salloc), recorded as a job of yours (kind alloc), and print how to use them.
+    """Hold devices of a host of the pool (local or SSH) for your own use until --time or
+    `gpuflex cancel JOB` (Slurm's salloc), recorded as a job of yours (kind alloc), and
+    print how to use them (on an SSH host, the ssh command that reaches it too).
 
     Processes you start with the printed environment use the held devices (gpuflex does
     not track them). It counts toward your quota and fair share, is never preempted or
@@ -90,5 +113,7 @@ def alloc(
     console.print(f"job {session.job_id} holds {what} {','.join(map(str, session.devices))} on "
                   f"{session.host} {until} 'gpuflex cancel {session.job_id}'. To use them:", highlight=False,
                   soft_wrap=True)
+    if session.login is not None:
+        console.print(f"on {session.host}: {session.login}", highlight=False, soft_wrap=True)
     console.print("export " + " ".join(f"{k}={shlex.quote(v)}" for k, v in session.env.items()),
                   highlight=False, soft_wrap=True)

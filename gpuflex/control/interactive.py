@@ -1,15 +1,19 @@
 """Interactive sessions (issue 33): `gpuflex run`, whose command runs in the foreground on
 its caller's terminal, recorded as a job of its owner (kind "interactive").
 
-A session is placed like a job (its owner's quota, the free devices of the local hosts)
-but never waits: a pool that cannot hold it now refuses it (`Full`), with nothing
-recorded. Its one worker row stands for the command that `gpuflex run` forked before
-asking (blocked until told to go, so its process group is recorded with the job, in the
+A session is placed like a job (its owner's quota, the free devices of the pool's hosts,
+local or SSH) but never waits: a pool that cannot hold it now refuses it (`Full`), with nothing
+recorded. `where` names its host first (nothing written), so that `gpuflex run` can start
+the command there: forked here for a local host, for an SSH host under
+gpuflex.hosts.attach, a supervisor started over the SSH connection. Its one worker row
+stands for that command, started before asking (blocked until told to go, so its process group is recorded with the job, in the
 same transaction: no command ever sees the row without its group). The command is the
 leader of its own group: `gpuflex cancel` signals that group as it signals any worker's.
 When it ends, `gpuflex run` writes the worker's exit record (as a supervisor does) and
-reconciles; a `gpuflex run` killed outright takes its command with it (the terminal's
-hang-up), and the next command's reconcile finds the group gone without a record: lost.
+reconciles (on an SSH host the supervisor writes it there); a `gpuflex run` killed
+outright takes its command with it (the terminal's hang-up; on an SSH host, the
+supervisor's, when the connection is gone), and the next command's reconcile finds the
+group gone, with or without a record.
 
 An allocation (`gpuflex alloc`, kind "alloc") is the same job with a sleeper for its
 worker, started under a supervisor like any worker (`open_alloc`): it holds the devices
@@ -28,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import shlex
 import time
 
 from gpuflex.control import access, executor, intents, journal, queueing
@@ -37,7 +42,7 @@ from gpuflex.db.models import Job, Worker
 from gpuflex.elastic.protocol import env as env_contract
 from gpuflex.errors import UsageError
 from gpuflex.hosts.transport import SpawnSpec
-from gpuflex.policy.placement import Placement, place
+from gpuflex.policy.placement import Assignment, Placement, place
 from gpuflex.states import JobState, WorkerState
 
 INTERACTIVE = "interactive"
@@ -63,6 +68,7 @@ class Session:
     exit_path: str
     deadline: float | None
     grace_s: float
+    login: str | None = None     # how to reach the host ("ssh ..."); None: a local host
 
 
 def session_env(job_id: int, devices: tuple[int, ...], slots: bool) -> dict[str, str]:
@@ -77,19 +83,25 @@ def session_env(job_id: int, devices: tuple[int, ...], slots: bool) -> dict[str,
     return env
 
 
-def choose(ops: Ops, gpus: int) -> Placement:
-    """Where a session of `gpus` devices goes now: a local host only (its command runs
-    here, on the caller's terminal)."""
-    local = {h.name for h in ops.config.hosts if h.is_local}
-    free = [h for h in queueing.room(ops).free if h.name in local]
+def choose(ops: Ops, gpus: int, host: str | None = None) -> Placement:
+    """Where a session of `gpus` devices goes now, by the placement rules of a job's one
+    worker (any host, local or SSH; only `host` when given)."""
+    free = [h for h in queueing.room(ops).free if host is None or h.name == host]
     return place(free, 1, 1, gpus)
 
 
-def open_session(ops: Ops, argv: list[str], gpus: int, time_limit_s: float | None, pgid: int) -> Session:
+def where(ops: Ops, gpus: int) -> str:
+    """The host a session of `gpus` devices of the caller would get now (nothing
+    written); `Full` as `open_session`."""
+    return _placed(ops, "gpuflex run", _job("gpuflex run", INTERACTIVE, ["run"], gpus, None), None).host
+
+
+def open_session(ops: Ops, argv: list[str], gpus: int, time_limit_s: float | None, pgid: int,
+                 host: str | None = None) -> Session:
     """Record a running interactive job of the caller for the command whose group is
-    `pgid`, on devices free now; `Full` (nothing written) when there are none, or when
-    the caller's quota would be exceeded."""
-    job, w = _record(ops, "gpuflex run", INTERACTIVE, argv, gpus, time_limit_s)
+    `pgid` (on `host`, where it was started, when given), on devices free now; `Full`
+    (nothing written) when there are none, or when the caller's quota would be exceeded."""
+    job, w = _record(ops, "gpuflex run", INTERACTIVE, argv, gpus, time_limit_s, host)
     w.pid, w.pgid = pgid, pgid
     return _session(ops, job, w)
 
@@ -98,11 +110,10 @@ def open_alloc(ops: Ops, gpus: int, time_limit_s: float | None) -> Session:
     """Record a running allocation of the caller (`gpuflex alloc`): its worker is a
     sleeper under a supervisor, as any worker (which keeps its time limit and writes its
     exit record), until the limit or a cancel; `Full` as for a session."""
-    host = next((h for h in ops.config.hosts if h.is_local), None)
-    argv = [host.python if host is not None else "python3", *SLEEPER]
-    job, w = _record(ops, "gpuflex alloc", ALLOC, argv, gpus, time_limit_s)
-    job.name = "alloc"
+    job, w = _record(ops, "gpuflex alloc", ALLOC, ["python3", *SLEEPER], gpus, time_limit_s)
     host = ops.config.host(w.host)
+    argv = [host.python, *SLEEPER]   # the python of the host it got
+    job.name, job.argv = "alloc", argv
     # noted before the sleeper spawns: a command killed before its commit leaves no
     # process the database does not know (gpuflex.control.intents ends it)
     intents.note(ops.config.database_url, job.id, job.socket_dir, [host.name])
@@ -114,24 +125,31 @@ def open_alloc(ops: Ops, gpus: int, time_limit_s: float | None) -> Session:
     return _session(ops, job, w)
 
 
-def _record(ops: Ops, verb: str, kind: str, argv: list[str], gpus: int,
-            time_limit_s: float | None) -> tuple[Job, Worker]:
-    """The running job of `kind` and its one worker row (no process recorded yet)."""
-    if not any(h.is_local for h in ops.config.hosts):
-        raise UsageError(f"{verb} needs a local host in the pool (its devices are used from this "
-                         "machine); none is configured.")
-    job = Job(token=secrets.token_hex(6), name=os.path.basename(argv[0]) or kind, state=JobState.QUEUED,
-              argv=list(argv), workdir=os.getcwd(), env={}, submit_env=None, min_workers=1, max_workers=1,
-              gpus_per_worker=gpus, priority=0, harvest=False, retries=0, elastic=None,
-              time_limit_s=time_limit_s, kind=kind, user=access.caller())
+def _job(verb: str, kind: str, argv: list[str], gpus: int, time_limit_s: float | None) -> Job:
+    return Job(token=secrets.token_hex(6), name=os.path.basename(argv[0]) or kind, state=JobState.QUEUED,
+               argv=list(argv), workdir=os.getcwd(), env={}, submit_env=None, min_workers=1, max_workers=1,
+               gpus_per_worker=gpus, priority=0, harvest=False, retries=0, elastic=None,
+               time_limit_s=time_limit_s, kind=kind, user=access.caller())
+
+
+def _placed(ops: Ops, verb: str, job: Job, host: str | None) -> Assignment:
+    """The one assignment of `job` now, or `Full` (the owner's quota, or no room)."""
     over = queueing.over_quota(ops, job)
     if over is not None:
         raise Full(f"{verb}: not started, {over}.")
-    p = choose(ops, gpus)
+    p = choose(ops, job.gpus_per_worker, host)
     if not p.ok:
-        raise Full(f"{verb}: not started, no local host has {gpus} free device(s) now "
+        on = f"{host} no longer has" if host is not None else "no host has"
+        raise Full(f"{verb}: not started, {on} {job.gpus_per_worker} free device(s) now "
                    f"({p.reason or 'the pool is full'}); try again later, or submit a job to wait.")
-    a = p.assignments[0]
+    return p.assignments[0]
+
+
+def _record(ops: Ops, verb: str, kind: str, argv: list[str], gpus: int,
+            time_limit_s: float | None, host: str | None = None) -> tuple[Job, Worker]:
+    """The running job of `kind` and its one worker row (no process recorded yet)."""
+    job = _job(verb, kind, argv, gpus, time_limit_s)
+    a = _placed(ops, verb, job, host)
     ops.session.add(job)
     ops.session.flush()
     job.started_at = time.time()
@@ -149,7 +167,15 @@ def _session(ops: Ops, job: Job, w: Worker) -> Session:
     slots = host.cpu_slots is not None
     devices = tuple(w.gpus)
     return Session(job.id, w.host, devices, slots, session_env(job.id, devices, slots),
-                   w.exit_path, L.run_deadline(job), ops.config.jobs.cancel_grace_s)
+                   w.exit_path, L.run_deadline(job), ops.config.jobs.cancel_grace_s, login(host))
+
+
+def login(host) -> str | None:
+    """The ssh command that reaches an SSH host as gpuflex does (None: a local host)."""
+    if host.is_local:
+        return None
+    where = f"{host.user}@{host.address}" if host.user else host.address
+    return shlex.join(["ssh", *(["-p", str(host.port)] if host.port != 22 else []), where])
 
 
 def reconcile(ops: Ops, job: Job) -> None:

@@ -18,10 +18,9 @@ from typing import Any, Iterator
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from gpuflex.config import Config
-from gpuflex.control import (access, acct, executor, intents, interactive, journal, lifecycle, notify, report, restarts, resume, scaling,
-                             verbs,
-                             views)
+from gpuflex.config import Config, HostConfig
+from gpuflex.control import (access, acct, executor, intents, interactive, journal, lifecycle, notify, report, restarts,
+                             resume, scaling, verbs, views)
 from gpuflex.control.executor import Ops
 from gpuflex.control.launch import pack_code, submit_environment
 from gpuflex.control.pool import Pool
@@ -252,14 +251,22 @@ class JobService:
             lifecycle.place_queued(self.ops(session))
             return jobs[0].id
 
-    def open_session(self, argv: list[str], gpus: int, time_limit_s: float | None,
-                     pgid: int) -> interactive.Session:
-        """Record an interactive session (gpuflex.control.interactive) for the command
-        whose group is `pgid`, on devices free now; interactive.Full, with nothing written,
-        when there are none. Queued jobs that fit are started first (a refresh)."""
+    def session_host(self, gpus: int) -> HostConfig:
+        """The host an interactive session of `gpus` devices would get now (nothing
+        written; interactive.Full when none). Queued jobs that fit are started first."""
         self.refresh(probe=True)
         with self.locked() as session:
-            return interactive.open_session(self.ops(session), argv, gpus, time_limit_s, pgid)
+            return self.config.host(interactive.where(self.ops(session), gpus))
+
+    def open_session(self, argv: list[str], gpus: int, time_limit_s: float | None,
+                     pgid: int, host: str | None = None) -> interactive.Session:
+        """Record an interactive session (gpuflex.control.interactive) for the command
+        whose group is `pgid` (started on `host` when given), on devices free now;
+        interactive.Full, with nothing written, when there are none. Queued jobs that
+        fit are started first (a refresh; devices probed unless `host` was just chosen)."""
+        self.refresh(probe=host is None)
+        with self.locked() as session:
+            return interactive.open_session(self.ops(session), argv, gpus, time_limit_s, pgid, host)
 
     def open_alloc(self, gpus: int, time_limit_s: float | None) -> interactive.Session:
         """Record an allocation (gpuflex.control.interactive.open_alloc): devices held by

@@ -191,6 +191,11 @@ class SSHTransport(Transport):
                                                          f"{e or type(e).__name__}") from None
         raise AssertionError("unreachable")
 
+    def open_channel(self) -> paramiko.Channel:
+        """A new session channel on the pooled connection (`gpuflex run`'s, which keeps
+        it open for as long as its command runs: gpuflex.hosts.remote_session)."""
+        return self._open_session()
+
     def run(self, argv: list[str], *, input: str | None = None,
             timeout: float | None = None) -> CommandResult:
         timeout = self.host.command_timeout_s if timeout is None else timeout

@@ -10,7 +10,10 @@ stdin/stdout/stderr as they are, in a process group of its own. Signals `gpuflex
 gets (SIGTERM, SIGHUP; SIGINT without a PTY) are passed to the command's group.
 
 `attend` keeps the time limit, as a supervisor does (gpuflex.hosts.hostops.wait_until):
-at the deadline SIGTERM to the group, the grace, then SIGKILL.
+at the deadline SIGTERM to the group, the grace, then SIGKILL. On an SSH host the same
+code runs under gpuflex.hosts.attach, which also tells it when its caller is gone (the
+terminal hung up, or the connection's process ended): the group gets SIGHUP, the grace,
+then SIGKILL, so a session never outlives the `gpuflex run` that started it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import sys
 import termios
 import time
 import tty
+
+from typing import Callable
 
 from gpuflex.hosts.private import open_private, private_dir
 
@@ -97,10 +102,12 @@ def exit_code(status: int) -> int:
     return 128 - code if code < 0 else code
 
 
-def attend(held: Held, deadline: float | None, grace_s: float) -> tuple[int, bool]:
-    """Relay the terminal until the command ends, keeping the deadline. Returns its exit
-    code and whether the time limit ended it."""
-    state = {"timed_out": False, "term_at": None}
+def attend(held: Held, deadline: float | None, grace_s: float,
+           orphaned: Callable[[], bool] | None = None) -> tuple[int, bool]:
+    """Relay the terminal until the command ends, keeping the deadline (and hanging the
+    command up once `orphaned()` is true). Returns its exit code and whether the time
+    limit ended it."""
+    state = {"timed_out": False, "term_at": None, "orphaned": orphaned}
 
     def forward(signum: int, frame) -> None:
         _killpg(held.pid, signum)
@@ -123,13 +130,22 @@ def attend(held: Held, deadline: float | None, grace_s: float) -> tuple[int, boo
 
 def _keep_deadline(pgid: int, deadline: float | None, grace_s: float, state: dict) -> None:
     now = time.time()
-    if deadline is None or now < deadline:
-        return
     if state["term_at"] is None:
-        state["timed_out"], state["term_at"] = True, now
-        _killpg(pgid, signal.SIGTERM)
+        orphaned = state.get("orphaned")
+        if orphaned is not None and orphaned():
+            _hang_up(pgid, state)
+        elif deadline is not None and now >= deadline:
+            state["timed_out"], state["term_at"] = True, now
+            _killpg(pgid, signal.SIGTERM)
     elif now >= state["term_at"] + grace_s:
         _killpg(pgid, signal.SIGKILL)
+
+
+def _hang_up(pgid: int, state: dict) -> None:
+    """The caller is gone: SIGHUP to the group now, SIGKILL after the grace."""
+    if state["term_at"] is None:
+        state["term_at"] = time.time()
+        _killpg(pgid, signal.SIGHUP)
 
 
 def _killpg(pgid: int, signum: int) -> None:
@@ -147,7 +163,7 @@ def _relay(held: Held, deadline: float | None, grace_s: float, state: dict) -> i
     if interactive:
         _copy_size(stdin, master)
         signal.signal(signal.SIGWINCH, lambda *_: _copy_size(stdin, master))
-        tty.setraw(stdin)
+        tty.setraw(stdin, termios.TCSADRAIN)   # keeps what was typed ahead (TCSAFLUSH drops it)
     inputs = [master, stdin]
     try:
         while True:
@@ -165,9 +181,17 @@ def _relay(held: Held, deadline: float | None, grace_s: float, state: dict) -> i
                     data = b""
                 if not data:
                     break
-                os.write(sys.stdout.fileno(), data)
+                try:
+                    os.write(sys.stdout.fileno(), data)
+                except OSError:   # the caller's terminal is gone; the command is hung up
+                    _hang_up(held.pid, state)
             if stdin in ready:
-                data = os.read(stdin, 65536)
+                try:
+                    data = os.read(stdin, 65536)
+                except OSError:   # EIO: the caller's terminal hung up (an SSH connection closed)
+                    _hang_up(held.pid, state)
+                    inputs = [master]
+                    continue
                 if data:
                     os.write(master, data)
                 else:   # the caller's input ended: pass an end-of-file on, once
@@ -175,8 +199,11 @@ def _relay(held: Held, deadline: float | None, grace_s: float, state: dict) -> i
                     inputs = [master]
     finally:
         if saved is not None:
-            termios.tcsetattr(stdin, termios.TCSAFLUSH, saved)
             signal.signal(signal.SIGWINCH, signal.SIG_DFL)
+            try:
+                termios.tcsetattr(stdin, termios.TCSAFLUSH, saved)
+            except termios.error:   # that terminal is gone
+                pass
         os.close(master)
     _, status = os.waitpid(held.pid, 0)
     return exit_code(status)

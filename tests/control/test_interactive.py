@@ -49,7 +49,7 @@ def test_a_session_holds_its_devices_and_one_that_does_not_fit_records_nothing(s
     info = svc.job(1)
     assert (info.kind, info.state, info.world_size, info.workers[0].pid) == ("interactive", JobState.RUNNING, 1,
                                                                             os.getpgrp())
-    with pytest.raises(interactive.Full, match="no local host has 3 free device"):
+    with pytest.raises(interactive.Full, match="no host has 3 free device"):
         svc.open_session(["bash"], 3, None, NO_GROUP)
     assert jobs(svc) == [(1, "interactive", JobState.RUNNING)]
 
@@ -95,3 +95,11 @@ def test_requeue_refuses_a_session(svc):
     with pytest.raises(Exception, match="interactive session: it cannot be requeued"):
         svc.requeue([str(s.job_id)])
     assert svc.job(s.job_id).state is JobState.RUNNING
+
+
+def test_an_ssh_hosts_login_is_the_ssh_command_gpuflex_uses():
+    from gpuflex.config import HostConfig
+    assert interactive.login(HostConfig(name="gpu01", address="10.0.0.5", port=2222, user="me", gpus="all")) \
+        == "ssh -p 2222 me@10.0.0.5"
+    assert interactive.login(HostConfig(name="gpu02", address="gpu02.lab", gpus="all")) == "ssh gpu02.lab"
+    assert interactive.login(HostConfig(name="local", address="local", gpus="cpu:2")) is None
