@@ -20,6 +20,7 @@ from gpuflex.cli.scale_cmd import scale
 from gpuflex.control import access
 from gpuflex.control.requests import SubmitRequest, parse_env, parse_ref, parse_workers
 from gpuflex.errors import UsageError
+from gpuflex.jobenv import JobEnv, describe
 from gpuflex.jobspec import After, parse_after, parse_array, parse_time
 from gpuflex.states import JobState
 
@@ -80,6 +81,24 @@ def submit(
                               "minding .gitignore, at most \\[jobs] sync_cap_mib; a host that already has this "
                               "tree gets nothing) and run there; outputs stay on the host. Default: \\[jobs] sync, "
                               "a host's sync. E.g. gpuflex submit --sync -- python train.py."),
+    python: Optional[str] = typer.Option(None, "--python", help="Run a command that starts with python or "
+                                         "python3 with this interpreter instead (a path on the hosts, or a "
+                                         "name on their PATH). E.g. gpuflex submit --python /opt/py311/bin/python "
+                                         "-- python train.py."),
+    venv: Optional[str] = typer.Option(None, "--venv", help="Run the workers in this virtualenv (a path on the "
+                                       "hosts): its bin first on PATH and VIRTUAL_ENV set, as after "
+                                       "'source VENV/bin/activate'. E.g. gpuflex submit --venv ~/envs/torch2 -- "
+                                       "python train.py."),
+    conda: Optional[str] = typer.Option(None, "--conda", help="Run the command in this conda environment "
+                                        "(conda run -n NAME --no-capture-output CMD; conda on the hosts' PATH). "
+                                        "E.g. gpuflex submit --conda torch2 -- python train.py. At most one of "
+                                        "--python, --venv and --conda."),
+    env_setup: Optional[str] = typer.Option(None, "--env-setup", help="A shell command run once per host per "
+                                            "run, before that host's workers, in the job's directory with its "
+                                            "environment; if it fails, so does the job (its last lines in the "
+                                            "reason). E.g. gpuflex submit --venv .venv --env-setup 'test -d .venv "
+                                            "|| python3 -m venv .venv && .venv/bin/pip install -r "
+                                            "requirements.txt' -- python train.py."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -140,7 +159,8 @@ def _request(given: job_settings.Settings) -> SubmitRequest:
                          array=parse_array(v["array"]) if v["array"] is not None else None,
                          requeue=v["requeue"], notify=v["notify"], split=v["split"], resume_from=v["resume_from"],
                          environ=None if given.inherit_env else {}, sources=dict(given.sources),
-                         sync=v["sync"])
+                         sync=v["sync"], job_env=JobEnv(python=v["python"], venv=v["venv"], conda=v["conda"],
+                                                        env_setup=v["env_setup"]))
 
 
 ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
@@ -222,6 +242,8 @@ def status(
         if j.code_sha256:
             head += f"\ncode: {j.code_sha256[:12]} ({'--sync' if j.sync else 'hosts with sync = true'}, " \
                     f"in <workdir>/.gpuflex/code/{j.code_sha256[:12]}...)"
+        if describe(JobEnv.of(j)):
+            head += f"\nenvironment: {describe(JobEnv.of(j))}"
         if j.exit_reason:
             head += f"\n{j.exit_reason}"
         elif j.last_crash and not j.state.final:
