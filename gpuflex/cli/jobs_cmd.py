@@ -275,23 +275,36 @@ def logs(
     job: str = typer.Argument(..., help="A job id or name."),
     worker: Optional[int] = typer.Option(None, "--worker", help="Only this rank (or worker id, if no rank matches)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
+    setup: bool = typer.Option(False, "--setup", help="Print the output of the job's --env-setup instead, "
+                               "from each host it ran on. E.g. gpuflex logs 3 --setup."),
 ) -> None:
     """Print worker output.
 
     Example: gpuflex logs 3 --worker 0 --follow
     """
     parse_ref(job)
+    if setup and worker is not None:
+        raise UsageError("--setup prints each host's --env-setup output; give it without --worker.")
     svc = obj(ctx).service()
     _known(svc, job)
     svc.refresh()
-    j = svc.job(job, events=False)
+    j = svc.job(job, events=setup)
+    if setup:   # issue 33: where each host's preparation wrote (gpuflex.control.prepare)
+        logs_at = {(e.data.get("host"), e.data.get("log")) for e in j.events
+                   if e.kind in ("env-ready", "env-setup") and e.data.get("log")}
+        if not j.env_setup or not logs_at:
+            raise UsageError(f"job {j.id} has no --env-setup output "
+                             f"({'no host ran it yet' if j.env_setup else 'it has no --env-setup'}).")
+        with StopSignals() as stop:
+            _follow(svc, [(host, host, path) for host, path in sorted(logs_at)], j.id, follow, stop)
+        return
     chosen = list(j.workers)
     if worker is not None:
         chosen = [w for w in j.workers if w.rank == worker and not w.state.final] \
             or [w for w in j.workers if w.rank == worker] or [w for w in j.workers if w.wid == worker]
         if not chosen:
             raise UsageError(f"job {j.id} has no worker with rank or id {worker}.")
-    targets = [(w.host, w.wid, w.log_path) for w in chosen]
+    targets = [(w.host, f"w{w.wid}", w.log_path) for w in chosen]
     with StopSignals() as stop:
         _follow(svc, targets, j.id, follow, stop)
 
@@ -302,15 +315,15 @@ def _follow(svc, targets, job_id: int, follow: bool, stop: StopSignals) -> None:
     pending = {t: "" for t in targets}  # an unfinished line, held back so its prefix is printed once
     many = len(targets) > 1
 
-    def emit(text: str, wid: int) -> None:
+    def emit(text: str, label: str) -> None:
         if many:
-            text = "".join(f"[w{wid}] {line}" for line in text.splitlines(keepends=True))
+            text = "".join(f"[{label}] {line}" for line in text.splitlines(keepends=True))
         if text:
             console.out(text, end="", highlight=False)
 
     while True:
         for t in targets:
-            host, wid, path = t
+            host, label, path = t
             while True:  # one read returns at most 1 MiB: drain what the file holds now
                 data = svc.pool.transport(host).read(path, offsets[t])
                 offsets[t] = data["offset"]
@@ -320,7 +333,7 @@ def _follow(svc, targets, job_id: int, follow: bool, stop: StopSignals) -> None:
                 if many:
                     head, nl, pending[t] = (pending[t] + text).rpartition("\n")
                     text = head + nl
-                emit(text, wid)
+                emit(text, label)
         if not follow:
             for t in targets:
                 if pending[t]:

@@ -90,3 +90,15 @@ def test_a_venv_a_setup_makes_is_not_checked_at_submit(home, pool):
     r = invoke(home, pool, "submit", "--json", "--after", "1", "--venv", ".venv", "--env-setup",
                "python3 -m venv .venv", "--", "python", "t.py")
     assert r.exit_code == 0 and json.loads(r.stdout)["venv"] == str(home / ".venv"), r.stderr
+
+
+def test_logs_setup_is_refused_where_there_is_no_setup_output(home, pool):
+    job = json.loads(invoke(home, pool, "submit", "--json", "--after", "1", "--", "python", "t.py").stdout)
+    r = invoke(home, pool, "logs", str(job["id"]), "--setup")
+    assert r.exit_code == 2 and f"job {job['id']} has no --env-setup output (it has no --env-setup)" in r.stderr
+    job = json.loads(invoke(home, pool, "submit", "--json", "--after", "1", "--env-setup", "true", "--",
+                            "python", "t.py").stdout)
+    r = invoke(home, pool, "logs", str(job["id"]), "--setup")   # queued: no host ran it yet
+    assert r.exit_code == 2 and "(no host ran it yet)" in r.stderr
+    r = invoke(home, pool, "logs", str(job["id"]), "--setup", "--worker", "0")
+    assert r.exit_code == 2 and "give it without --worker" in r.stderr

@@ -26,6 +26,8 @@ def test_a_venv_job_runs_the_venvs_python_after_its_setup(gf, home):
     ready = [e for e in gf.json("events", str(job["id"])) if e["kind"] == "env-ready"]
     assert len(ready) == 1 and ready[0]["data"]["host"] == "local", ready
     assert ready[0]["data"]["tail"] == "setup said hello"
+    header, said = gf.ok("logs", str(job["id"]), "--setup").stdout.split("\n", 1)   # a line per run, then its output
+    assert header.startswith("== gpuflex: env-setup at ") and said == "setup said hello\n"
 
 
 def test_a_failing_setup_fails_the_job_with_its_exit_code_and_output(gf, home):
@@ -38,3 +40,4 @@ def test_a_failing_setup_fails_the_job_with_its_exit_code_and_output(gf, home):
     assert reason.startswith("local: cannot start the job: --env-setup exited with code 3 (all of it: local:"), reason
     assert reason.endswith("its last lines:\nfirst\nbroken mirror"), reason
     assert done["restarts"] == 0 and not any(w["pid"] for w in done["workers"])
+    assert gf.ok("logs", str(done["id"]), "--setup").stdout.endswith("\nfirst\nbroken mirror\n")
