@@ -21,13 +21,12 @@ from typing import Mapping
 
 from sqlalchemy.orm import object_session
 
+from gpuflex import jobenv
 from gpuflex.config import Config, HostConfig
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic.protocol import env as env_contract
 from gpuflex.elastic.protocol import failpoints
-from gpuflex import jobenv
-from gpuflex.jobenv import JobEnv
 from gpuflex.jobspec import INPLACE, SPLIT_EVEN, torchrun_args
 from gpuflex.elastic.protocol.env import SPEED_HINT, SPLIT, STRAGGLER_FACTOR, WorkerEnv
 from gpuflex.hosts import hostops
@@ -218,7 +217,7 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
         env.update({ARRAY_ID: str(job.array_id), ARRAY_INDEX: str(job.array_index)})
     if not is_gang(job):
         env.update(split_env(config, host, job, worker))
-    job_env = JobEnv.of(job)   # issue 33: --venv's PATH, --python's or --conda's command
+    job_env = jobenv.JobEnv.of(job)   # issue 33: --venv's PATH, --python's or --conda's command
     env, argv = jobenv.environment(job_env, env), jobenv.worker_argv(job_env, list(job.argv))
     return SpawnSpec(argv=argv, cwd=worker_cwd(config, host, job), env=env,
                      log=worker.log_path, exit_path=worker.exit_path,
