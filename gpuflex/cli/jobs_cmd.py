@@ -20,6 +20,7 @@ from gpuflex.cli.scale_cmd import scale
 from gpuflex.control import access
 from gpuflex.control.requests import SubmitRequest, parse_env, parse_ref, parse_workers
 from gpuflex.errors import UsageError
+from gpuflex.jobenv import JobEnv, describe
 from gpuflex.jobspec import After, parse_after, parse_array, parse_time
 from gpuflex.states import JobState
 
@@ -84,6 +85,24 @@ def submit(
                                         "directory on every host, whatever \\[jobs] sync or a host's sync say "
                                         "(the default when neither is given). "
                                         "E.g. gpuflex submit --sync -- python train.py."),
+    python: Optional[str] = typer.Option(None, "--python", help="Run a command that starts with python or "
+                                         "python3 with this interpreter instead (a path on the hosts, or a "
+                                         "name on their PATH). E.g. gpuflex submit --python /opt/py311/bin/python "
+                                         "-- python train.py."),
+    venv: Optional[str] = typer.Option(None, "--venv", help="Run the workers in this virtualenv (a path on the "
+                                       "hosts): its bin first on PATH and VIRTUAL_ENV set, as after "
+                                       "'source VENV/bin/activate'. E.g. gpuflex submit --venv ~/envs/torch2 -- "
+                                       "python train.py."),
+    conda: Optional[str] = typer.Option(None, "--conda", help="Run the command in this conda environment "
+                                        "(conda run -n NAME --no-capture-output CMD; conda on the hosts' PATH). "
+                                        "E.g. gpuflex submit --conda torch2 -- python train.py. At most one of "
+                                        "--python, --venv and --conda."),
+    env_setup: Optional[str] = typer.Option(None, "--env-setup", help="A shell command run once per host per "
+                                            "run, before that host's workers, in the job's directory with its "
+                                            "environment; if it fails, so does the job (its last lines in the "
+                                            "reason). E.g. gpuflex submit --venv .venv --env-setup 'test -d .venv "
+                                            "|| python3 -m venv .venv && .venv/bin/pip install -r "
+                                            "requirements.txt' -- python train.py."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -144,7 +163,8 @@ def _request(given: job_settings.Settings) -> SubmitRequest:
                          array=parse_array(v["array"]) if v["array"] is not None else None,
                          requeue=v["requeue"], notify=v["notify"], split=v["split"], resume_from=v["resume_from"],
                          environ=None if given.inherit_env else {}, sources=dict(given.sources),
-                         sync=v["sync"])
+                         sync=v["sync"], job_env=JobEnv(python=v["python"], venv=v["venv"], conda=v["conda"],
+                                                        env_setup=v["env_setup"]))
 
 
 ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
@@ -226,6 +246,8 @@ def status(
         if j.code_sha256:
             head += f"\ncode: {j.code_sha256[:12]} ({'--sync' if j.sync else 'hosts with sync = true'}, " \
                     f"in <workdir>/.gpuflex/code/{j.code_sha256[:12]}...)"
+        if describe(JobEnv.of(j)):
+            head += f"\nenvironment: {describe(JobEnv.of(j))}"
         if j.exit_reason:
             head += f"\n{j.exit_reason}"
         elif j.last_crash and not j.state.final:
@@ -257,24 +279,37 @@ def logs(
     job: str = typer.Argument(..., help="A job id or name."),
     worker: Optional[int] = typer.Option(None, "--worker", help="Only this rank (or worker id, if no rank matches)."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
+    setup: bool = typer.Option(False, "--setup", help="Print the output of the job's --env-setup instead, "
+                               "from each host it ran on. E.g. gpuflex logs 3 --setup."),
 ) -> None:
     """Print worker output.
 
     Example: gpuflex logs 3 --worker 0 --follow
     """
     parse_ref(job)
+    if setup and worker is not None:
+        raise UsageError("--setup prints each host's --env-setup output; give it without --worker.")
     svc = obj(ctx).service()
     _known(svc, job)
     svc.check_reader(job, "logs")
     svc.refresh()
-    j = svc.job(job, events=False)
+    j = svc.job(job, events=setup)
+    if setup:   # issue 33: where each host's preparation wrote (gpuflex.control.prepare)
+        logs_at = {(e.data.get("host"), e.data.get("log")) for e in j.events
+                   if e.kind in ("env-ready", "env-setup") and e.data.get("log")}
+        if not j.env_setup or not logs_at:
+            raise UsageError(f"job {j.id} has no --env-setup output "
+                             f"({'no host ran it yet' if j.env_setup else 'it has no --env-setup'}).")
+        with StopSignals() as stop:
+            _follow(svc, [(host, host, path) for host, path in sorted(logs_at)], j.id, follow, stop)
+        return
     chosen = list(j.workers)
     if worker is not None:
         chosen = [w for w in j.workers if w.rank == worker and not w.state.final] \
             or [w for w in j.workers if w.rank == worker] or [w for w in j.workers if w.wid == worker]
         if not chosen:
             raise UsageError(f"job {j.id} has no worker with rank or id {worker}.")
-    targets = [(w.host, w.wid, w.log_path) for w in chosen]
+    targets = [(w.host, f"w{w.wid}", w.log_path) for w in chosen]
     with StopSignals() as stop:
         _follow(svc, targets, j.id, follow, stop)
 
@@ -285,15 +320,15 @@ def _follow(svc, targets, job_id: int, follow: bool, stop: StopSignals) -> None:
     pending = {t: "" for t in targets}  # an unfinished line, held back so its prefix is printed once
     many = len(targets) > 1
 
-    def emit(text: str, wid: int) -> None:
+    def emit(text: str, label: str) -> None:
         if many:
-            text = "".join(f"[w{wid}] {line}" for line in text.splitlines(keepends=True))
+            text = "".join(f"[{label}] {line}" for line in text.splitlines(keepends=True))
         if text:
             console.out(text, end="", highlight=False)
 
     while True:
         for t in targets:
-            host, wid, path = t
+            host, label, path = t
             while True:  # one read returns at most 1 MiB: drain what the file holds now
                 data = svc.pool.transport(host).read(path, offsets[t])
                 offsets[t] = data["offset"]
@@ -303,7 +338,7 @@ def _follow(svc, targets, job_id: int, follow: bool, stop: StopSignals) -> None:
                 if many:
                     head, nl, pending[t] = (pending[t] + text).rpartition("\n")
                     text = head + nl
-                emit(text, wid)
+                emit(text, label)
         if not follow:
             for t in targets:
                 if pending[t]:

@@ -45,6 +45,8 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
         "sources": job.sources,   # issue 33: setting -> command line, #GPUFLEX, #SBATCH, task file, default
         "held": job.held, "dependency": job.dependency,   # issue 33: hold/release; afterany/afternotok/singleton
         "kind": job.kind,   # issue 33: None (a batch job) or "interactive" (gpuflex run)
+        # issue 33: the job's environment (each None when not given)
+        "python": job.python, "venv": job.venv, "conda": job.conda, "env_setup": job.env_setup,
     }
 
 

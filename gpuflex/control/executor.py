@@ -18,7 +18,7 @@ import time
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
-from gpuflex.control import intents, journal
+from gpuflex.control import intents, journal, prepare
 from gpuflex.control import launch as L
 from gpuflex.control.coordinator_link import request as coordinator_request
 from gpuflex.control.pool import Pool
@@ -132,6 +132,7 @@ def launch_worker(ops: Ops, job: Job, w: Worker, rank: int, world: int, layout: 
         if sent:
             journal.record(ops.session, job, "code", f"sent the code ({job.code_sha256[:12]}) to {host.name}: "
                                                      f"{where}", host=host.name, sha256=job.code_sha256)
+    prepare.prepare_host(ops, job, host)   # issue 33: --env-setup, the venv checked (once per host per run)
     spawned = ops.pool.transport(host).spawn(L.worker_spec(ops.config, host, job, w, rank, world, layout))
     w.pid, w.pgid = spawned.pid, spawned.pgid
     return w

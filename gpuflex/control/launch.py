@@ -21,6 +21,7 @@ from typing import Mapping
 
 from sqlalchemy.orm import object_session
 
+from gpuflex import jobenv
 from gpuflex.config import Config, HostConfig
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
@@ -216,7 +217,9 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
         env.update({ARRAY_ID: str(job.array_id), ARRAY_INDEX: str(job.array_index)})
     if not is_gang(job):
         env.update(split_env(config, host, job, worker))
-    return SpawnSpec(argv=list(job.argv), cwd=worker_cwd(config, host, job), env=env,
+    job_env = jobenv.JobEnv.of(job)   # issue 33: --venv's PATH, --python's or --conda's command
+    env, argv = jobenv.environment(job_env, env), jobenv.worker_argv(job_env, list(job.argv))
+    return SpawnSpec(argv=argv, cwd=worker_cwd(config, host, job), env=env,
                      log=worker.log_path, exit_path=worker.exit_path,
                      private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job),
                      clean_env=job.submit_env is not None,

@@ -13,6 +13,7 @@ from typing import Mapping
 
 from gpuflex.config_fields import check_webhook_url
 from gpuflex.errors import UnknownJobError, UsageError
+from gpuflex.jobenv import JobEnv, check_command
 from gpuflex.jobspec import After, ArraySpec, check_torchrun, elastic_mode, split_mode
 
 _ENV_KEY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -78,6 +79,7 @@ class SubmitRequest:
     # issue 33: --sync (pack the workdir, send it to every host), --no-sync (to none, whatever
     # the pool's or a host's `sync`); None: neither given, the config decides per host
     sync: bool | None = None
+    job_env: JobEnv = JobEnv()   # issue 33: --python, --venv, --conda, --env-setup (gpuflex.jobenv)
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)
@@ -111,6 +113,11 @@ class SubmitRequest:
             raise UsageError(f"--retries {self.retries!r}: give a number of restarts from 0 to {MAX_RETRIES}.")
         split_mode(self.split, elastic_mode(self.elastic, self.min_workers, self.max_workers))
         check_torchrun(self.argv, self.gpus_per_worker)
+        for flag, value in (("--python", self.job_env.python), ("--venv", self.job_env.venv),
+                            ("--conda", self.job_env.conda), ("--env-setup", self.job_env.env_setup)):
+            if value is not None:
+                check_text(flag, value, shown=flag != "--env-setup")
+        check_command(self.job_env, self.argv)
         if self.notify is not None:
             check_webhook_url(self.notify)
 

@@ -32,6 +32,7 @@ from gpuflex.errors import UnknownJobError, UsageError
 from gpuflex.control.probes import record_probes
 from gpuflex.control.requests import ArrayRef, SubmitRequest, parse_ref
 from gpuflex.hosts.probe import collect_probes
+from gpuflex.jobenv import check_local
 from gpuflex.jobspec import parse_time, split_mode
 from gpuflex.policy.placement import devices_per_worker
 from gpuflex.states import JobState
@@ -212,6 +213,9 @@ class JobService:
     def submit(self, req: SubmitRequest) -> int:
         resume_from = resume.checked(self.config, req.resume_from, req.elastic_mode)   # before any probe
         workdir = os.path.abspath(os.path.expanduser(req.workdir or os.getcwd()))
+        job_env = req.job_env.absolute(os.getcwd())
+        if all(h.is_local for h in self.config.hosts):   # issue 33: remote hosts are checked at launch
+            check_local(job_env)
         code = pack_code(self.config, req.sync, workdir)   # over the cap: refused, nothing recorded
         results = self.collect_probes()
         with self.locked() as session:
@@ -239,6 +243,7 @@ class JobService:
                     sources=dict(req.sources) if req.sources is not None else None,
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
                     user=access.caller(), sync=bool(req.sync), code_sha256=code,
+                    python=job_env.python, venv=job_env.venv, conda=job_env.conda, env_setup=job_env.env_setup,
                 )
                 session.add(job)
                 session.flush()

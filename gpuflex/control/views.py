@@ -108,6 +108,11 @@ class JobInfo:
     code_sha256: str | None = None
     # issue 33: None for a batch job, "interactive" for a `gpuflex run` session
     kind: str | None = None
+    # issue 33: the job's environment (gpuflex.jobenv): --python, --venv, --conda, --env-setup
+    python: str | None = None
+    venv: str | None = None
+    conda: str | None = None
+    env_setup: str | None = None
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -197,7 +202,8 @@ def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Itera
         checkpoint_dir=job.checkpoint_dir, resume_from=job.resume_from, held=bool(job.held),
         dependency=dict(job.dependency) if job.dependency else None,
         sources=dict(job.sources) if job.sources is not None else None,
-        sync=bool(job.sync), code_sha256=job.code_sha256)
+        sync=bool(job.sync), code_sha256=job.code_sha256,
+        python=job.python, venv=job.venv, conda=job.conda, env_setup=job.env_setup)
 
 
 SPLIT_FIELDS = ("share", "samples_per_s", "relative")

@@ -151,6 +151,13 @@ class Job(Base):
     # issue 33 (migration 0014): None for a batch job, "interactive" (`gpuflex run`) or
     # "alloc" (`gpuflex alloc`): never preempted or harvested (policy.preemption.never_preempted)
     kind: Mapped[str | None] = mapped_column(String(16))
+    # issue 33 (migration 0015): the job's environment (gpuflex.jobenv): `submit --python`
+    # (a path or a name), `--venv` (a path on the hosts), `--conda` (a name), `--env-setup`
+    # (a shell command run once per host per run); None: not given (every job before)
+    python: Mapped[str | None] = mapped_column(Text)
+    venv: Mapped[str | None] = mapped_column(Text)
+    conda: Mapped[str | None] = mapped_column(String(128))
+    env_setup: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

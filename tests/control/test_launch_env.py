@@ -231,3 +231,18 @@ def test_over_ssh_a_worker_gets_the_submit_environment_and_the_hosts_own_home(ss
         assert not [q for q in home.rglob("*") if q.name == "~"]
     finally:
         cleanup_jobs(cli, home / "g.db")
+
+
+# ---- issue 33: --venv, --python, --conda in the worker's spawn ----------------------------------
+def test_a_venv_job_spawns_the_command_as_written_with_the_venv_first_on_path():
+    spec = _spec({"gpus": "cpu:4"}, [0], venv="/envs/a")
+    assert spec.argv == ["python", "t.py"]
+    assert spec.env["PATH"] == "/envs/a/bin:/venv/bin:/usr/bin" and spec.env["VIRTUAL_ENV"] == "/envs/a"
+
+
+def test_python_and_conda_change_the_spawned_command_not_its_environment():
+    spec = _spec({"gpus": "cpu:4"}, [0], python="/opt/py/bin/python3")
+    assert spec.argv == ["/opt/py/bin/python3", "t.py"] and spec.env["PATH"] == "/venv/bin:/usr/bin"
+    spec = _spec({"gpus": "cpu:4"}, [0], conda="torch2")
+    assert spec.argv == ["conda", "run", "-n", "torch2", "--no-capture-output", "python", "t.py"]
+    assert "VIRTUAL_ENV" not in spec.env
