@@ -80,6 +80,11 @@ def submit(
                               "minding .gitignore, at most \\[jobs] sync_cap_mib; a host that already has this "
                               "tree gets nothing) and run there; outputs stay on the host. Default: \\[jobs] sync, "
                               "a host's sync. E.g. gpuflex submit --sync -- python train.py."),
+    image: Optional[str] = typer.Option(None, "--image", help="Run each worker in a container of this image, "
+                                        "through its host's engine (\\[[hosts]] container: podman by default), "
+                                        "on the host's network with the job's directory mounted and its GPUs "
+                                        "passed in. E.g. gpuflex submit --image localhost/train:1 -- python "
+                                        "train.py."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -140,7 +145,7 @@ def _request(given: job_settings.Settings) -> SubmitRequest:
                          array=parse_array(v["array"]) if v["array"] is not None else None,
                          requeue=v["requeue"], notify=v["notify"], split=v["split"], resume_from=v["resume_from"],
                          environ=None if given.inherit_env else {}, sources=dict(given.sources),
-                         sync=v["sync"])
+                         sync=v["sync"], image=v["image"])
 
 
 ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
@@ -222,6 +227,8 @@ def status(
         if j.code_sha256:
             head += f"\ncode: {j.code_sha256[:12]} ({'--sync' if j.sync else 'hosts with sync = true'}, " \
                     f"in <workdir>/.gpuflex/code/{j.code_sha256[:12]}...)"
+        if j.image:
+            head += f"\nimage: {j.image} (each worker in a container)"
         if j.exit_reason:
             head += f"\n{j.exit_reason}"
         elif j.last_crash and not j.state.final:

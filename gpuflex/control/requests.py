@@ -76,6 +76,7 @@ class SubmitRequest:
     # "#SBATCH", "task file" or "default"; gpuflex/cli/job_settings.py); None: not told
     sources: dict[str, str] | None = None
     sync: bool = False   # issue 33: --sync (pack the workdir, send it to every host)
+    image: str | None = None   # issue 33: --image (each worker in a container of this image)
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)

@@ -22,7 +22,7 @@ from gpuflex.control import (access, executor, intents, interactive, journal, li
                              verbs,
                              views)
 from gpuflex.control.executor import Ops
-from gpuflex.control.launch import pack_code, submit_environment
+from gpuflex.control.launch import check_image, pack_code, submit_environment
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.engine import open_database
@@ -188,6 +188,7 @@ class JobService:
         resume_from = resume.checked(self.config, req.resume_from, req.elastic_mode)   # before any probe
         workdir = os.path.abspath(os.path.expanduser(req.workdir or os.getcwd()))
         code = pack_code(self.config, req.sync, workdir)   # over the cap: refused, nothing recorded
+        check_image(self.config, req.image)   # an image this machine's engine lacks: the same
         results = self.collect_probes()
         with self.locked() as session:
             self.pool.sync_hosts(session)
@@ -213,7 +214,7 @@ class JobService:
                     notify_url=req.notify or self.config.notify.url,
                     sources=dict(req.sources) if req.sources is not None else None,
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
-                    user=access.caller(), sync=req.sync, code_sha256=code,
+                    user=access.caller(), sync=req.sync, code_sha256=code, image=req.image,
                 )
                 session.add(job)
                 session.flush()

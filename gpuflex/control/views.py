@@ -106,6 +106,7 @@ class JobInfo:
     # issue 33: --sync given, and the sha256 of the code sent (None: the hosts read workdir)
     sync: bool = False
     code_sha256: str | None = None
+    image: str | None = None   # issue 33: --image (each worker in a container of it)
     # issue 33: None for a batch job, "interactive" for a `gpuflex run` session
     kind: str | None = None
 
@@ -189,7 +190,7 @@ def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Itera
         checkpoint_dir=job.checkpoint_dir, resume_from=job.resume_from, held=bool(job.held),
         dependency=dict(job.dependency) if job.dependency else None,
         sources=dict(job.sources) if job.sources is not None else None,
-        sync=bool(job.sync), code_sha256=job.code_sha256)
+        sync=bool(job.sync), code_sha256=job.code_sha256, image=job.image)
 
 
 SPLIT_FIELDS = ("share", "samples_per_s", "relative")

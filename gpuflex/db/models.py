@@ -151,6 +151,9 @@ class Job(Base):
     # issue 33 (migration 0014): None for a batch job, "interactive" (`gpuflex run`) or
     # "alloc" (`gpuflex alloc`): never preempted or harvested (policy.preemption.never_preempted)
     kind: Mapped[str | None] = mapped_column(String(16))
+    # issue 33 (migration 0015): `submit --image`: the container image each worker runs in,
+    # through its host's engine (gpuflex.hosts.container); None: on the host itself
+    image: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)
