@@ -81,7 +81,7 @@ def submit(
                               "tree gets nothing) and run there; outputs stay on the host. Default: \\[jobs] sync, "
                               "a host's sync. E.g. gpuflex submit --sync -- python train.py."),
     image: Optional[str] = typer.Option(None, "--image", help="Run each worker in a container of this image, "
-                                        "through its host's engine (\\[[hosts]] container: podman by default), "
+                                        "through its host's engine (a host's container key: podman by default), "
                                         "on the host's network with the job's directory mounted and its GPUs "
                                         "passed in. E.g. gpuflex submit --image localhost/train:1 -- python "
                                         "train.py."),
