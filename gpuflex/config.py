@@ -22,7 +22,7 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from pydantic import ConfigDict, Field, StrictBool, StrictInt, TypeAdapter, ValidationError, field_validator
 from pydantic.dataclasses import dataclass
@@ -135,6 +135,10 @@ class HostConfig:
     # issue 33: whether jobs on this host get the submit directory sent (`submit --sync`);
     # None: the pool's `[jobs] sync`
     sync: Optional[StrictBool] = None
+    # issue 33: the engine that runs `submit --image` workers here (gpuflex.hosts.container),
+    # and words added to its command before the image (mounts, ulimits, a runtime)
+    container: Literal["podman", "docker", "apptainer"] = "podman"
+    container_args: tuple[Text, ...] = ()
 
     def syncs(self, pool_default: bool) -> bool:
         """Whether a job not asking for `--sync` gets its code sent here anyway."""

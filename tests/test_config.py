@@ -115,6 +115,8 @@ python = "python3.11"
 workdir = "/scratch/gpuflex"
 cpus = 64
 sync = false
+container = "docker"
+container_args = ["-v", "/data:/data:ro"]
 
 [[hosts]]
 name = "local"
@@ -131,10 +133,12 @@ gpus = "cpu:3"
     assert gpu01 == HostConfig(name="gpu01", address="gpu01.lab", port=2222, user="train",
                                identity_file="~/.ssh/id_ed25519", known_hosts="~/.ssh/kh",
                                gpus=[0, 2], owner="alice", nvidia_smi="/usr/bin/nvidia-smi",
-                               python="python3.11", workdir="/scratch/gpuflex", cpus=64, sync=False)
+                               python="python3.11", workdir="/scratch/gpuflex", cpus=64, sync=False,
+                               container="docker", container_args=("-v", "/data:/data:ro"))
     assert not gpu01.syncs(cfg.jobs.sync) and cfg.host("local").syncs(cfg.jobs.sync)
     assert not gpu01.is_local and gpu01.cpu_slots is None and gpu01.cpu_count == 64
     assert cfg.host("local").cpu_slots == 3
+    assert cfg.host("local").container == "podman"   # issue 33: the documented default engine
     with pytest.raises(ConfigError, match="no host named 'nope'"):
         cfg.host("nope")
 
@@ -171,6 +175,9 @@ BAD = [
     ("sync as text", "[[hosts]]\nname = 'a'\nsync = 'yes'\n", "hosts[0].sync", "'yes'"),
     ("sync as a number", "[jobs]\nsync = 1\n", "jobs.sync", "1"),
     ("no sync cap", "[jobs]\nsync_cap_mib = 0\n", "jobs.sync_cap_mib", "0"),
+    ("unknown container engine", "[[hosts]]\nname = 'a'\ncontainer = 'lxc'\n", "hosts[0].container", "'lxc'"),
+    ("container args as text", "[[hosts]]\nname = 'a'\ncontainer_args = '-v /x:/x'\n",
+     "hosts[0].container_args", "'-v /x:/x'"),
 ]
 
 

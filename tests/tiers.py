@@ -32,6 +32,7 @@ TIERS = ("e2e", "ssh", "postgres", "slow")
 FIXTURE_TIERS = {
     "gf": "e2e",            # the console script, and the jobs it starts
     "busy_slots": "e2e",    # a job of real `sleep` workers
+    "podman_bed": "e2e",    # podman builds an image and runs a container (tests/podbed.py)
     "ssh_hosts": "ssh",
     "ssh_bed": "ssh",
     "pg_cluster": "postgres",

@@ -103,6 +103,11 @@ def submit(
                                             "reason). E.g. gpuflex submit --venv .venv --env-setup 'test -d .venv "
                                             "|| python3 -m venv .venv && .venv/bin/pip install -r "
                                             "requirements.txt' -- python train.py."),
+    image: Optional[str] = typer.Option(None, "--image", help="Run each worker in a container of this image, "
+                                        "through its host's engine (a host's container key: podman by default), "
+                                        "on the host's network with the job's directory mounted and its GPUs "
+                                        "passed in. E.g. gpuflex submit --image localhost/train:1 -- python "
+                                        "train.py."),
     as_json: bool = typer.Option(False, "--json", help="Print the job object as JSON."),
 ) -> None:
     """Record a job and place it on free GPUs or slots; prints the job id.
@@ -164,7 +169,8 @@ def _request(given: job_settings.Settings) -> SubmitRequest:
                          requeue=v["requeue"], notify=v["notify"], split=v["split"], resume_from=v["resume_from"],
                          environ=None if given.inherit_env else {}, sources=dict(given.sources),
                          sync=v["sync"], job_env=JobEnv(python=v["python"], venv=v["venv"], conda=v["conda"],
-                                                        env_setup=v["env_setup"]))
+                                                        env_setup=v["env_setup"]),
+                         image=v["image"])
 
 
 ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
@@ -248,6 +254,8 @@ def status(
                     f"in <workdir>/.gpuflex/code/{j.code_sha256[:12]}...)"
         if describe(JobEnv.of(j)):
             head += f"\nenvironment: {describe(JobEnv.of(j))}"
+        if j.image:
+            head += f"\nimage: {j.image} (each worker in a container)"
         if j.exit_reason:
             head += f"\n{j.exit_reason}"
         elif j.last_crash and not j.state.final:

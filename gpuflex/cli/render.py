@@ -42,6 +42,7 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
         "after": list(job.after), "array_id": job.array_id, "array_index": job.array_index,
         "requeue": job.requeue, "checkpoint_dir": job.checkpoint_dir, "resume_from": job.resume_from,
         "sync": job.sync, "code_sha256": job.code_sha256,   # issue 33: --sync, the code's address
+        "image": job.image,   # issue 33: --image, the container each worker runs in (null: none)
         "sources": job.sources,   # issue 33: setting -> command line, #GPUFLEX, #SBATCH, task file, default
         "held": job.held, "dependency": job.dependency,   # issue 33: hold/release; afterany/afternotok/singleton
         "kind": job.kind,   # issue 33: None (a batch job) or "interactive" (gpuflex run)

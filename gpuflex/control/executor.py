@@ -132,6 +132,8 @@ def launch_worker(ops: Ops, job: Job, w: Worker, rank: int, world: int, layout: 
         if sent:
             journal.record(ops.session, job, "code", f"sent the code ({job.code_sha256[:12]}) to {host.name}: "
                                                      f"{where}", host=host.name, sha256=job.code_sha256)
+    if job.image and not host.is_local:   # issue 33: a clear reason rather than the engine's exit 125
+        L.check_remote_image(ops.pool.transport(host), job.image)
     prepare.prepare_host(ops, job, host)   # issue 33: --env-setup, the venv checked (once per host per run)
     spawned = ops.pool.transport(host).spawn(L.worker_spec(ops.config, host, job, w, rank, world, layout))
     w.pid, w.pgid = spawned.pid, spawned.pgid

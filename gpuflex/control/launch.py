@@ -17,7 +17,7 @@ import posixpath
 import secrets
 import socket
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 from sqlalchemy.orm import object_session
 
@@ -25,11 +25,12 @@ from gpuflex import jobenv
 from gpuflex.config import Config, HostConfig
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
+from gpuflex.errors import TransportError, UsageError
 from gpuflex.elastic.protocol import env as env_contract
 from gpuflex.elastic.protocol import failpoints
 from gpuflex.jobspec import INPLACE, SPLIT_EVEN, torchrun_args
 from gpuflex.elastic.protocol.env import SPEED_HINT, SPLIT, STRAGGLER_FACTOR, WorkerEnv
-from gpuflex.hosts import hostops
+from gpuflex.hosts import container, hostops
 from gpuflex.hosts import sync as sync_code
 from gpuflex.hosts.transport import SpawnSpec, Transport
 from gpuflex.policy.speeds import speed_hint
@@ -223,7 +224,43 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
                      log=worker.log_path, exit_path=worker.exit_path,
                      private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job),
                      clean_env=job.submit_env is not None,
-                     deadline=run_deadline(job), grace_s=config.jobs.cancel_grace_s)
+                     deadline=run_deadline(job), grace_s=config.jobs.cancel_grace_s,
+                     container=container_spec(host, job))
+
+
+def container_spec(host: HostConfig, job: Job) -> dict[str, Any] | None:
+    """`submit --image` (issue 33): what the host's supervisor runs the worker in."""
+    if not job.image:
+        return None
+    return {"engine": host.container, "image": job.image, "args": list(host.container_args)}
+
+
+def check_image(config: Config, image: str | None) -> None:
+    """`submit --image`: a UsageError (exit 2, nothing recorded) for a name no engine takes,
+    or when the engine of a host on this machine lacks the image; remote hosts are asked
+    at launch (gpuflex.control.executor)."""
+    if image is None:
+        return
+    if not image.strip() or image.startswith("-") or any(c.isspace() for c in image):
+        raise UsageError(f"--image: {image!r} is not an image name; e.g. --image docker.io/pytorch/pytorch:latest.")
+    for host in config.hosts:
+        why = container.image_missing(host.container, image) if host.is_local else None
+        if why:
+            raise UsageError(f"--image: {why} (host {host.name}).")
+
+
+def check_remote_image(transport: Transport, image: str) -> None:
+    """Before a worker of a `--image` job starts on a remote host: a TransportError (the
+    launch fails with it as the reason) when that host's engine lacks the image."""
+    host = transport.host
+    argv = container.image_check(host.container, image)
+    if argv is None:
+        return
+    res = transport.run(argv, timeout=host.command_timeout_s)
+    if res.returncode == 127:   # the remote shell's "command not found"
+        raise TransportError(host.name, f"--image: the container engine {host.container} is not installed there")
+    if res.returncode != 0:
+        raise TransportError(host.name, f"--image: {container.missing_text(host.container, image)}")
 
 
 def split_env(config: Config, host: HostConfig, job: Job, worker: Worker) -> dict[str, str]:

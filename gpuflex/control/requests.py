@@ -80,6 +80,7 @@ class SubmitRequest:
     # the pool's or a host's `sync`); None: neither given, the config decides per host
     sync: bool | None = None
     job_env: JobEnv = JobEnv()   # issue 33: --python, --venv, --conda, --env-setup (gpuflex.jobenv)
+    image: str | None = None   # issue 33: --image (each worker in a container of this image)
     # the submitter's environment, recorded for every worker (launch.submit_environment
     # drops what belongs to the session); None: this process's
     environ: Mapping[str, str] | None = dataclasses.field(default=None, repr=False)

@@ -22,7 +22,7 @@ from gpuflex.config import Config, HostConfig
 from gpuflex.control import (access, acct, executor, intents, interactive, journal, lifecycle, notify, report, restarts,
                              resume, scaling, verbs, views)
 from gpuflex.control.executor import Ops
-from gpuflex.control.launch import pack_code, submit_environment
+from gpuflex.control.launch import check_image, pack_code, submit_environment
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.engine import open_database
@@ -217,6 +217,7 @@ class JobService:
         if all(h.is_local for h in self.config.hosts):   # issue 33: remote hosts are checked at launch
             check_local(job_env)
         code = pack_code(self.config, req.sync, workdir)   # over the cap: refused, nothing recorded
+        check_image(self.config, req.image)   # an image this machine's engine lacks: the same
         results = self.collect_probes()
         with self.locked() as session:
             self.pool.sync_hosts(session)
@@ -244,6 +245,7 @@ class JobService:
                     array_index=index, array_limit=req.array.limit if req.array is not None else None,
                     user=access.caller(), sync=bool(req.sync), code_sha256=code,
                     python=job_env.python, venv=job_env.venv, conda=job_env.conda, env_setup=job_env.env_setup,
+                    image=req.image,
                 )
                 session.add(job)
                 session.flush()

@@ -106,6 +106,7 @@ class JobInfo:
     # issue 33: --sync given, and the sha256 of the code sent (None: the hosts read workdir)
     sync: bool = False
     code_sha256: str | None = None
+    image: str | None = None   # issue 33: --image (each worker in a container of it)
     # issue 33: None for a batch job, "interactive" for a `gpuflex run` session
     kind: str | None = None
     # issue 33: the job's environment (gpuflex.jobenv): --python, --venv, --conda, --env-setup
@@ -203,7 +204,7 @@ def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Itera
         dependency=dict(job.dependency) if job.dependency else None,
         sources=dict(job.sources) if job.sources is not None else None,
         sync=bool(job.sync), code_sha256=job.code_sha256,
-        python=job.python, venv=job.venv, conda=job.conda, env_setup=job.env_setup)
+        python=job.python, venv=job.venv, conda=job.conda, env_setup=job.env_setup, image=job.image)
 
 
 SPLIT_FIELDS = ("share", "samples_per_s", "relative")

@@ -158,6 +158,9 @@ class Job(Base):
     venv: Mapped[str | None] = mapped_column(Text)
     conda: Mapped[str | None] = mapped_column(String(128))
     env_setup: Mapped[str | None] = mapped_column(Text)
+    # issue 33 (migration 0016): `submit --image`: the container image each worker runs in,
+    # through its host's engine (gpuflex.hosts.container); None: on the host itself
+    image: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

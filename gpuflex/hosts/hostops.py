@@ -27,6 +27,7 @@ import sys
 import time
 from typing import Any, Iterator
 
+from gpuflex.hosts import container
 from gpuflex.hosts.private import exclusive_dir, open_private, private_dir, remove_own_dir
 
 # a run's process-group marks: this prefix and the group's id. gpuflex.elastic.protocol.run_dir reads
@@ -86,9 +87,12 @@ def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int
     argv = list(spec["argv"])
     argv[0] = os.path.expanduser(argv[0])
     cwd = os.path.expanduser(spec.get("cwd") or "~")
+    env = spawn_env(spec)
+    if spec.get("container"):   # issue 33: the worker in a container, the engine's client our child
+        argv, env = container.spec_argv(spec, argv, cwd, env, os.getpgrp()), dict(os.environ)
     try:
         proc = subprocess.Popen(
-            argv, cwd=cwd, env=spawn_env(spec),
+            argv, cwd=cwd, env=env,
             stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
         )
     except OSError as e:
@@ -112,6 +116,8 @@ def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     rc, timed_out = wait_until(proc, spec.get("deadline"), float(spec.get("grace_s") or 0.0))
+    if timed_out and spec.get("container"):   # the limit's SIGKILL ended only the engine's client
+        container.kill(spec["container"]["engine"], os.getpgrp(), signal.SIGKILL)
     record = {"returncode": rc, "ended_at": time.time(), **({"time_limit": True} if timed_out else {})}
     tmp = exit_path + ".tmp"
     with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
@@ -295,6 +301,7 @@ def signal_groups(pgids: list[int], signum: int) -> list[bool]:
         if not group_alive(int(pgid)):   # a group of zombies only (no reaper) is gone
             sent.append(False)
             continue
+        engine = container.engine_in_group(int(pgid), proc_stats()) if signum == signal.SIGKILL else None
         try:
             os.killpg(int(pgid), signum)
             sent.append(True)
@@ -303,6 +310,9 @@ def signal_groups(pgids: list[int], signum: int) -> list[bool]:
         except PermissionError:  # the group id was reused by another user's processes
             log.warning("not signalling process group %s: it belongs to another user", pgid)
             sent.append(False)
+            continue
+        if engine is not None:   # the group's container runs outside it (gpuflex.hosts.container)
+            container.kill(engine, int(pgid), signum)
     return sent
 
 

@@ -57,6 +57,10 @@ class SpawnSpec:
     supervisor itself, since no daemon watches the hosts: at the deadline it sends
     SIGTERM to the worker's group, waits `grace_s`, SIGKILLs what is left, and its exit
     record says `"time_limit": true`.
+
+    `container` (issue 33: `submit --image`): {"engine", "image", "args"}: the supervisor
+    runs `argv` in that image through the host's engine (gpuflex.hosts.container), with
+    `cwd`, `private_dirs` and `socket_dir` mounted and the environment passed in.
     """
 
     argv: list[str]
@@ -69,6 +73,7 @@ class SpawnSpec:
     clean_env: bool = False
     deadline: float | None = None
     grace_s: float = 0.0
+    container: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
