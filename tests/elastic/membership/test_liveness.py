@@ -239,6 +239,9 @@ def test_a_forged_outcome_is_replaced_exactly_and_an_honest_one_is_never_overwri
     b0 = job.worker(0)
     for w in (0, 1):   # both arrived, as their own lines say
         job.store.append(arrivals_key(G, 1), f"{w} {job.signer.sign(f'{arrivals_key(G, 1)}#{w}', '0')}\n")
+    # the store answers no append: a round trip on the same connection makes sure both were
+    # applied before b0, on its own connection, reads them (a member's add does the same)
+    job.store.get(arrivals_key(G, 1))
     forged = b"fail: forged"
     job.store.set(outcome_key(G, 1), forged)
     assert job.signer.verify(outcome_key(G, 1), b0._decide(G, 1, 2, forged)) == "ok"
@@ -246,6 +249,7 @@ def test_a_forged_outcome_is_replaced_exactly_and_an_honest_one_is_never_overwri
     for w in (0, 1):
         job.store.append(arrivals_key(G, 2), f"{w} {job.signer.sign(f'{arrivals_key(G, 2)}#{w}', '0')}\n")
     job.store.set(outcome_key(G, 2), honest)
+    job.store.get(outcome_key(G, 2))   # the round trip, as above
     assert b0._decide(G, 2, 2, forged) == honest.encode()
     assert b0._decide(G, 3, 2, forged) is None   # no arrivals yet: nothing to decide
 
