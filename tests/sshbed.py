@@ -182,7 +182,10 @@ def _config_text(h: SshdHost, authorized: Path, extra: list[str]) -> str:
         f"ListenAddress {h.address}:{h.port}",
         f"HostKey {h.dir / 'ssh_host_ed25519_key'}",
         f"PidFile {h.dir / 'sshd.pid'}",
-        f"AuthorizedKeysFile {authorized}",
+        # the bed's key for every user; and a user's own ~/.ssh/authorized_keys, as a stock
+        # sshd has it: sshd opens these as the user logging in, and the first lies under the
+        # test's own (root's 0700) temp directory, which a user a test makes cannot enter
+        f"AuthorizedKeysFile {authorized} .ssh/authorized_keys",
         "UsePAM no",
         "StrictModes no",           # the temp dirs are not root-owned 0755 all the way up
         "PermitRootLogin yes",      # CI runs the tests as root
