@@ -9,7 +9,12 @@ command's own). What the container gets, and why:
   TCPStore are the host's, as for a worker outside a container;
 - the job's directories at the same paths (`-v DIR:DIR`), the working directory as
   its working directory (`-w`): its files, logs, checkpoints and control sockets;
-- the worker's whole environment as `--env K=V` words of the argv (no shell between);
+- the worker's whole environment, its values never on the command line, which every user
+  of the host reads in /proc (the job's secret is among them): podman and docker get
+  `--env K` and read the value from their client's environment, set to the worker's
+  (`client_environment`), apptainer gets it as APPTAINERENV_K there. Only the variables
+  the engine's client needs for itself (its HOME, PATH, XDG_* dirs: paths, no secret)
+  keep the engine's value in the client and go in as `--env K=V`;
 - its GPUs as CDI devices (`--device nvidia.com/gpu=N`), CUDA_VISIBLE_DEVICES renumbered
   to the container's view, where only those GPUs exist (a cpu:N host: no device);
 - an init process (`--init`) that passes signals on to the command, and `--rm`.
@@ -49,6 +54,42 @@ def gpu_devices(env: Mapping[str, str]) -> list[int] | None:
     return [int(p) for p in parts] if all(p.isdigit() for p in parts) else None
 
 
+# the client's own variables: where podman/docker find their storage, config and runtime
+# (a shared account's HOME, not the submitter's); the worker's values go in as K=V words
+ENGINE_OWN = frozenset({"HOME", "PATH", "USER", "LOGNAME", "TMPDIR", "XDG_RUNTIME_DIR", "XDG_CONFIG_HOME",
+                        "XDG_DATA_HOME", "DBUS_SESSION_BUS_ADDRESS"})
+ENGINE_PREFIXES = ("CONTAINERS_", "DOCKER_", "PODMAN_", "APPTAINER", "SINGULARITY")
+
+
+def engine_own(name: str) -> bool:
+    """Whether `name` is one of the engine client's own variables (ENGINE_OWN)."""
+    return name in ENGINE_OWN or name.startswith(ENGINE_PREFIXES)
+
+
+def inside_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The worker's environment as the container sees it: CUDA_VISIBLE_DEVICES renumbered
+    (only the worker's GPUs exist inside, numbered from 0 in the host's order)."""
+    env = dict(env)
+    gpus = gpu_devices(env)
+    if gpus is not None:
+        order = sorted(set(gpus))
+        env[CUDA] = ",".join(str(order.index(g)) for g in gpus)
+    return env
+
+
+def client_environment(engine: str, env: Mapping[str, str], base: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the engine's client: `base` (the supervisor's), with the worker's
+    values of the variables `run_argv` names without a value (podman, docker) or as
+    APPTAINERENV_K (apptainer)."""
+    out = dict(base)
+    for k, v in inside_env(env).items():
+        if engine == "apptainer":
+            out[f"APPTAINERENV_{k}"] = v
+        elif not engine_own(k):
+            out[k] = v
+    return out
+
+
 def run_argv(engine: str, image: str, argv: Sequence[str], *, cwd: str, env: Mapping[str, str],
              mounts: Sequence[str], name: str, extra: Sequence[str] = ()) -> list[str]:
     """The command that runs `argv` in `image` through `engine` (see the module's text).
@@ -56,24 +97,19 @@ def run_argv(engine: str, image: str, argv: Sequence[str], *, cwd: str, env: Map
     `extra`: the host's `container_args`, before the image."""
     if engine not in ENGINES:
         raise ValueError(f"unknown container engine {engine!r} (one of {', '.join(ENGINES)})")
-    env = dict(env)
     gpus = gpu_devices(env)
-    if gpus is not None:
-        # only these GPUs exist in the container, numbered from 0 in the host's order
-        order = sorted(set(gpus))
-        env[CUDA] = ",".join(str(order.index(g)) for g in gpus)
+    env = inside_env(env)
     dirs = list(dict.fromkeys([cwd, *mounts]))
-    if engine == "apptainer":
+    if engine == "apptainer":   # the whole environment through APPTAINERENV_* (client_environment)
         return ["apptainer", "exec", "--cleanenv", "--containall", "--no-home",
                 *(w for d in dirs for w in ("--bind", f"{d}:{d}")), "--pwd", cwd,
                 *(["--nv"] if gpus is not None else []),
-                *(w for k, v in env.items() for w in ("--env", f"{k}={v}")),
                 *extra, image, *argv]
     return [engine, "run", "--rm", "--init", "--network", "host", "--name", name,
             *(["--replace"] if engine == "podman" else []),
             *(w for d in dirs for w in ("-v", f"{d}:{d}")), "-w", cwd,
             *(w for g in sorted(set(gpus or ())) for w in ("--device", f"nvidia.com/gpu={g}")),
-            *(w for k, v in env.items() for w in ("--env", f"{k}={v}")),
+            *(w for k, v in env.items() for w in ("--env", f"{k}={v}" if engine_own(k) else k)),
             *extra, image, *argv]
 
 

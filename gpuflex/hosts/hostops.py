@@ -89,7 +89,9 @@ def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int
     cwd = os.path.expanduser(spec.get("cwd") or "~")
     env = spawn_env(spec)
     if spec.get("container"):   # issue 33: the worker in a container, the engine's client our child
-        argv, env = container.spec_argv(spec, argv, cwd, env, os.getpgrp()), dict(os.environ)
+        # the worker's values in the client's environment, never its argv (container.py)
+        argv, env = container.spec_argv(spec, argv, cwd, env, os.getpgrp()), \
+            container.client_environment(spec["container"]["engine"], env, os.environ)
     try:
         proc = subprocess.Popen(
             argv, cwd=cwd, env=env,

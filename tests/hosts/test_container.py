@@ -31,8 +31,10 @@ def test_podman_runs_the_command_in_the_image_on_the_hosts_network_with_the_job_
     # each directory once, at its own path; the working directory is cwd
     assert words_after(head, "-v") == ["/work/job:/work/job", "/state/job7:/state/job7", "/tmp/gpuflex-7:/tmp/gpuflex-7"]
     assert words_after(head, "-w") == ["/work/job"]
-    # the environment as words, values with spaces and '=' intact (no shell between)
-    assert words_after(head, "--env") == ["A=x y", "B==c"]
+    # the environment by name only: its values are the client's (client_environment), not
+    # words of a command line any user of the host reads in /proc
+    assert words_after(head, "--env") == ["A", "B"]
+    assert "x y" not in argv and "=c" not in " ".join(argv)
     assert head[-2:] == ["--ulimit", "nofile=1024:1024"]   # the host's container_args, before the image
     assert "--device" not in head
 
@@ -41,7 +43,8 @@ def test_gpus_become_cdi_devices_numbered_from_zero_inside():
     argv = argv_of(env={"CUDA_VISIBLE_DEVICES": "3,1"})
     assert words_after(argv, "--device") == ["nvidia.com/gpu=1", "nvidia.com/gpu=3"]
     # inside only GPUs 1 and 3 exist, as 0 and 1: the worker's order kept
-    assert words_after(argv, "--env") == ["CUDA_VISIBLE_DEVICES=1,0"]
+    assert words_after(argv, "--env") == ["CUDA_VISIBLE_DEVICES"]
+    assert container.client_environment("podman", {"CUDA_VISIBLE_DEVICES": "3,1"}, {})["CUDA_VISIBLE_DEVICES"] == "1,0"
 
 
 @pytest.mark.parametrize("value", ["", "GPU-0b2c1f3e-aaaa", None])
@@ -49,7 +52,8 @@ def test_no_index_list_no_device(value):
     env = {} if value is None else {"CUDA_VISIBLE_DEVICES": value}
     argv = argv_of(env=env)
     assert "--device" not in argv
-    assert words_after(argv, "--env") == [f"CUDA_VISIBLE_DEVICES={value}"] * (value is not None)
+    assert words_after(argv, "--env") == ["CUDA_VISIBLE_DEVICES"] * (value is not None)
+    assert container.client_environment("podman", env, {}) == env   # passed on as it is
 
 
 def test_docker_has_no_replace_and_apptainer_its_own_words():
@@ -58,7 +62,22 @@ def test_docker_has_no_replace_and_apptainer_its_own_words():
     app = argv_of("apptainer", env={"CUDA_VISIBLE_DEVICES": "2"})
     assert app[:2] == ["apptainer", "exec"] and "--nv" in app and "--cleanenv" in app
     assert words_after(app, "--pwd") == ["/work/job"] and "/work/job:/work/job" in words_after(app, "--bind")
-    assert words_after(app, "--env") == ["CUDA_VISIBLE_DEVICES=0"]
+    assert "--env" not in app   # apptainer reads APPTAINERENV_* from its client's environment
+    assert container.client_environment("apptainer", {"CUDA_VISIBLE_DEVICES": "2", "S": "k"}, {"HOME": "/h"}) == \
+        {"HOME": "/h", "APPTAINERENV_CUDA_VISIBLE_DEVICES": "0", "APPTAINERENV_S": "k"}
+
+
+def test_the_workers_values_are_in_the_clients_environment_and_the_engines_own_stay_its():
+    worker = {"GPUFLEX_JOB_SECRET": "s3cr3t", "HOME": "/home/alice", "PATH": "/opt/bin:/usr/bin", "LR": "3e-4"}
+    supervisor = {"HOME": "/home/pool", "PATH": "/usr/bin", "XDG_RUNTIME_DIR": "/run/user/7"}
+    argv = argv_of(env=worker)
+    assert "s3cr3t" not in " ".join(argv)   # the job's secret never on a command line
+    # the engine's own variables keep the engine's values (its storage, its runtime), and go
+    # in as words: paths, no secret
+    assert words_after(argv, "--env") == ["GPUFLEX_JOB_SECRET", "HOME=/home/alice", "PATH=/opt/bin:/usr/bin", "LR"]
+    assert container.client_environment("podman", worker, supervisor) == {
+        "HOME": "/home/pool", "PATH": "/usr/bin", "XDG_RUNTIME_DIR": "/run/user/7",
+        "GPUFLEX_JOB_SECRET": "s3cr3t", "LR": "3e-4"}
 
 
 def test_an_unknown_engine_is_refused():
