@@ -103,13 +103,18 @@ def test_the_ssh_module_is_loaded_only_for_the_first_ssh_host():
     assert "gpuflex.hosts.ssh" in after and "paramiko" in after
 
 
-@pytest.mark.parametrize("module", ["gpuflex.hosts.relay", "gpuflex.hosts.hostops", "gpuflex.hosts.private"])
+# the modules that run on a host, under its python (`python -m gpuflex.hosts.X`, or imported
+# by one that does), where gpuflex's dependencies may be missing
+HOST_SIDE = ["gpuflex.hosts.relay", "gpuflex.hosts.hostops", "gpuflex.hosts.private", "gpuflex.hosts.container",
+             "gpuflex.hosts.gather", "gpuflex.hosts.unpack", "gpuflex.hosts.attach", "gpuflex.hosts.envsetup",
+             "gpuflex.hosts.terminal"]
+
+
+@pytest.mark.parametrize("module", HOST_SIDE)
 def test_the_host_side_modules_need_only_the_standard_library(module):
-    # they run under the host's python, where gpuflex's dependencies may be missing
-    # (hostops uses gpuflex.hosts.private, the owner-only files, itself standard library only)
+    # each imports only the standard library and other host-side modules
     loaded = _modules_after(f"import {module}")
-    assert {m for m in loaded if m.startswith("gpuflex")} <= {"gpuflex", "gpuflex.hosts", "gpuflex.hosts.private",
-                                                              module}
+    assert {m for m in loaded if m.startswith("gpuflex")} <= {"gpuflex", "gpuflex.hosts", *HOST_SIDE}
     assert not {"pydantic", "paramiko", "sqlalchemy"} & loaded
 
 
