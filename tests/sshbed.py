@@ -256,6 +256,20 @@ def bed_cli(bed: SshBed, home: Path, jobs_toml: str):
     cleanup_jobs(cli, home / "g.db")
 
 
+def one_host_cli(bed: SshBed, home: Path):
+    """A fixture's body: the CLI over the bed's first host alone (fake GPUs reset, [jobs]
+    cancel_grace_s = 3), yielded with that host; afterwards every job is cancelled and its
+    processes killed."""
+    from tests.conftest import GpuflexCLI, cleanup_jobs   # as bed_cli
+    bed.reset_smi()
+    cfg = home / "g.toml"
+    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n[jobs]\ncancel_grace_s = 3\n\n'
+                   + host_toml(bed.hosts[0], bed))
+    cli = GpuflexCLI(home, cfg)
+    yield cli, bed.hosts[0]
+    cleanup_jobs(cli, home / "g.db")
+
+
 def restart_sshd(bed: SshBed, h: SshdHost) -> None:
     """Start a stopped host's sshd again on the same address, port and keys (the config
     and known_hosts stay valid)."""

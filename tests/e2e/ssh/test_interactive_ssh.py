@@ -17,21 +17,14 @@ import time
 import pytest
 
 from gpuflex.hosts.hostops import group_alive
-from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows
+from tests.conftest import GpuflexCLI, db_rows
 from tests.e2e.test_interactive_sessions import READ_LIMIT_S, read_until, wait_exit
-from tests.sshbed import host_toml, ssh_hosts  # noqa: F401
+from tests.sshbed import one_host_cli, ssh_hosts  # noqa: F401
 
 
 @pytest.fixture
 def one_host(ssh_hosts, home):
-    bed = ssh_hosts
-    bed.reset_smi()
-    cfg = home / "g.toml"
-    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n[jobs]\ncancel_grace_s = 3\n\n'
-                   + host_toml(bed.hosts[0], bed))
-    cli = GpuflexCLI(home, cfg)
-    yield cli, bed.hosts[0]
-    cleanup_jobs(cli, home / "g.db")
+    yield from one_host_cli(ssh_hosts, home)
 
 
 def wait_running(cli: GpuflexCLI, job_id: int, run: subprocess.Popen) -> dict:

@@ -9,22 +9,14 @@ import json
 
 import pytest
 
-from tests.conftest import GpuflexCLI, cleanup_jobs
-from tests.sshbed import host_toml, ssh_hosts  # noqa: F401
+from tests.sshbed import one_host_cli, ssh_hosts  # noqa: F401
 
 PROBE = "import shutil, sys; print('prefix', sys.prefix); print('which', shutil.which('python'))"
 
 
 @pytest.fixture
 def one_host(ssh_hosts, home):
-    bed = ssh_hosts
-    bed.reset_smi()
-    cfg = home / "g.toml"
-    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n[jobs]\ncancel_grace_s = 3\n\n'
-                   + host_toml(bed.hosts[0], bed))
-    cli = GpuflexCLI(home, cfg)
-    yield cli, bed.hosts[0]
-    cleanup_jobs(cli, home / "g.db")
+    yield from one_host_cli(ssh_hosts, home)
 
 
 def test_a_setup_makes_the_venv_the_workers_run_in_and_a_missing_venv_fails(one_host, home):

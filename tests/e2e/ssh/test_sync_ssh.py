@@ -31,7 +31,7 @@ import pytest
 
 from tests import REPO
 from tests.conftest import GpuflexCLI, cleanup_jobs
-from tests.sshbed import FAKE_SMI, default_gpus, host_toml, ssh_hosts  # noqa: F401
+from tests.sshbed import FAKE_SMI, default_gpus, host_toml, one_host_cli, ssh_hosts  # noqa: F401
 
 SSH_USER = "gpuflex-sync-u"   # this file's own SSH user (other test files make theirs)
 
@@ -41,14 +41,7 @@ SCRIPT = ("#!/bin/sh\necho \"ran in $(pwd)\"\ncat data.txt\necho written >> resu
 
 @pytest.fixture
 def one_host(ssh_hosts, home):
-    bed = ssh_hosts
-    bed.reset_smi()
-    cfg = home / "g.toml"
-    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n[jobs]\ncancel_grace_s = 3\n\n'
-                   + host_toml(bed.hosts[0], bed))
-    cli = GpuflexCLI(home, cfg)
-    yield cli, bed.hosts[0]
-    cleanup_jobs(cli, home / "g.db")
+    yield from one_host_cli(ssh_hosts, home)
 
 
 def make_tree(d):
