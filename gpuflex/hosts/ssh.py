@@ -230,10 +230,18 @@ class SSHTransport(Transport):
         # -1: the remote process died from a signal (OpenSSH sends exit-signal, no status)
         return CommandResult(rc, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"))
 
+    def _sftp(self) -> "paramiko.SFTPClient":
+        """An SFTP session on the pooled connection whose every read and write gives up after
+        command_timeout_s without progress (socket.timeout, an OSError): a host that stalls
+        mid-transfer fails the copy instead of hanging the command."""
+        sftp = self.client().open_sftp()
+        sftp.get_channel().settimeout(self.host.command_timeout_s)
+        return sftp
+
     def put(self, local_path: str, remote_path: str) -> None:
         """By SFTP over the pooled connection (no second login)."""
         try:
-            with self.client().open_sftp() as sftp:
+            with self._sftp() as sftp:
                 sftp.put(local_path, remote_path)
         except (paramiko.SSHException, EOFError, OSError) as e:
             raise TransportError(self.host.name, f"cannot send {remote_path} to {_where(self.host)} by SFTP "
@@ -244,7 +252,7 @@ class SSHTransport(Transport):
         """By SFTP over the pooled connection, one SFTP session for all the files."""
         remote = ""
         try:
-            with self.client().open_sftp() as sftp:
+            with self._sftp() as sftp:
                 for remote, local in files:
                     sftp.get(remote, local)
         except (paramiko.SSHException, EOFError, OSError) as e:
