@@ -103,9 +103,6 @@ class JobService:
         with self.sessions() as session:
             access.check_reader(self.config, self.get(session, ref), what)
 
-    def may_read(self, owner: str) -> bool:
-        return access.may_read(self.config, owner)
-
     def jobs(self, owner: str | None = None) -> list[views.JobInfo]:
         """Every job with its workers, by id; only `owner`'s when given."""
         return self.listing(owner).jobs
