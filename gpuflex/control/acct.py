@@ -18,8 +18,6 @@ walk every page the same way and are, by construction, the sums of the rows.
 from __future__ import annotations
 
 import dataclasses
-import datetime as dt
-import time
 from typing import Any, Iterator
 
 from sqlalchemy.orm import Session
@@ -50,19 +48,13 @@ class Filter:
 
 
 def parse_moment(text: str, option: str, now: float | None = None) -> float:
-    """A duration back from now ('24h', '7d') or an ISO date/time ('2026-03-01',
-    '2026-03-01T08:00', local time unless it names a zone) -> a unix time from 1970 on."""
-    from gpuflex.control.report import parse_duration
+    """--since/--until: report.parse_moment's moment (the future allowed), from 1970 on."""
+    from gpuflex.control.report import parse_moment
 
-    now = time.time() if now is None else now
     try:
-        try:
-            ts = now - parse_duration(text, option)
-        except UsageError:   # not a duration: a date
-            ts = dt.datetime.fromisoformat(text.strip()).timestamp()
-    except (ValueError, AttributeError, OverflowError, OSError):
-        raise UsageError(f"{option} {text!r}: expected a duration back from now (24h, 7d) or an ISO "
-                         "date/time (2026-03-01 or 2026-03-01T08:00).") from None
+        ts = parse_moment(text, option, now)
+    except (OverflowError, OSError):
+        ts = -1.0
     if ts < 0:
         raise UsageError(f"{option} {text!r} reaches back before 1970-01-01; give a later date or a "
                          "shorter duration.")

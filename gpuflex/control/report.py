@@ -38,18 +38,25 @@ def parse_duration(text: str, option: str) -> float:
     return float(m.group(1)) * _UNITS[m.group(2) or "s"]
 
 
-def parse_since(text: str, now: float | None = None) -> float:
+def parse_moment(text: str, option: str, now: float | None = None) -> float:
     """A duration back from now ('24h', '7d') or an ISO date/time ('2026-03-01',
-    '2026-03-01T08:00', local time unless it names a zone) -> a unix time in the past."""
+    '2026-03-01T08:00', local time unless it names a zone) -> a unix time; UsageError for
+    anything else. OverflowError or OSError for a date past what time_t holds."""
     now = time.time() if now is None else now
     if _DURATION.match(text or ""):
-        return now - parse_duration(text, "--since")
+        return now - parse_duration(text, option)
     try:
         when = dt.datetime.fromisoformat(text.strip())
     except (ValueError, AttributeError):
-        raise UsageError(f"--since {text!r}: expected a duration (24h, 7d) or an ISO date/time "
+        raise UsageError(f"{option} {text!r}: expected a duration (24h, 7d) or an ISO date/time "
                          "(2026-03-01 or 2026-03-01T08:00).") from None
-    ts = when.timestamp()
+    return when.timestamp()
+
+
+def parse_since(text: str, now: float | None = None) -> float:
+    """`parse_moment` of --since, in the past."""
+    now = time.time() if now is None else now
+    ts = parse_moment(text, "--since", now)
     if ts > now:
         raise UsageError(f"--since {text!r} is in the future.")
     return ts
