@@ -18,7 +18,7 @@ import time
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
-from gpuflex.control import intents, journal, prepare
+from gpuflex.control import access, intents, journal, prepare
 from gpuflex.control import launch as L
 from gpuflex.control.coordinator_link import request as coordinator_request
 from gpuflex.control.pool import Pool
@@ -174,19 +174,23 @@ def stop_workers(ops: Ops, job: Job, workers: list[Worker], why: str) -> None:
 
 
 # ---- resizing -------------------------------------------------------------------------------
-def ask_membership(ops: Ops, job: Job, message: str, wait_s: float = 30) -> None:
+def ask_membership(ops: Ops, job: Job, message: str, wait_s: float = 30, by_caller: bool = False) -> None:
     """Send the job's members (live, not leaving) to its coordinator as the desired set,
-    poke the workers, and mark the job SCALING."""
+    poke the workers, and mark the job SCALING. `by_caller`: a person asked (`gpuflex
+    scale`), so the event names them ("... requested by carol (admin)") and records `by`,
+    as the other verbs' events do; a resize gpuflex decides itself (a reclaim, a harvest
+    grow, a straggler) names its reason in `message` instead."""
+    by = {"by": access.caller()} if by_caller else {}
+    message = f"{message} requested" + (f" by {access.changed_by(job)}" if by_caller else "")
     desired = sorted(w.wid for w in job.members)
     ops.session.flush()
     coordinator_request(ops.config, ops.pool, job, resize_request(desired), wait_s=wait_s)
     poke_workers(ops, job)
     job.target_workers = len(desired)
     if job.state is not JobState.SCALING:
-        journal.set_state(ops.session, job, JobState.SCALING, f"{message} requested",
-                          target_workers=len(desired))
+        journal.set_state(ops.session, job, JobState.SCALING, message, target_workers=len(desired), **by)
     else:
-        journal.record(ops.session, job, "scale-request", f"{message} requested", target_workers=len(desired))
+        journal.record(ops.session, job, "scale-request", message, target_workers=len(desired), **by)
 
 
 def poke_workers(ops: Ops, job: Job) -> None:

@@ -27,7 +27,7 @@ from typing import Callable, ContextManager
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
-from gpuflex.control import executor, journal, quotas, restarts
+from gpuflex.control import access, executor, journal, quotas, restarts
 from gpuflex.control.harvest_inputs import has_finished
 from gpuflex.control.executor import Ops
 from gpuflex.control.pool import Pool
@@ -124,21 +124,22 @@ def launch(ops: Ops, job: Job, w: Worker) -> None:
     executor.launch_worker(ops, job, w, members.index(w), len(members))
 
 
-def ask_for_newcomers(ops: Ops, job: Job, new: list[Worker], why: str = "") -> None:
+def ask_for_newcomers(ops: Ops, job: Job, new: list[Worker], why: str = "", by_caller: bool = False) -> None:
     """Ask the coordinator for the membership with the newcomers; if it refuses or cannot
     be asked, stop them and end their rows, then raise."""
     n = len(job.members)
     try:
-        executor.ask_membership(ops, job, f"grow to {n} worker(s)" + (f": {why}" if why else ""))
+        executor.ask_membership(ops, job, f"grow to {n} worker(s)" + (f": {why}" if why else ""),
+                                by_caller=by_caller)
     except GpuflexError as e:
         executor.stop_workers(ops, job, new, f"the resize was not taken: {e}")
         raise
 
 
 def grow_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
-                  assignments: list[Assignment], why: str = "") -> list[int]:
+                  assignments: list[Assignment], why: str = "", by_caller: bool = False) -> list[int]:
     """`grow` as committed steps (see the module docstring); the newcomers' ids. The
-    caller holds the ops lock over the call."""
+    caller holds the ops lock over the call. `by_caller`: see executor.ask_membership."""
     with tx() as session:
         wids = [w.wid for w in reserve(Ops(config, pool, session), queries.job(session, job_id), assignments)]
     failure: GpuflexError | None = None
@@ -159,7 +160,7 @@ def grow_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int,
             executor.stop_workers(ops, job, new, f"a newcomer could not start: {failure}")
         else:
             try:
-                ask_for_newcomers(ops, job, new, why)
+                ask_for_newcomers(ops, job, new, why, by_caller)
             except GpuflexError as e:
                 failure = e
     if failure is not None:
@@ -180,19 +181,22 @@ def scale_in_steps(tx: Transactions, config: Config, pool: Pool, job_id: int, n:
         check_grow(ops, job, n)
         plan = plan_scale(ops, job, n)
         if not restarts.is_restart(job) and plan.drop:
-            retire(ops, job, list(plan.drop))
+            retire(ops, job, list(plan.drop), by_caller=True)
             return
         gang = None
         if restarts.is_restart(job) and (plan.drop or plan.add):
             gang = restarts.without(job, plan.drop) if plan.drop else restarts.with_more(job, list(plan.add))
         cause = f"scale {len(job.members)} -> {n}"
+        if gang is not None:   # the restart's own events name only the cause; this names who asked
+            journal.record(session, job, "scale-request", f"restart at {n} worker(s) requested by "
+                           f"{access.changed_by(job)}", target_workers=n, by=access.caller())
     if gang is not None:
         restarts.restart_in_steps(tx, config, pool, job_id, gang, cause)
     elif plan.add:
-        grow_in_steps(tx, config, pool, job_id, list(plan.add))
+        grow_in_steps(tx, config, pool, job_id, list(plan.add), by_caller=True)
 
 
-def retire(ops: Ops, job: Job, wids: list[int], why: str = "", wait_s: float = 30) -> None:
+def retire(ops: Ops, job: Job, wids: list[int], why: str = "", wait_s: float = 30, by_caller: bool = False) -> None:
     """Ask these workers to leave at the next step boundary (they exit 0). `wait_s` bounds
     the wait for a coordinator that is still starting (a reclaim has a deadline)."""
     gone = [w for w in job.members if w.wid in wids]
@@ -201,4 +205,4 @@ def retire(ops: Ops, job: Job, wids: list[int], why: str = "", wait_s: float = 3
     for w in gone:
         journal.retiring(w)
     executor.ask_membership(ops, job, f"shrink to {len(job.members)} worker(s)" + (f": {why}" if why else ""),
-                            wait_s=wait_s)
+                            wait_s=wait_s, by_caller=by_caller)

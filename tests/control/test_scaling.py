@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from gpuflex.config import parse_config
-from gpuflex.control import executor, scaling
+from gpuflex.control import access, executor, scaling
 from gpuflex.control.pool import Pool
 from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
@@ -169,3 +169,23 @@ def test_a_refused_scale_writes_nothing_not_even_the_probes(sim, tmp_path, worke
     with pytest.raises(UsageError, match=fragment):
         svc.scale(str(job_id), n)
     assert db_dump(tmp_path / "g.db") == before
+
+
+def test_a_scale_names_who_asked_for_it_and_an_admins_says_admin(sim, tmp_path, monkeypatch):
+    """`gpuflex scale` is a person's act, as cancel is: its event says who (an admin's
+    "(admin)") and records `by`; a resize gpuflex decides itself (the grow above) names
+    its reason instead."""
+    world, svc, _ = sim
+    monkeypatch.setattr(access, "caller", lambda: "alice")
+    job_id, _ = one_worker_job(world, svc, tmp_path)
+    svc.scale(str(job_id), 2)
+    grow = svc.job(job_id).events[-1]
+    assert (grow.message, grow.data.get("by")) == ("scaling: grow to 2 worker(s) requested by alice", "alice")
+    svc.refresh()                              # generation 2 formed: running at 2
+    monkeypatch.setattr(access, "is_admin", lambda config, user: user == "carol")
+    monkeypatch.setattr(access, "reaches", lambda config, job: True)   # as through a shared [[hosts]] user
+    monkeypatch.setattr(access, "caller", lambda: "carol")
+    svc.scale(str(job_id), 1)
+    shrink = svc.job(job_id).events[-1]
+    assert (shrink.message, shrink.data.get("by")) == ("scaling: shrink to 1 worker(s) requested by carol (admin)",
+                                                       "carol")
