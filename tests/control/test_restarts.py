@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from gpuflex.config import parse_config
-from gpuflex.control import harvest
+from gpuflex.control import access, harvest
 from gpuflex.control.pool import Pool
 from gpuflex.control.restarts import RESTART_KIND
 from gpuflex.control.requests import SubmitRequest
@@ -95,6 +95,8 @@ def test_scale_of_a_restart_job_stops_the_gang_and_starts_it_again_at_the_new_si
     assert all(0 <= e["down_s"] < 30 for e in events)
     states = [e.message for e in info.events if e.kind == "state"]
     assert "queued: restarting at 3 worker(s) (was 2): scale 2 -> 3" in states
+    asked = [(e.message, e.data.get("by")) for e in info.events if e.kind == "scale-request"]
+    assert asked == [(f"restart at {n} worker(s) requested by {access.caller()}", access.caller()) for n in (3, 1)]
 
     svc.scale(str(job_id), 1)                                          # its size already: nothing
     assert svc.job(job_id).restarts == 2
