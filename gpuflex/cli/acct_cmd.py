@@ -134,6 +134,7 @@ def acct(
     Example: gpuflex acct --since 7d --user alice --state failed; gpuflex acct --totals --since 2026-11-01 --until 2026-12-01
     """
     from gpuflex.control import access, acct as A
+    from gpuflex.control.report import moment_since_1970
 
     if as_json and as_csv:
         raise UsageError("--json and --csv: choose one.")
@@ -146,8 +147,8 @@ def acct(
     if mine and user:
         raise UsageError("give one of --user NAME and --mine.")
     now = time.time()
-    f = A.Filter(since=A.parse_moment(since, "--since", now) if since is not None else None,
-                 until=A.parse_moment(until, "--until", now) if until is not None else None,
+    f = A.Filter(since=moment_since_1970(since, "--since", now) if since is not None else None,
+                 until=moment_since_1970(until, "--until", now) if until is not None else None,
                  states=tuple(parse_states(state)) if state else None, name=name)
     A.check_filter(f)
     svc = obj(ctx).service()

@@ -4,7 +4,6 @@ foreground) and `gpuflex report` (what harvesting gained)."""
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 from typing import Any, Optional
@@ -87,21 +86,6 @@ def show_tick(result, as_json: bool, *, lines: bool = False) -> None:
         console.print("  " + line, markup=False)
     if not entries:
         console.print("  nothing to do", markup=False)
-
-
-def _since(text: str) -> float:
-    """report's --since as a unix time from 1970 on: nothing gpuflex recorded is older, and
-    a date like 0001-01-01 or a duration like 9999999999999d is past what time_t holds."""
-    from gpuflex.control.report import parse_since
-
-    try:
-        start = parse_since(text)
-    except (OverflowError, OSError, ValueError):
-        start = -math.inf
-    if not math.isfinite(start) or start < 0:
-        raise UsageError(f"--since {text!r} reaches back before 1970-01-01; give a later date or a shorter "
-                         "duration (e.g. 30d).")
-    return start
 
 
 def _user_table(data: dict, when: str) -> None:
@@ -239,7 +223,7 @@ def report(
         raise UsageError("--json and --csv: choose one.")
     if by not in ("host", "user"):
         raise UsageError(f"--by {by!r}: expected host or user.")
-    start = _since(since)
+    start = R.parse_since(since)
     svc = obj(ctx).service()
     svc.refresh()
     data = svc.report(start)

@@ -47,20 +47,6 @@ class Filter:
     name: str | None = None
 
 
-def parse_moment(text: str, option: str, now: float | None = None) -> float:
-    """--since/--until: report.parse_moment's moment (the future allowed), from 1970 on."""
-    from gpuflex.control.report import parse_moment
-
-    try:
-        ts = parse_moment(text, option, now)
-    except (OverflowError, OSError):
-        ts = -1.0
-    if ts < 0:
-        raise UsageError(f"{option} {text!r} reaches back before 1970-01-01; give a later date or a "
-                         "shorter duration.")
-    return ts
-
-
 def check_filter(f: Filter) -> Filter:
     """UsageError for a window that ends before it starts or a state that is not final."""
     if f.since is not None and f.until is not None and f.until < f.since:

@@ -16,6 +16,7 @@ import csv
 import datetime as dt
 import io
 import re
+import math
 import statistics
 import time
 from typing import Any
@@ -53,10 +54,24 @@ def parse_moment(text: str, option: str, now: float | None = None) -> float:
     return when.timestamp()
 
 
+def moment_since_1970(text: str, option: str, now: float | None = None) -> float:
+    """`parse_moment` from 1970 on (the future allowed): nothing gpuflex recorded is older,
+    and a date like 0001-01-01 or a duration like 9999999999999d is past what time_t holds
+    (UsageError, not OverflowError)."""
+    try:
+        ts = parse_moment(text, option, now)
+    except (OverflowError, OSError, ValueError):   # ValueError: "year 0 is out of range" (local time)
+        ts = -1.0
+    if not math.isfinite(ts) or ts < 0:
+        raise UsageError(f"{option} {text!r} reaches back before 1970-01-01; give a later date or a "
+                         "shorter duration (e.g. 30d).")
+    return ts
+
+
 def parse_since(text: str, now: float | None = None) -> float:
-    """`parse_moment` of --since, in the past."""
+    """--since: `moment_since_1970`, in the past."""
     now = time.time() if now is None else now
-    ts = parse_moment(text, "--since", now)
+    ts = moment_since_1970(text, "--since", now)
     if ts > now:
         raise UsageError(f"--since {text!r} is in the future.")
     return ts
