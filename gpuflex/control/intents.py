@@ -11,7 +11,7 @@ the job again beside them (issue 16: "the database must match the processes").
 So before the first spawn of a run, `note` appends the run (job id, its fresh socket
 directory, its hosts) to a small file beside the database, flushed to disk. Each host's
 supervisor marks every process group of the run in that socket directory before the
-process starts (gpuflex.hosts.hostops.mark_group). The next command, under the same
+process starts (gpuflex.hosts.supervisor.mark_group). The next command, under the same
 ops lock, `settle`s the file: a run whose job now records that socket directory was
 committed and is forgotten; any other was not, and `end-run` on each of its hosts kills
 the groups marked there and removes the directory. A host that cannot be reached keeps

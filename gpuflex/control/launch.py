@@ -30,7 +30,7 @@ from gpuflex.elastic.protocol import env as env_contract
 from gpuflex.elastic.protocol import failpoints
 from gpuflex.jobspec import INPLACE, SPLIT_EVEN, torchrun_args
 from gpuflex.elastic.protocol.env import SPEED_HINT, SPLIT, STRAGGLER_FACTOR, WorkerEnv
-from gpuflex.hosts import container, hostops
+from gpuflex.hosts import container, supervisor
 from gpuflex.hosts import sync as sync_code
 from gpuflex.hosts.transport import SpawnSpec, Transport
 from gpuflex.policy.speeds import speed_hint
@@ -300,10 +300,10 @@ def coordinator_deadline(config: Config, job: Job) -> float | None:
 
 # What belongs to a login session or to a host rather than to a job: not recorded at
 # submit. HOME, USER, LOGNAME and SHELL come from the host a worker runs on
-# (hostops.HOST_IDENTITY); a worker's place in the job (rank, devices, the GPUFLEX_*
+# (supervisor.HOST_IDENTITY); a worker's place in the job (rank, devices, the GPUFLEX_*
 # contract) from gpuflex when it starts.
 SESSION_VARIABLES = frozenset({
-    *hostops.HOST_IDENTITY, "DISPLAY", "WAYLAND_DISPLAY", "XAUTHORITY", "TERM", "COLORTERM",
+    *supervisor.HOST_IDENTITY, "DISPLAY", "WAYLAND_DISPLAY", "XAUTHORITY", "TERM", "COLORTERM",
     "COLUMNS", "LINES", "SHLVL", "PWD", "OLDPWD", "_", "HOSTNAME", "MAIL", "XDG_RUNTIME_DIR",
     "TMUX", "TMUX_PANE", "STY", "WINDOW",
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",

@@ -1,6 +1,6 @@
 """A worker in a container (issue 33: `submit --image IMAGE`): the engine's command line.
 
-Standard library only, like hostops, which calls it on the host: the supervisor there
+Standard library only, like hostops and the supervisor, which call it on the host: the supervisor there
 starts `ENGINE run ... IMAGE <worker argv>` as its child instead of the worker itself,
 so the exit record holds the container's exit status (the engines return the
 command's own). What the container gets, and why:
@@ -114,7 +114,7 @@ def run_argv(engine: str, image: str, argv: Sequence[str], *, cwd: str, env: Map
 
 
 def spec_argv(spec: Mapping[str, Any], argv: list[str], cwd: str, env: Mapping[str, str], pgid: int) -> list[str]:
-    """The engine's command for a spawn spec's worker (gpuflex.hosts.hostops.spawn; its
+    """The engine's command for a spawn spec's worker (gpuflex.hosts.supervisor.spawn; its
     `container`: engine, image, args): the job's directories (private_dirs, socket_dir)
     mounted, the container named after the supervisor's group `pgid`."""
     c = spec["container"]
@@ -126,7 +126,7 @@ def spec_argv(spec: Mapping[str, Any], argv: list[str], cwd: str, env: Mapping[s
 def engine_in_group(pgid: int, procs: Iterable[tuple[int, str, int, int]],
                     cmdline: Callable[[int], list[str]] | None = None) -> str | None:
     """The engine (podman, docker) whose client (`ENGINE run`) is a live process of group
-    `pgid` (`procs`: hostops.proc_stats), whose container must then be killed through it."""
+    `pgid` (`procs`: supervisor.proc_stats), whose container must then be killed through it."""
     for pid, state, _, pgrp in procs:
         if pgrp != pgid or state == "Z":
             continue

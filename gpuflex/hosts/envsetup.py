@@ -3,7 +3,7 @@
     python -m gpuflex.hosts.envsetup      a JSON request on stdin, one JSON reply line
 
 The request (gpuflex.jobenv.setup_request): `argv` (`["sh", "-c", CMD]`, the job's
---env-setup; null: none), `cwd` and `env`/`clean_env` (as a worker's: hostops.spawn_env),
+--env-setup; null: none), `cwd` and `env`/`clean_env` (as a worker's: supervisor.spawn_env),
 `log` (the output is appended there, 0600 in gpuflex's 0700 job directory), `timeout_s`,
 and `check` (executables the workers need: the venv's bin/python, --python's program).
 The reply: {"returncode": rc or null, "timed_out": bool, "seconds": s, "tail": the
@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from gpuflex.hosts.hostops import spawn_env
+from gpuflex.hosts.supervisor import spawn_env
 from gpuflex.hosts.private import open_private, private_dir
 
 TAIL_LINES = 10

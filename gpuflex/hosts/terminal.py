@@ -9,7 +9,7 @@ full-screen programs work as in a shell. Without one (a pipe, a test), it inheri
 stdin/stdout/stderr as they are, in a process group of its own. Signals `gpuflex run`
 gets (SIGTERM, SIGHUP; SIGINT without a PTY) are passed to the command's group.
 
-`attend` keeps the time limit, as a supervisor does (gpuflex.hosts.hostops.wait_until):
+`attend` keeps the time limit, as a supervisor does (gpuflex.hosts.supervisor.wait_until):
 at the deadline SIGTERM to the group, the grace, then SIGKILL. On an SSH host the same
 code runs under gpuflex.hosts.attach, which also tells it when its caller is gone (the
 terminal hung up, or the connection's process ended): the group gets SIGHUP, the grace,

@@ -48,7 +48,7 @@ class SpawnSpec:
     made; the log and the exit record are 0600.
 
     `env` is added to the environment of the host's hostops process; with `clean_env` it
-    is the whole environment but for the host's identity (hostops.HOST_IDENTITY: HOME,
+    is the whole environment but for the host's identity (supervisor.HOST_IDENTITY: HOME,
     USER, LOGNAME, SHELL), so a job's workers get the environment recorded at submit
     rather than that of whoever runs the command that starts them. A program path
     (`argv[0]`) and `cwd` starting with `~` are the host user's.

@@ -19,7 +19,7 @@ import pytest
 from gpuflex.config import parse_config
 from gpuflex.control import launch
 from gpuflex.db.models import Job, Worker
-from gpuflex.hosts import hostops
+from gpuflex.hosts import supervisor
 from tests import REPO
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_dump, db_rows, wait_for
 from tests.sshbed import host_toml, ssh_bed, ssh_hosts  # noqa: F401 (fixtures)
@@ -90,14 +90,14 @@ def test_a_job_from_before_the_upgrade_keeps_the_spawners_environment():
     assert not spec.clean_env and spec.env["A"] == "a" and "PATH" not in spec.env
 
 
-def test_hostops_gives_a_clean_spawn_only_the_hosts_identity(monkeypatch):
+def test_the_supervisor_gives_a_clean_spawn_only_the_hosts_identity(monkeypatch):
     for k, v in {"HOME": "/home/h", "USER": "h", "LOGNAME": "h", "SHELL": "/bin/zsh", "PATH": "/scaler",
                  "SCALER_ONLY": "1"}.items():
         monkeypatch.setenv(k, v)
-    clean = hostops.spawn_env({"env": {"PATH": "/submit", "MARK": "m"}, "clean_env": True})
+    clean = supervisor.spawn_env({"env": {"PATH": "/submit", "MARK": "m"}, "clean_env": True})
     assert clean == {"HOME": "/home/h", "USER": "h", "LOGNAME": "h", "SHELL": "/bin/zsh",
                      "PATH": "/submit", "MARK": "m"}
-    inherited = hostops.spawn_env({"env": {"MARK": "m"}})
+    inherited = supervisor.spawn_env({"env": {"MARK": "m"}})
     assert inherited["SCALER_ONLY"] == "1" and inherited["PATH"] == "/scaler"
 
 

@@ -7,7 +7,8 @@ import pwd
 
 import pytest
 
-from gpuflex.hosts.hostops import group_alive, spawn
+from gpuflex.hosts.hostops import group_alive
+from gpuflex.hosts.supervisor import spawn
 from tests.conftest import db_rows
 
 

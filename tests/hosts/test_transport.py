@@ -105,7 +105,7 @@ def test_the_ssh_module_is_loaded_only_for_the_first_ssh_host():
 
 # the modules that run on a host, under its python (`python -m gpuflex.hosts.X`, or imported
 # by one that does), where gpuflex's dependencies may be missing
-HOST_SIDE = ["gpuflex.hosts.relay", "gpuflex.hosts.hostops", "gpuflex.hosts.private", "gpuflex.hosts.container",
+HOST_SIDE = ["gpuflex.hosts.relay", "gpuflex.hosts.hostops", "gpuflex.hosts.supervisor", "gpuflex.hosts.private", "gpuflex.hosts.container",
              "gpuflex.hosts.gather", "gpuflex.hosts.unpack", "gpuflex.hosts.attach", "gpuflex.hosts.envsetup",
              "gpuflex.hosts.terminal"]
 
@@ -120,5 +120,5 @@ def test_the_host_side_modules_need_only_the_standard_library(module):
 
 def test_the_host_side_and_the_coordinator_name_process_group_marks_alike():
     from gpuflex.elastic.protocol import run_dir
-    from gpuflex.hosts import hostops
-    assert hostops.GROUP_MARK == run_dir.GROUP_MARK
+    from gpuflex.hosts import supervisor
+    assert supervisor.GROUP_MARK == run_dir.GROUP_MARK

@@ -3,7 +3,7 @@
 A run's socket directory (/tmp/gpuflex-<hex>, 0700, new at each run of a job on each host
 it uses: gpuflex.control.launch) holds the run's control sockets and a mark
 `group-<pgid>` per process group gpuflex started there for the run, made by the group's
-supervisor before its process started (gpuflex.hosts.hostops). On the coordinator's host it
+supervisor before its process started (gpuflex.hosts.supervisor). On the coordinator's host it
 also holds, once the coordinator ended the job, the abort record (`abort.json`: {reason,
 cause, at}, 0600, written whole): the next gpuflex command reads it there when the
 coordinator no longer answers (it ends itself once no command came for its orphan
