@@ -27,7 +27,7 @@ from typing import Any
 
 from gpuflex.hosts import container
 from gpuflex.hosts.private import remove_own_dir
-from gpuflex.hosts.supervisor import GROUP_MARK, proc_stats, spawn
+from gpuflex.hosts.supervisor import GROUP_MARK, SpawnError, proc_stats, spawn
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,9 @@ def main(argv: list[str]) -> int:
         else:
             print(json.dumps({"error": f"unknown op {op!r}"}))
             return 2
+    except SpawnError as e:   # words for the job's owner: no exception name, no "hostops spawn"
+        print(json.dumps({"refused": str(e)}))
+        return 1
     except (KeyError, ValueError, TypeError, RuntimeError, OSError) as e:
         print(json.dumps({"error": f"{type(e).__name__}: {e}"}))
         return 1

@@ -33,6 +33,11 @@ GROUP_MARK = "group-"
 HOST_IDENTITY = ("HOME", "USER", "LOGNAME", "SHELL")
 
 
+class SpawnError(RuntimeError):
+    """The worker could not start, in words for the job's owner ("cannot start './x': ..."):
+    hostops replies them as they are, without the exception's name."""
+
+
 def spawn(spec: dict[str, Any]) -> dict[str, int]:
     """Start `spec["argv"]` detached; returns {"pid": worker pid, "pgid": group id}.
 
@@ -65,10 +70,10 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
     with os.fdopen(read_fd) as r:
         reply = r.read()
     if not reply:
-        raise RuntimeError("the supervisor died before starting the worker")
+        raise SpawnError("the supervisor died before starting the worker")
     data = json.loads(reply)
     if "error" in data:
-        raise RuntimeError(data["error"])
+        raise SpawnError(data["error"])
     return data
 
 

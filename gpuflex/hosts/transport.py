@@ -123,6 +123,8 @@ class Transport(abc.ABC):
         except (ValueError, IndexError):
             raise TransportError(self.host.name, f"hostops {op} failed (exit {res.returncode}): "
                                  f"{(res.stderr or res.stdout).strip()[-300:]}") from None
+        if "refused" in reply:   # the host's words for a person (hostops: supervisor.SpawnError)
+            raise TransportError(self.host.name, str(reply["refused"]))
         if "error" in reply:
             raise TransportError(self.host.name, f"hostops {op}: {reply['error']}")
         return reply["ok"]

@@ -17,6 +17,7 @@ def test_a_command_that_cannot_start_fails_the_job(gf, db_path):
     assert p.returncode == 1, p.stdout + p.stderr
     assert "cannot start '/nonexistent/program'" in p.stdout
     assert "Traceback" not in p.stdout + p.stderr
+    assert "RuntimeError" not in p.stdout and "hostops" not in p.stdout   # the host's words, for a person
     job = gf.json("status", "1")
     assert job["state"] == "failed"
     gf.ok("status")   # a later command does not try to launch it again

@@ -217,8 +217,8 @@ def test_a_submit_directory_the_ssh_user_cannot_read_names_host_user_and_sync_an
     assert "Traceback" not in p.stdout + p.stderr
     [job] = cli.json("status", "--all")
     done = cli.wait_final(job["id"])
-    # the host's words, as its hostops reports a failed operation ("TYPE: message")
-    said = (f"{host.name}: hostops spawn: RuntimeError: cannot start './who.sh': user {user.name} cannot read the "
+    # the host's words, as they are
+    said = (f"{host.name}: cannot start './who.sh': user {user.name} cannot read the "
             f"job's directory {src} (Permission denied); the workers run there as this host's SSH "
             "user: give it a path this user shares, or submit with --sync to send the code")
     assert (done["state"], done["exit_reason"]) == ("failed", said), done
