@@ -76,7 +76,7 @@ def main(argv: list[str]) -> int:
     parent = os.getppid()
     rc, timed_out = terminal.attend(held, go["deadline"], float(go["grace_s"]),
                                     orphaned=lambda: os.getppid() != parent)
-    terminal.write_exit(os.path.expanduser(go["exit_path"]), rc, timed_out)
+    terminal.write_exit(go["exit_path"], rc, timed_out)
     return rc
 
 

@@ -217,7 +217,9 @@ def _copy_size(src: int, dst: int) -> None:
 
 
 def write_exit(exit_path: str, rc: int, timed_out: bool) -> None:
-    """The command's exit record, as a worker's supervisor writes one (hostops.status reads it)."""
+    """The command's exit record, as a worker's supervisor writes one (hostops.status reads it).
+    A leading `~` is this host's home, as in a spawn spec (the built-in workdir is under ~)."""
+    exit_path = os.path.expanduser(exit_path)
     private_dir(os.path.dirname(exit_path))
     tmp = exit_path + ".tmp"
     with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:

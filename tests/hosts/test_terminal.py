@@ -4,6 +4,7 @@ tests/e2e/test_interactive_sessions.py, tests/e2e/ssh/test_interactive_ssh.py.""
 
 from __future__ import annotations
 
+import json
 import time
 
 from gpuflex.hosts import terminal
@@ -27,3 +28,14 @@ def test_the_deadline_ends_it_as_a_time_limit_and_a_caller_still_there_changes_n
     assert state["term_at"] is None
     terminal._keep_deadline(NO_GROUP, time.time() - 1, 5.0, state)
     assert state["term_at"] is not None and state["timed_out"] is True
+
+
+def test_the_exit_record_of_a_path_under_the_home_lands_in_the_home(tmp_path, monkeypatch):
+    """The built-in workdir is ~/.local/state/gpuflex/work: `gpuflex run` on the local pool
+    wrote its exit record to a literal '~' directory (FileNotFoundError, a traceback)
+    before write_exit expanded it, as the supervisor expands a spawn spec's paths."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    terminal.write_exit("~/work/jobs/abc/worker-0.exit", 3, timed_out=True)
+    record = json.loads((tmp_path / "work/jobs/abc/worker-0.exit").read_text())
+    assert (record["returncode"], record["time_limit"]) == (3, True)
+    assert (tmp_path / "work/jobs/abc").stat().st_mode & 0o777 == 0o700
