@@ -81,6 +81,13 @@ app = typer.Typer(
 )
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from gpuflex import __version__
+        typer.echo(f"gpuflex {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
 def _root(
     ctx: typer.Context,
@@ -88,6 +95,8 @@ def _root(
                                help="Path to gpuflex.toml (else ./gpuflex.toml, ~/.config/gpuflex/gpuflex.toml, built-in)."),
     verbose: bool = typer.Option(False, "--verbose", "-v",
                                  help="Log what gpuflex does and the errors it carries on from (to stderr)."),
+    version: bool = typer.Option(False, "--version", is_eager=True, callback=_print_version,
+                                 help="Print gpuflex's version and exit."),
 ) -> None:
     common.setup_logging(verbose)
     ctx.obj = common.Context(config_path=config)
@@ -102,6 +111,18 @@ run_cmd.register(app)
 fetch_cmd.register(app)
 acct_cmd.register(app)
 app.add_typer(db_cmd.app, name="db")
+
+
+def _one_line_summaries(typer_app: typer.Typer) -> None:
+    """Each command's line in `gpuflex --help`: its docstring's first paragraph on one line.
+    typer keeps the docstring's own line breaks there, which broke the list mid-sentence."""
+    for info in typer_app.registered_commands:
+        doc = (info.help or getattr(info.callback, "__doc__", None) or "").strip()
+        if info.short_help is None and doc:
+            info.short_help = " ".join(doc.split("\n\n")[0].split())
+
+
+_one_line_summaries(app)
 
 
 def main() -> None:

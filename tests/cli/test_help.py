@@ -83,3 +83,24 @@ def test_scale_help_says_what_a_resize_does_to_each_kind_of_job(home):
     assert "A restart job (--elastic restart) is stopped (SIGTERM, the grace period, SIGKILL) and launched again " \
            "at N workers, resuming from its own checkpoint." in out
     assert "A fixed gang (--workers N) is not resized." in out
+
+
+def test_the_command_list_gives_each_command_one_sentence_unbroken(home):
+    """typer kept a docstring's own line breaks in `gpuflex --help`'s list, which broke
+    'status' and four others mid-sentence; each summary is now its first paragraph, one
+    line (rich wraps it to the terminal)."""
+    group = typer.main.get_command(app)
+    for name, cmd in group.commands.items():
+        doc = (cmd.help or "").strip()
+        if doc and not hasattr(cmd, "commands"):   # a group's (hosts, db) help is one line already
+            assert cmd.short_help == " ".join(doc.split("\n\n")[0].split()), name
+    listing = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "300"}).output
+    assert "Show the jobs not ended and the newest ended ones (--all: every job), or one job with its workers" \
+        in listing
+
+
+def test_version_prints_the_packages_version_and_needs_no_config(home):
+    from gpuflex import __version__
+    (home / "gpuflex.toml").write_text("this is = = not toml")
+    result = CliRunner().invoke(app, ["--version"], env={"HOME": str(home)})
+    assert (result.exit_code, result.output) == (0, f"gpuflex {__version__}\n")
