@@ -151,20 +151,22 @@ def job_time_series(session: Session) -> tuple[dict[tuple[str], list[float]], di
 
 
 def usage_families(session: Session, now: float) -> list[Any]:
-    """Device-hours by owner since the first job: report --by user's figures, GPU-hours and
-    CPU slot-hours apart, and the harvested GPU-hours. They only grow while no job is
-    deleted and no host's owner or devices change (report counts by the pool as it is now)."""
+    """Device time by owner since the first job: report --by user's figures, GPU time and
+    CPU slot time apart, and the harvested GPU time, in seconds (Prometheus' base unit:
+    promtool refuses `_hours`; divide by 3600 for report's device-hours). They only grow
+    while no job is deleted and no host's owner or devices change (report counts by the
+    pool as it is now)."""
     owned = {h.name for h in queries.hosts(session) if h.owner}
     rows = report.by_user(session, 0.0, now, owned, queries.slot_host_names(session))
-    f_used = CounterMetricFamily("gpuflex_device_hours", "Device-hours the workers of each user's jobs held: "
-                                 "GPU-hours (device=gpu) and CPU slot-hours (device=cpu-slot), as report "
-                                 "--by user counts them.", labels=["user", "device"])
-    f_harvested = CounterMetricFamily("gpuflex_harvested_gpu_hours", "GPU-hours each user's jobs held on "
+    f_used = CounterMetricFamily("gpuflex_device_seconds", "Device time the workers of each user's jobs held, "
+                                 "in device-seconds: GPUs (device=gpu) and CPU slots (device=cpu-slot), as "
+                                 "report --by user counts them (/3600: its device-hours).", labels=["user", "device"])
+    f_harvested = CounterMetricFamily("gpuflex_harvested_gpu_seconds", "GPU-seconds each user's jobs held on "
                                       "hosts with an owner (harvested idle GPUs).", labels=["user"])
     for r in rows:
-        f_used.add_metric([r["user"], "gpu"], r["gpu_hours"])
-        f_used.add_metric([r["user"], "cpu-slot"], r["slot_hours"])
-        f_harvested.add_metric([r["user"]], r["harvested_gpu_hours"])
+        f_used.add_metric([r["user"], "gpu"], round(r["gpu_hours"] * 3600, 3))
+        f_used.add_metric([r["user"], "cpu-slot"], round(r["slot_hours"] * 3600, 3))
+        f_harvested.add_metric([r["user"]], round(r["harvested_gpu_hours"] * 3600, 3))
     return [f_used, f_harvested]
 
 

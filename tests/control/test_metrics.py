@@ -260,12 +260,12 @@ def test_every_state_waits_run_times_device_hours_and_scale_events(timed):
     assert value(got, rt + "_sum", user="bob", state="failed") == 3600
     assert not any(n.startswith(rt) and dict(k).get("user") == "carol" for n, k in got)
 
-    dh = "gpuflex_device_hours_total"
-    assert value(got, dh, user="alice", device="gpu") == 2 and value(got, dh, user="alice", device="cpu-slot") == 0
-    assert value(got, dh, user="bob", device="gpu") == 0 and value(got, dh, user="bob", device="cpu-slot") == 1
-    assert value(got, dh, user="carol", device="gpu") == 1
-    hv = "gpuflex_harvested_gpu_hours_total"
-    assert (value(got, hv, user="alice"), value(got, hv, user="bob"), value(got, hv, user="carol")) == (2, 0, 1)
+    dh, h = "gpuflex_device_seconds_total", 3600
+    assert value(got, dh, user="alice", device="gpu") == 2 * h and value(got, dh, user="alice", device="cpu-slot") == 0
+    assert value(got, dh, user="bob", device="gpu") == 0 and value(got, dh, user="bob", device="cpu-slot") == h
+    assert value(got, dh, user="carol", device="gpu") == h
+    hv = "gpuflex_harvested_gpu_seconds_total"
+    assert (value(got, hv, user="alice"), value(got, hv, user="bob"), value(got, hv, user="carol")) == (2 * h, 0, h)
 
     events = {dict(k)["kind"]: v for (n, k), v in got.items() if n == "gpuflex_scale_events_total"}
     assert events == {"formed": 0, "scale": 1, "fault": 1, "rollback": 0, "restart": 0}
@@ -274,7 +274,7 @@ def test_every_state_waits_run_times_device_hours_and_scale_events(timed):
     assert value(got, st + "_count", kind="restart") == 0   # present, 0: a rate over it is defined
 
     later = samples(metrics.exposition(sessions, cfg, {}, now=16_200.0))   # carol's GPU an hour more
-    assert value(later, dh, user="carol", device="gpu") == 2 and value(later, hv, user="carol") == 2
+    assert value(later, dh, user="carol", device="gpu") == 2 * h and value(later, hv, user="carol") == 2 * h
     for key, v in got.items():   # counters and histograms never go down
         if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
             assert later[key] >= v, key
@@ -285,4 +285,4 @@ def test_an_empty_database_has_every_state_at_zero_and_no_user_series(home):
     got = samples(metrics.exposition(open_database(cfg.database_url), cfg, {}, now=1.0))
     assert {dict(k)["state"] for (n, k) in got if n == "gpuflex_jobs_in_state"} == {s.value for s in JobState}
     assert not any(v for (n, _k), v in got.items() if n == "gpuflex_jobs_in_state")
-    assert not any(n.startswith(("gpuflex_device_hours", "gpuflex_job_queue_wait")) for n, _k in got)
+    assert not any(n.startswith(("gpuflex_device_seconds", "gpuflex_job_queue_wait")) for n, _k in got)
