@@ -16,6 +16,7 @@ from gpuflex.control import exporter
 from gpuflex.db.engine import open_database
 from gpuflex.errors import UsageError
 from gpuflex.states import JobState
+from tests import REPO as ROOT
 from tests.conftest import write_config
 
 
@@ -80,3 +81,13 @@ def test_a_port_taken_by_another_program_is_refused(home):
         other.listen()
         with pytest.raises(UsageError, match=r"--bind 127\.0\.0\.1:\d+: cannot listen there: the port is in use"):
             exporter.start(open_database(cfg.database_url), cfg, f"127.0.0.1:{other.getsockname()[1]}")
+
+
+def test_the_systemd_example_serves_where_the_default_is_and_gives_up_on_bad_input():
+    """examples/systemd/gpuflex-metrics.service: its ExecStart is `metrics --serve` on the
+    default address, and it does not restart after exit 2 (a bad --bind or a port in use)."""
+    unit = (ROOT / "examples/systemd/gpuflex-metrics.service").read_text().splitlines()
+    start = next(x for x in unit if x.startswith("ExecStart=")).split()
+    assert start[1:] == ["metrics", "--serve", "--bind", exporter.DEFAULT_BIND]
+    assert exporter.parse_bind(exporter.DEFAULT_BIND) == ("127.0.0.1", 9464)
+    assert "RestartPreventExitStatus=2" in unit and UsageError("x").exit_code == 2
