@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import ipaddress
 import logging
+import re
 import socket
 import time
 from typing import Any, Iterator
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BIND = "127.0.0.1:9464"
 _EXAMPLE = "give ADDR:PORT, such as 127.0.0.1:9464, 0.0.0.0:9464 or [::1]:9464"
+# a host name or an IPv4 address: anything else (NUL, spaces, non-ASCII) would reach
+# getaddrinfo and fail there with an error that is no OSError
+_HOST = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]{0,252})$")
 
 
 def parse_bind(text: str) -> tuple[str, int]:
@@ -50,9 +54,11 @@ def parse_bind(text: str) -> tuple[str, int]:
             ipaddress.IPv6Address(host)
         except ValueError:
             raise UsageError(f"--bind {text!r}: {host!r} in brackets is no IPv6 address; {_EXAMPLE}.") from None
-    if not sep or not host or ":" in host and not text.strip().startswith("["):
+    elif not _HOST.match(host):
         raise UsageError(f"--bind {text!r}: {_EXAMPLE}.")
-    if not port.isdigit() or not 0 <= int(port) <= 65535:
+    if not sep:
+        raise UsageError(f"--bind {text!r}: {_EXAMPLE}.")
+    if not (port.isascii() and port.isdigit()) or not 0 <= int(port) <= 65535:
         raise UsageError(f"--bind {text!r}: the port must be a number from 0 to 65535; {_EXAMPLE}.")
     return host, int(port)
 

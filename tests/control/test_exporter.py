@@ -29,7 +29,10 @@ def test_an_address_and_port_are_read(text, want):
 @pytest.mark.parametrize("text, says", [("9464", "give ADDR:PORT"), (":9464", "give ADDR:PORT"),
                                         ("127.0.0.1:", "the port must be"), ("127.0.0.1:65536", "the port must be"),
                                         ("127.0.0.1:-1", "the port must be"), ("::1:9464", "give ADDR:PORT"),
-                                        ("[nope]:9464", "no IPv6 address"), ("", "give ADDR:PORT")])
+                                        ("[nope]:9464", "no IPv6 address"), ("", "give ADDR:PORT"),
+                                        ("a\x00b:9464", "give ADDR:PORT"), ("\udcff:9464", "give ADDR:PORT"),
+                                        ("a b:9464", "give ADDR:PORT"), ("-x:9464", "give ADDR:PORT"),
+                                        ("127.0.0.1:²", "the port must be"), ("127.0.0.1:1e3", "the port must be")])
 def test_a_bad_bind_is_one_usage_error(text, says):
     with pytest.raises(UsageError, match=says) as e:
         exporter.parse_bind(text)
