@@ -136,6 +136,15 @@ def job_counts(session: Session) -> dict[tuple[JobState, str], int]:
         select(Job.state, Job.user, func.count(Job.id)).group_by(Job.state, Job.user))}
 
 
+def job_spans(session: Session) -> list[tuple[str, JobState, float, float, float]]:
+    """(owner, state, submitted, first worker start, last worker end) of every job that ever
+    had a worker, aggregated by the database (a worker still running ends, as acct counts
+    it, at its job's end or else its submission: only an ended job's last end means anything)."""
+    end = func.max(func.coalesce(Worker.ended_at, Job.ended_at, Job.created_at))
+    return list(session.execute(select(Job.user, Job.state, Job.created_at, func.min(Worker.started_at), end)
+                                .join(Worker).group_by(Job.id, Job.user, Job.state, Job.created_at)))
+
+
 def queued_jobs(session: Session) -> list[Job]:
     """Queued jobs in the order they are placed: higher priority first, then older."""
     return list(session.scalars(select(Job).where(Job.state == JobState.QUEUED)

@@ -204,3 +204,85 @@ def test_without_prometheus_client_the_command_says_what_to_install(home, config
     assert p.stderr.splitlines() == ["error: gpuflex metrics needs the prometheus_client package, which is not "
                                      "installed; pip install prometheus_client (a dependency of gpuflex on the "
                                      "control host)."]
+
+
+@pytest.fixture
+def timed(home):
+    """Jobs with known times on gpu1 (owner bob: harvested) and the slot host "local":
+    a (alice) waited 100 s, held 2 GPUs for an hour and succeeded; b (bob) waited 10 s,
+    held a slot for an hour and failed; c (alice) is queued; d (carol) waited 1000 s and
+    holds a GPU since 9000. a was scaled once (0.5 s stall) and had a fault without timings."""
+    cfg = load_config(str(write_config(home, extra=HOSTS)))
+    sessions = open_database(cfg.database_url)
+    with sessions.begin() as s:
+        gpu1 = Host(name="gpu1", address="local", owner="bob")
+        gpu1.gpus = [Gpu(index=i, kind="gpu", idle_streak=0) for i in range(4)]
+        local = Host(name="local", address="local")
+        local.gpus = [Gpu(index=i, kind="slot") for i in range(4)]
+        s.add_all([gpu1, local])
+
+        def job(name, user, state, created, ended=None, spans=()):
+            j = Job(token=secrets.token_hex(6), name=name, state=state, argv=["x"], workdir="/", env={},
+                    min_workers=1, max_workers=4, gpus_per_worker=1, user=user, created_at=created,
+                    ended_at=ended)
+            for wid, (host, devices, start, end) in enumerate(spans):
+                j.workers.append(Worker(wid=wid, rank=wid, host=host, gpus=devices, started_at=start, ended_at=end,
+                                        state=WorkerState.EXITED if end else WorkerState.RUNNING,
+                                        log_path="/l", exit_path="/e"))
+            s.add(j)
+            return j
+
+        a = job("a", "alice", JobState.SUCCEEDED, 1000.0, 4700.0, [("gpu1", [0, 1], 1100.0, 4700.0)])
+        job("b", "bob", JobState.FAILED, 2000.0, 5610.0, [("local", [0], 2010.0, 5610.0)])
+        job("c", "alice", JobState.QUEUED, 3000.0)
+        job("d", "carol", JobState.RUNNING, 8000.0, None, [("gpu1", [2], 9000.0, None)])
+        s.flush()
+        s.add(Event(job=a, time=2000.0, kind="scale", message="scale", data={"timings": {"total": 0.5}}, count=1))
+        s.add(Event(job=a, time=2100.0, kind="fault", message="fault", data={"ok": False}, count=1))
+    return cfg, sessions
+
+
+def test_every_state_waits_run_times_device_hours_and_scale_events(timed):
+    cfg, sessions = timed
+    got = samples(metrics.exposition(sessions, cfg, {}, now=12_600.0))
+
+    states = {dict(k)["state"]: v for (n, k), v in got.items() if n == "gpuflex_jobs_in_state"}
+    assert states == {"queued": 1, "running": 1, "scaling": 0, "succeeded": 1, "failed": 1, "cancelled": 0,
+                      "timeout": 0}
+
+    qw = "gpuflex_job_queue_wait_seconds"
+    assert value(got, qw + "_sum", user="alice") == 100 and value(got, qw + "_count", user="alice") == 1
+    assert value(got, qw + "_sum", user="bob") == 10 and value(got, qw + "_bucket", user="bob", le="15.0") == 1
+    assert value(got, qw + "_bucket", user="bob", le="5.0") == 0
+    assert value(got, qw + "_sum", user="carol") == 1000   # running: it waited, it has no run time yet
+    rt = "gpuflex_job_run_seconds"
+    assert value(got, rt + "_sum", user="alice", state="succeeded") == 3600
+    assert value(got, rt + "_sum", user="bob", state="failed") == 3600
+    assert not any(n.startswith(rt) and dict(k).get("user") == "carol" for n, k in got)
+
+    dh, h = "gpuflex_device_seconds_total", 3600
+    assert value(got, dh, user="alice", device="gpu") == 2 * h and value(got, dh, user="alice", device="cpu-slot") == 0
+    assert value(got, dh, user="bob", device="gpu") == 0 and value(got, dh, user="bob", device="cpu-slot") == h
+    assert value(got, dh, user="carol", device="gpu") == h
+    hv = "gpuflex_harvested_gpu_seconds_total"
+    assert (value(got, hv, user="alice"), value(got, hv, user="bob"), value(got, hv, user="carol")) == (2 * h, 0, h)
+
+    events = {dict(k)["kind"]: v for (n, k), v in got.items() if n == "gpuflex_scale_events_total"}
+    assert events == {"formed": 0, "scale": 1, "fault": 1, "rollback": 0, "restart": 0}
+    st = "gpuflex_scale_stall_seconds"
+    assert value(got, st + "_sum", kind="scale") == 0.5 and value(got, st + "_count", kind="fault") == 0
+    assert value(got, st + "_count", kind="restart") == 0   # present, 0: a rate over it is defined
+
+    later = samples(metrics.exposition(sessions, cfg, {}, now=16_200.0))   # carol's GPU an hour more
+    assert value(later, dh, user="carol", device="gpu") == 2 * h and value(later, hv, user="carol") == 2 * h
+    for key, v in got.items():   # counters and histograms never go down
+        if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
+            assert later[key] >= v, key
+
+
+def test_an_empty_database_has_every_state_at_zero_and_no_user_series(home):
+    cfg = load_config(str(write_config(home)))
+    got = samples(metrics.exposition(open_database(cfg.database_url), cfg, {}, now=1.0))
+    assert {dict(k)["state"] for (n, k) in got if n == "gpuflex_jobs_in_state"} == {s.value for s in JobState}
+    assert not any(v for (n, _k), v in got.items() if n == "gpuflex_jobs_in_state")
+    assert not any(n.startswith(("gpuflex_device_seconds", "gpuflex_job_queue_wait")) for n, _k in got)
