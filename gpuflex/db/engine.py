@@ -281,8 +281,43 @@ def upgrade(engine: Engine) -> bool:
                 return False
         except sa.exc.DBAPIError as e:
             raise _unopenable(engine, e) from None
-        command.upgrade(alembic_config(engine), "head")
+        migrating = _transactional_ddl(engine)
+        try:
+            command.upgrade(alembic_config(migrating), "head")
+        finally:
+            if migrating is not engine:
+                migrating.dispose()
         return True
+
+
+def _transactional_ddl(engine: Engine) -> Engine:
+    """The engine an upgrade runs on: for SQLite one of its own whose transactions begin
+    with an explicit BEGIN, so that the whole upgrade commits at once or not at all.
+    Python's sqlite3 driver begins a transaction only before INSERT/UPDATE/DELETE and runs
+    CREATE/ALTER/DROP in autocommit, so a first command interrupted while it created the
+    database (Ctrl-C, SIGTERM) left half a schema that the next command could not migrate
+    ('table hosts already exists'). SQLAlchemy's documented recipe for pysqlite; only
+    here, not for the commands' sessions, whose locking it would change."""
+    if engine.dialect.name != "sqlite":
+        return engine   # PostgreSQL's DDL is transactional, and alembic runs it so
+    migrating = sa.create_engine(engine.url, poolclass=sa.pool.NullPool)
+    event.listen(migrating, "connect", _migration_pragmas)
+    event.listen(migrating, "begin", lambda conn: conn.exec_driver_sql("BEGIN IMMEDIATE"))
+    return migrating
+
+
+def _migration_pragmas(dbapi_conn, _record) -> None:
+    """As `_sqlite_pragmas`, but foreign keys off: a batch migration rebuilds a table
+    (a copy, DROP TABLE, a rename), and with them on, the DROP of `jobs` deleted every
+    worker and event row through ON DELETE CASCADE (an upgrade from 0005 or older lost the
+    whole history). SQLite's own procedure for a schema change: foreign keys off outside
+    the transaction, `PRAGMA foreign_key_check` before the commit (migrations/env.py)."""
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.execute("PRAGMA foreign_keys=OFF")
+    cur.close()
+    dbapi_conn.isolation_level = None   # no implicit BEGIN/COMMIT: the "begin" event's BEGIN
 
 
 def _unopenable(engine: Engine, e: sa.exc.DBAPIError) -> DatabaseError:

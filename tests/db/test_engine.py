@@ -165,3 +165,76 @@ def test_unusable_database_is_a_database_error(tmp_path, url, fragment):
     assert fragment in str(info.value)
     assert info.value.exit_code == 2
     assert (tmp_path / "notadb").read_text() == "this is not sqlite\n" * 10
+
+
+def test_a_first_upgrade_interrupted_between_revisions_leaves_nothing_and_the_next_one_completes(
+        tmp_path, monkeypatch):
+    """A Ctrl-C or SIGTERM while the first command creates the database: SQLite's driver
+    committed each CREATE TABLE as it ran, so the next command found half a schema and
+    failed ('table hosts already exists'). The whole upgrade is one transaction now."""
+    from gpuflex.db import engine as E
+    made = E.alembic_config
+
+    def interrupted(engine):
+        cfg = made(engine)
+
+        def stop(*, step, **_):   # after the first revision's DDL, before the next one
+            raise KeyboardInterrupt
+        cfg.attributes["on_version_apply"] = stop
+        return cfg
+
+    path = tmp_path / "g.db"
+    engine = make_engine(_url(path))
+    monkeypatch.setattr(E, "alembic_config", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        upgrade(engine)
+    assert db_rows(path, "SELECT name FROM sqlite_master WHERE type = 'table'") == []
+    monkeypatch.setattr(E, "alembic_config", made)
+    assert upgrade(engine) is True
+    assert current_revision(engine) == head_revision(engine)
+
+
+def _one_row_each(conn) -> dict[str, int]:
+    """A row in every table of the schema as it is (any revision): its NOT NULL columns
+    without a default filled by their declared type, each `*_id` pointing at row 1 of its
+    table (written with foreign keys off: the order of the tables does not matter). The
+    number of rows per table."""
+    conn.exec_driver_sql("PRAGMA foreign_keys=OFF")
+    tables = [t for (t,) in conn.exec_driver_sql("SELECT name FROM sqlite_master WHERE type = 'table' "
+                                                 "AND name != 'alembic_version'")]
+    for table in tables:
+        cols, values = [], []
+        for _, name, kind, notnull, default, _pk in conn.exec_driver_sql(f"PRAGMA table_info({table})"):
+            if name.endswith("_id") or name == "id":
+                cols.append(name), values.append(1)
+            elif notnull and default is None:
+                kind = kind.upper()
+                cols.append(name)
+                values.append(1 if "INT" in kind else 1.0 if kind in ("FLOAT", "REAL") else 0 if "BOOL" in kind
+                              else "{}" if kind == "JSON" else "x")
+        conn.exec_driver_sql(f"INSERT INTO {table} ({', '.join(f'[{c}]' for c in cols)}) VALUES ({', '.join('?' * len(cols))})",
+                             tuple(values))
+    return {t: conn.exec_driver_sql(f"SELECT count(*) FROM {t}").scalar() for t in tables}
+
+
+@pytest.mark.parametrize("start", ["0001", "0005", "0011"])
+def test_an_upgrade_keeps_every_row_of_an_older_database(tmp_path, start):
+    """0006 and 0012 rebuild `jobs` (batch mode: copy, DROP, rename); with foreign keys on,
+    the DROP cascaded to every worker and event of every job."""
+    from alembic import command
+    from gpuflex.db import engine as E
+    path = tmp_path / "g.db"
+    engine = make_engine(_url(path))
+    migrating = E._transactional_ddl(engine)
+    command.upgrade(E.alembic_config(migrating), start)
+    migrating.dispose()
+    with engine.connect() as conn:
+        before = _one_row_each(conn)
+        conn.commit()
+        conn.exec_driver_sql("PRAGMA foreign_keys=ON")   # as the pool's connections are made
+    assert upgrade(engine) is True
+    with engine.connect() as conn:
+        after = {t: conn.exec_driver_sql(f"SELECT count(*) FROM {t}").scalar() for t in before}
+        assert conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall() == []
+        assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1   # the commands' connections: on
+    assert after == before and before["workers"] == before["events"] == 1
