@@ -34,7 +34,9 @@ from gpuflex.policy.lifecycle import CRASH_KIND
 
 BUCKETS = 48        # columns of the pool's timeline, whatever the range
 ENDED_SHOWN = 20    # ended jobs on the queue page (status' table shows as many)
-MARKED_KINDS = ("scale", "fault", "rollback", CRASH_KIND)   # marked on a job's world-size plot
+# marked on a job's world-size plot: each generation formed (a resize the coordinator
+# made on its own, a start) and each scale, fault, rollback and crash
+MARKED_KINDS = ("formed", "scale", "fault", "rollback", CRASH_KIND)
 RANGES = {"1d": 86400.0, "7d": 7 * 86400.0, "30d": 30 * 86400.0}
 
 
@@ -114,8 +116,8 @@ def queue(session: Session, may_read: Callable[[str], bool], ended: int = ENDED_
 def job(session: Session, job_id: int, may_read: Callable[[str], bool],
         progress: Callable[[Job], Mapping[str, Any] | None] = lambda _job: None) -> dict[str, Any] | None:
     """One job as `status JOB` shows it and, for its owner and the admins, what `events
-    JOB` does: its world size over time (acct.world_sizes), the scale, fault, rollback and
-    crash events to mark on it, and each resize's per-phase timings; its workers' shares
+    JOB` does: its world size over time (acct.world_sizes), the formed, scale, fault,
+    rollback and crash events to mark on it, and each resize's per-phase timings; its workers' shares
     and speeds from `progress(job)` (the coordinator's record: `live_progress`). None: no
     such job."""
     model = queries.job(session, job_id)

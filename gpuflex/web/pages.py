@@ -60,7 +60,7 @@ def pool_page(data: dict[str, Any], viewer: str) -> str:
         for d in h["devices"]:
             util = "-" if d["utilization_pct"] is None else f'{d["utilization_pct"]:.0f}%'
             mem = "-" if d["memory_total_mib"] is None else f'{d["memory_used_mib"] or 0:.0f}/{d["memory_total_mib"]:.0f} MiB'
-            state = "held" if d["job"] is not None else (d["verdict"] or "-")
+            state = "held" if d["job"] is not None else "free" if d["kind"] == "slot" else (d["verdict"] or "-")
             job = ("html", f'<a href="/jobs/{d["job"]}">{d["job"]}</a>') if d["job"] is not None else "-"
             rows.append((h["name"], h["owner"], "yes" if h["reachable"] else "no" if h["reachable"] is False else "?",
                          f'{d["kind"]} {d["index"]}', d["model"], util, mem, state, job, d["holder"]))
@@ -119,7 +119,7 @@ def job_page(data: dict[str, Any], viewer: str) -> str:
     timings = table(("TIME", "KIND", *PHASES),
                     [(_clock(t["time"]), t["kind"], *(_ms(t["timings"].get(p)) for p in PHASES))
                      for t in data["timings"]], "timings")
-    return page(title, viewer, facts + f"<h2>world size over time</h2>{chart}<h2>scale and fault events</h2>{events}"
+    return page(title, viewer, facts + f"<h2>world size over time</h2>{chart}<h2>resizes and faults</h2>{events}"
                 f"<h2>per-phase scale timings (ms)</h2>{timings}<h2>workers</h2>{workers}")
 
 

@@ -14,7 +14,7 @@ from typing import Sequence
 WIDTH, HEIGHT = 760, 220
 LEFT, RIGHT, TOP, BOTTOM = 48, 12, 12, 36   # the margins around the plot area
 COLORS = {"busy": "#3b6fb6", "harvested": "#e0a030", "idle": "#d8dde3", "reclaimed": "#c0392b",
-          "line": "#3b6fb6", "scale": "#2e8b57", "fault": "#c0392b", "rollback": "#8e44ad", "crash": "#c0392b",
+          "line": "#3b6fb6", "scale": "#2e8b57", "formed": "#7f8c8d", "fault": "#c0392b", "rollback": "#8e44ad", "crash": "#c0392b",
           "bar": "#3b6fb6"}
 AXIS = 'stroke="#555" stroke-width="1"'
 FONT = 'font-family="sans-serif" font-size="11" fill="#333"'
@@ -27,9 +27,11 @@ def _open(width: int, height: int, label: str) -> str:
 
 
 def _clock(ts: float, span: float) -> str:
-    """An axis label: the time of day within two days, the date beyond."""
-    return time.strftime("%H:%M" if span <= 2 * 86400 else "%m-%d %H:%M" if span <= 8 * 86400 else "%m-%d",
-                         time.localtime(ts))
+    """An axis label: with seconds within an hour, the time of day within two days, the
+    date beyond."""
+    fmt = "%H:%M:%S" if span <= 3600 else "%H:%M" if span <= 2 * 86400 else "%m-%d %H:%M" if span <= 8 * 86400 \
+        else "%m-%d"
+    return time.strftime(fmt, time.localtime(ts))
 
 
 def _x_axis(t0: float, t1: float, width: int, height: int, ticks: int = 5) -> str:
