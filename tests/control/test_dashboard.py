@@ -53,3 +53,32 @@ def test_the_timeline_splits_the_pools_device_time_into_busy_and_idle_and_counts
     assert data["capacity"] == 4
     assert (first["busy"], first["idle"], first["reclaimed"]) == (0.0, 1.0, 0)
     assert (second["busy"], second["harvested"], second["idle"], second["reclaimed"]) == (0.5, 0.0, 0.5, 1)
+
+
+def test_a_job_s_history_and_progress_are_read_only_for_who_may_read_it(home):
+    """Its owner gets the world sizes, the marks and the coordinator's shares; another
+    user gets none of them, and the coordinator is not even asked."""
+    config = load_config(str(write_config(home, slots=4)))
+    svc = JobService(config)
+    asked = []
+
+    def progress(job):
+        asked.append(job.id)
+        return {"workers": {"0": {"share": 40, "samples_per_s": 120.0, "relative": 1.0}}}
+
+    try:
+        svc.refresh()
+        with svc.sessions.begin() as s:
+            add_job(s, "t1", "alice", "x", "running", NOW - 600, None, [("local", [0], NOW - 500, None)],
+                    [(NOW - 500, {"state": "running", "world_size": 1}),
+                     (NOW - 300, {"members": [0], "ok": True})])
+        with svc.sessions() as s:
+            mine = dashboard.job(s, 1, lambda owner: owner == "alice", progress)
+            theirs = dashboard.job(s, 1, lambda owner: False, progress)
+            assert dashboard.job(s, 2, lambda owner: True, progress) is None
+    finally:
+        svc.close()
+    assert mine["readable"] and mine["world"][0] == (NOW - 500, 1) and mine["marks"][0].kind == "scale"
+    assert mine["split"][0] == {"share": 40, "samples_per_s": 120.0, "relative": 1.0}
+    assert asked == [1]   # once, for the owner's view
+    assert (theirs["readable"], theirs["world"], theirs["marks"], theirs["split"]) == (False, [], [], {})
