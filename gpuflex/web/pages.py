@@ -144,7 +144,7 @@ def acct_page(data: dict[str, Any], viewer: str) -> str:
                   f'{u["harvested_gpu_hours"]:.3f}', f'{u["slot_hours"]:.3f}') for u in users]
     host_rows = [(h["host"], h["device"], h["jobs"], f'{h["device_hours"]:.3f}') for h in hosts]
     return page("accounting", viewer, _ranges("/acct", w) +
-                f'<p class="note">{data["jobs"]} jobs ended in this range (as gpuflex acct --totals counts them: '
+                f'<p class="note">{data["jobs"]} job{"" if data["jobs"] == 1 else "s"} ended in this range (as gpuflex acct --totals counts them: '
                 "each job's whole device time, by its end).</p>"
                 f"<h2>per user</h2>{by_user}" +
                 table(("USER", "JOBS", "ELAPSED H", "GPU-H", "HARVESTED GPU-H", "SLOT-H"), user_rows, "by-user") +
