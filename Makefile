@@ -12,7 +12,7 @@ TORCH_PIN := $(VENV)/torch-pin.txt
 # apt-get update once (not once per missing package): a fresh machine has no package lists
 APT_UPDATE := test -e $(VENV)/.apt-updated || { apt-get update -qq && touch $(VENV)/.apt-updated; }
 
-.PHONY: demo test test-fast venv sshd postgresql podman prometheus bench clean
+.PHONY: demo test test-fast venv sshd postgresql podman prometheus chromium bench clean
 
 venv: $(VENV)/.installed
 
@@ -60,12 +60,22 @@ prometheus:
 		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
 	else echo "prometheus not found and not root: the metrics test will be skipped"; fi
 
+# The browser test of `gpuflex web` (tests/e2e/test_web_browser.py) drives Debian's chromium
+# through Selenium and Debian's chromium-driver (which matches its version: no browser is
+# downloaded); install them where they are missing and we are root (as on CI).
+chromium:
+	@if test -x /usr/bin/chromium && test -x /usr/bin/chromedriver; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing chromium and chromium-driver for the browser test"; \
+		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "chromium or chromium-driver not found and not root: the browser test will be skipped"; fi
+
 # TEST_WORKERS=3: on 3 pytest workers (pytest-xdist), a file's tests on one worker, the
 # heaviest files first (tests/tiers.py). Not yet the default: on 2 cores a few end-to-end
 # tests whose job can end before the event they wait for fail under the load
 # (docs/testing.md). 0: in this process, one test at a time (also for -s or pdb).
 TEST_WORKERS ?= 0
-test: venv sshd postgresql podman prometheus
+test: venv sshd postgresql podman prometheus chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The tests that start no process or server: the markers are tests/tiers.py's.

@@ -20,7 +20,11 @@ config, database, the refresh every command does first, render.
 PostgreSQL: a throw-away cluster started by tests/pgbed.py (Debian's postgresql, run as
 the `postgres` user when we are root); or `--pg-url postgresql+psycopg://USER@HOST:PORT/DB`
 to use a server of your own (an empty database: the benchmark fills it).
-Goals (issue 14): status <= 0.3 s, no failed command. Figures only, no assertion.
+- web: `gpuflex web` started once on a free loopback port, each of its pages fetched N
+  times over HTTP (the server's answer, whole: read, drawn, sent): median and p95 seconds
+
+Goals (issue 14): status <= 0.3 s, no failed command; (issue 30) each web page under 1 s.
+Figures only, no assertion.
 Run: .venv/bin/python benchmarks/control_plane.py [--jobs 10000] [--repeat 10]
 """
 
@@ -31,11 +35,13 @@ import concurrent.futures
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -169,6 +175,7 @@ def bench_backend(name: str, url: str, root: Path, args: argparse.Namespace) -> 
             bad = [e for _, ok, e, _ in runs if not ok]
             if bad:
                 out["failures"][label] = {"count": len(bad), "first": bad[0]}
+        out["web"] = bench_web(setup, one, args.repeat)
         mix = [("status", one)] * (args.concurrent // 2) + [("submit", "--name", "c", "--", "true")] * \
             (args.concurrent - args.concurrent // 2)
         with concurrent.futures.ThreadPoolExecutor(len(mix)) as pool:
@@ -183,6 +190,43 @@ def bench_backend(name: str, url: str, root: Path, args: argparse.Namespace) -> 
     finally:
         unqueue(url)   # else the blocker's end would start them
         setup.run("cancel", str(blocker["id"]))
+    return out
+
+
+def bench_web(setup: Setup, one: str, repeat: int) -> dict:
+    """Each page of `gpuflex web` (one server process, on this database), fetched `repeat`
+    times: {page: stats}, and the first failure of each page that failed."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([GPUFLEX, "web", "--bind", f"127.0.0.1:{port}"], env=setup.env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    pages = {"web: pool (1d)": "/?range=1d", "web: pool (7d)": "/?range=7d", "web: queue": "/queue",
+             f"web: job {one}": f"/jobs/{one}", "web: accounting (7d)": "/acct?range=7d",
+             "web: accounting (30d)": "/acct?range=30d"}
+    out: dict = {}
+    try:
+        for _ in range(300):   # the server's start (imports, database): not timed
+            try:
+                urllib.request.urlopen(base + "/queue", timeout=COMMAND_TIMEOUT_S).read()
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    return {"failed": (proc.stderr.read() if proc.stderr else "").strip()[-500:]}
+                time.sleep(0.2)
+        for label, path in pages.items():
+            times = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                urllib.request.urlopen(base + path, timeout=COMMAND_TIMEOUT_S).read()
+                times.append(time.perf_counter() - t0)
+            out[label] = stats(times)
+    except OSError as e:
+        out["failed"] = str(e)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
     return out
 
 
@@ -214,6 +258,16 @@ def print_table(results: list[dict]) -> None:
     for label in labels:
         cells = [f"{r['split'][label]['imports_s']:.3f} / {r['split'][label]['command_s']:.3f}" for r in results]
         print(f"{label:32}" + "".join(f"{c:>22}" for c in cells))
+    web = [label for label in results[0].get("web", {}) if label != "failed"]
+    if web:
+        print("\ngpuflex web, one server process: each page's answer over HTTP (median / p95 seconds)")
+    for label in web:
+        cells = [f"{r['web'][label]['median_s']:.3f} / {r['web'][label]['p95_s']:.3f}" if label in r.get("web", {})
+                 else "-" for r in results]
+        print(f"{label:32}" + "".join(f"{c:>22}" for c in cells))
+    for r in results:
+        if "failed" in r.get("web", {}):
+            print(f"{r['backend']}: web: {r['web']['failed']}")
     print()
     for cmd in ("status", "submit"):
         cells = [f"{r['concurrent'][cmd]['median_s']:.2f} / {r['concurrent'][cmd]['p95_s']:.2f}" for r in results]

@@ -18,7 +18,7 @@ from typer.core import TyperGroup
 
 from gpuflex.errors import INTERRUPTED_EXIT
 from gpuflex.cli import (acct_cmd, common, db_cmd, doctor_cmd, fetch_cmd, harvest_cmd, hosts_cmd, jobs_cmd,
-                         metrics_cmd, run_cmd)
+                         metrics_cmd, run_cmd, web_cmd)
 
 
 class OneLineErrors(TyperGroup):
@@ -110,6 +110,7 @@ metrics_cmd.register(app)
 run_cmd.register(app)
 fetch_cmd.register(app)
 acct_cmd.register(app)
+web_cmd.register(app)
 app.add_typer(db_cmd.app, name="db")
 
 

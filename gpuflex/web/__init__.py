@@ -1,0 +1,1 @@
+"""`gpuflex web`: the read-only dashboard (gpuflex.web.app), its pages and plots."""
