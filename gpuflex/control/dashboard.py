@@ -27,6 +27,7 @@ from gpuflex.config import Config
 from gpuflex.control import access, acct, views
 from gpuflex.control.observe import coordinator_status
 from gpuflex.control.pool import Pool
+from gpuflex.control.report import moment_since_1970
 from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.errors import UsageError
@@ -57,8 +58,8 @@ def window(params: dict[str, str], now: float | None = None, default: str = "1d"
     if "range" in params and ({"since", "until"} & set(params)):
         raise UsageError("range= and since=/until=: choose one.")
     if "since" in params or "until" in params:
-        since = acct.parse_moment(params["since"], "since", now) if "since" in params else now - RANGES[default]
-        until = acct.parse_moment(params["until"], "until", now) if "until" in params else now
+        since = moment_since_1970(params["since"], "since", now) if "since" in params else now - RANGES[default]
+        until = moment_since_1970(params["until"], "until", now) if "until" in params else now
         if until <= since:
             raise UsageError("until= is not after since=: give a window that ends after it starts.")
         return Window(since, until, f"{_iso(since)} .. {_iso(until)}")
