@@ -27,6 +27,7 @@ from gpuflex.elastic.protocol.wire import CoordinatorStatus
 from gpuflex.policy import throughput as T
 
 KIND = "throughput"
+DECIDED = "allocation"   # the throughput policy's decisions (data: resized true when it moved the job)
 
 
 def reading(job: Job, status: CoordinatorStatus | None) -> tuple[int, int, float, float] | None:
@@ -74,12 +75,19 @@ def points(session: Session, job_id: int) -> list[T.Point]:
 
 def points_of(events) -> list[T.Point]:
     out = []
-    for e in events:
+    for e in (e for e in events if e.kind == KIND):
         d = e.data or {}
         w, h, r, n = d.get("world"), d.get("hosts"), d.get("samples_per_s"), d.get("readings")
         if isinstance(w, int) and isinstance(h, int) and _number(r) and isinstance(n, int) and w >= 1 and n >= 1:
             out.append(T.Point(w, h, float(r), n))
     return T.merge(out)
+
+
+def resized_at(events) -> float | None:
+    """When the throughput policy last resized the job (its newest "allocation" event
+    that moved it): the hysteresis' clock."""
+    times = [e.last_time or e.time for e in events if e.kind == DECIDED and (e.data or {}).get("resized")]
+    return max(times, default=None)
 
 
 def scaling(sessions, job_id: int, min_workers: int, max_workers: int, world: int,
