@@ -22,7 +22,9 @@ A tick, in order:
 5. record each reclaim (event "reclaim": host, gpu, latency_s from `clock_from`, the start
    of the tick that saw the owner; deadline_s, method, `killed_at` of a SIGKILL), start
    queued jobs that now fit, plan again and grow --harvest jobs onto idle GPUs (a restart
-   job by a restart at the larger size; a fixed gang is never grown: it is at its MAX).
+   job by a restart at the larger size; a fixed gang is never grown: it is at its MAX);
+   under `[harvest] policy = "throughput"`, also record each decision's reason (event
+   "allocation") and retire the workers its Shrinks name, in place (issue 32).
 
 Ticks never overlap: a second one finds the tick lock (beside the DB) held and skips.
 A tick's run time is bounded: probes by the hosts' timeouts, reclaims by the deadline;
