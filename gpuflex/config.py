@@ -59,6 +59,13 @@ class HarvestSettings:
     idle_memory_mib: Number = Field(512, ge=0, le=1 << 24)   # 16 TiB
     idle_samples: StrictInt = Field(3, ge=1, le=1000)
     reclaim_deadline_s: Number = Field(30, ge=1, le=HOUR_S)
+    # issue 32: who gets idle GPUs. "fair": priority, then fair share, then age, one worker
+    # at a time; "throughput": by each job's measured scaling (gpuflex.policy.allocation)
+    policy: Literal["fair", "throughput"] = "fair"
+    horizon_s: Number = Field(900, ge=1, le=DAY_S)        # a resize must pay for its stall within this
+    resize_stall_s: Number = Field(5, ge=0, le=HOUR_S)    # what one resize costs the job
+    min_gain_pct: Number = Field(5, ge=0, le=100)         # smaller gains are noise (hysteresis)
+    hold_s: Number = Field(300, ge=0, le=DAY_S)           # a resized job is left alone this long
 
 
 @dataclass(frozen=True, config=_TABLE)

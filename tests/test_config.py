@@ -176,6 +176,8 @@ BAD = [
     ("sync as a number", "[jobs]\nsync = 1\n", "jobs.sync", "1"),
     ("no sync cap", "[jobs]\nsync_cap_mib = 0\n", "jobs.sync_cap_mib", "0"),
     ("unknown container engine", "[[hosts]]\nname = 'a'\ncontainer = 'lxc'\n", "hosts[0].container", "'lxc'"),
+    ("unknown harvest policy", "[harvest]\npolicy = 'fastest'\n", "harvest.policy", "'fair' or 'throughput'"),
+    ("negative resize stall", "[harvest]\nresize_stall_s = -1\n", "harvest.resize_stall_s", "-1"),
     ("container args as text", "[[hosts]]\nname = 'a'\ncontainer_args = '-v /x:/x'\n",
      "hosts[0].container_args", "'-v /x:/x'"),
 ]

@@ -17,12 +17,12 @@ import gpuflex.cli.job_settings as job_settings
 import gpuflex.cli.verbs_cmd as verbs_cmd
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, parse_states, print_json, seconds
 from gpuflex.cli.scale_cmd import scale
-from gpuflex.control import access
+from gpuflex.control import access, throughput
 from gpuflex.control.requests import SubmitRequest, parse_env, parse_ref, parse_workers
 from gpuflex.errors import UsageError
 from gpuflex.jobenv import JobEnv, describe
 from gpuflex.jobspec import After, parse_after, parse_array, parse_time
-from gpuflex.states import JobState
+from gpuflex.states import JobState, WorkerState
 
 
 def register(app: typer.Typer) -> None:
@@ -225,8 +225,11 @@ def status(
                         for j in shown.jobs]
             return render.listing(shown, svc.progress)
         j = svc.job(job, events=False)   # the whole history is `gpuflex events`; status reads a few rows
-        if as_json:
-            return render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id))
+        hosts = len({w.host for w in j.workers if w.state is WorkerState.RUNNING}) or 1
+        scaling = throughput.scaling(svc.sessions, j.id, j.min_workers, j.max_workers, j.world_size or 0, hosts)
+        if as_json:   # issue 32: "scaling" is added to the one job's object only
+            return {**render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id)),
+                    "scaling": scaling}
         head = Text.assemble(f"job {j.id} ", (j.name, "bold"), f" {j.state} world {j.world_size} "
                              f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
         if j.array_id is not None:
@@ -245,6 +248,8 @@ def status(
         forming = render.forming_text(svc.forming.get(j.id))
         if forming and j.state.active:
             head += f"\n{forming}"
+        if throughput.scaling_text(scaling):
+            head += f"\n{throughput.scaling_text(scaling)}"
         if j.queue_reason and j.state is JobState.QUEUED:
             head += f"\n{j.queue_reason}"
         if job_settings.sources_text(j.sources):

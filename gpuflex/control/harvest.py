@@ -22,7 +22,9 @@ A tick, in order:
 5. record each reclaim (event "reclaim": host, gpu, latency_s from `clock_from`, the start
    of the tick that saw the owner; deadline_s, method, `killed_at` of a SIGKILL), start
    queued jobs that now fit, plan again and grow --harvest jobs onto idle GPUs (a restart
-   job by a restart at the larger size; a fixed gang is never grown: it is at its MAX).
+   job by a restart at the larger size; a fixed gang is never grown: it is at its MAX);
+   under `[harvest] policy = "throughput"`, also record each decision's reason (event
+   "allocation") and retire the workers its Shrinks name, in place (issue 32).
 
 Ticks never overlap: a second one finds the tick lock (beside the DB) held and skips.
 A tick's run time is bounded: probes by the hosts' timeouts, reclaims by the deadline;
@@ -39,7 +41,7 @@ import logging
 from typing import Any, Iterator
 
 from gpuflex.config import Config
-from gpuflex.control import journal, lifecycle, reclaim, restarts, scaling
+from gpuflex.control import journal, lifecycle, reclaim, restarts, scaling, throughput
 from gpuflex.control.executor import Ops
 from gpuflex.control.harvest_inputs import current_plan
 from gpuflex.control.service import JobService
@@ -48,7 +50,7 @@ from gpuflex.db.locks import database_lock
 from gpuflex.errors import GpuflexError
 from gpuflex.hosts.fanout import Result
 from gpuflex.hosts.probe import HostProbe
-from gpuflex.policy.harvest import Grow, Plan, Requeue, Yield
+from gpuflex.policy.harvest import Grow, Note, Plan, Requeue, Shrink, Yield
 from gpuflex.policy.placement import Assignment
 from gpuflex.states import JobState
 
@@ -143,11 +145,12 @@ def _tick(svc: JobService, dry_run: bool) -> TickResult:
                 t.actions += reclaim.record(ops, p, outcomes)
             t.actions += _place(ops)
             late = time.time() - t.started_at > budget_s(svc.config)
-            grows = [] if late else current_plan(ops, errors).of(Grow)
+            later = Plan() if late else current_plan(ops, errors)
         if late:
             t.actions.append({"action": "grow", "ok": None, "skipped": "the tick ran out of time; "
                               "growth is left to the next tick"})
-        t.actions += _grow(svc, grows)
+        t.actions += _grow(svc, later.of(Grow))
+        t.actions += _allocate(svc, later)   # the throughput policy's shrinks and reasons
     return _done(t)
 
 
@@ -201,4 +204,27 @@ def _grow(svc: JobService, grows: list[Grow]) -> list[dict[str, Any]]:
                 journal.record(session, queries.job(session, job_id), "harvest-failed",
                                f"could not grow onto {text}: {e}")
             out.append({"action": "grow", "job": job_id, "ok": False, "gpus": where, "error": str(e)})
+    return out
+
+
+def _allocate(svc: JobService, plan: Plan) -> list[dict[str, Any]]:
+    """The throughput policy's decisions (gpuflex.policy.allocation): each reason becomes an
+    "allocation" event of its job (resized true when the job was grown or shrunk: the
+    hysteresis reads it), each Shrink retires its workers in place, one committed step a
+    job (scaling.retire; they leave at their next step boundary and free their GPUs). The
+    caller holds the ops lock. A failed shrink is recorded and the others go on."""
+    moved = {a.job for a in plan.of(Grow)} | {a.job for a in plan.of(Shrink)}
+    out: list[dict[str, Any]] = []
+    with svc.sessions.begin() as session:
+        for n in plan.of(Note):
+            journal.record(session, queries.job(session, n.job), throughput.DECIDED, n.reason, resized=n.job in moved)
+    for a in plan.of(Shrink):
+        try:
+            with svc.sessions.begin() as session:
+                scaling.retire(svc.ops(session), queries.job(session, a.job), list(a.wids), why=a.reason)
+            out.append({"action": "shrink", "job": a.job, "ok": True, "wids": list(a.wids), "reason": a.reason})
+        except GpuflexError as e:
+            with svc.sessions.begin() as session:
+                journal.record(session, queries.job(session, a.job), "harvest-failed", f"could not shrink: {e}")
+            out.append({"action": "shrink", "job": a.job, "ok": False, "wids": list(a.wids), "error": str(e)})
     return out

@@ -12,12 +12,13 @@ import time
 from sqlalchemy.orm import Session
 
 from gpuflex.config import Config
-from gpuflex.control import access, quotas
+from gpuflex.control import access, quotas, throughput
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import coordinator_status
 from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.hosts.probe import HISTORY_PER_GPU
+from gpuflex.jobspec import INPLACE
 from gpuflex.policy.harvest import GpuView, JobView, Plan, Share, WorkerView, plan, training_finished
 from gpuflex.policy.split import REGROW_AFTER_S, STRAGGLER_KIND
 from gpuflex.states import WorkerState
@@ -66,7 +67,10 @@ def snapshot(session: Session, config: Config,
             for g in h.gpus]
     jobs = []
     shun = shunned(session, time.time())
-    for j in queries.jobs(session, queries.NOT_FINAL):
+    listed = queries.jobs(session, queries.NOT_FINAL)
+    history = queries.events_of_jobs(session, [j.id for j in listed if j.harvest],
+                                     [throughput.KIND, throughput.DECIDED])
+    for j in listed:
         if j.held:   # queued and left alone until released: it claims no device in the plan
             continue
         workers = tuple(WorkerView(w.wid, w.host, tuple(w.gpus), w.state) for w in j.live_workers)
@@ -75,7 +79,9 @@ def snapshot(session: Session, config: Config,
         jobs.append(JobView(id=j.id, state=j.state, min_workers=j.min_workers, max_workers=j.max_workers,
                             gpus_per_worker=j.gpus_per_worker, priority=j.priority, harvest=j.harvest,
                             workers=workers, target_workers=j.target_workers, name=j.name, user=j.user,
-                            finished=j.id in finished, pinned=j.kind is not None, shunned=shun.get(j.id, frozenset()) | closed))
+                            finished=j.id in finished, pinned=j.kind is not None, shunned=shun.get(j.id, frozenset()) | closed,
+                            points=tuple(throughput.points_of(history.get(j.id, []))), inplace=j.elastic == INPLACE,
+                            resized_at=throughput.resized_at(history.get(j.id, []))))
     return jobs, gpus
 
 

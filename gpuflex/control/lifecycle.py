@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 
-from gpuflex.control import access, executor, interactive, journal, queueing, split
+from gpuflex.control import access, executor, interactive, journal, queueing, split, throughput
 from gpuflex.control import launch as L
 from gpuflex.control.executor import Ops
 from gpuflex.control.observe import facts, observe
@@ -61,6 +61,7 @@ def reconcile(ops: Ops, job: Job) -> CoordinatorStatus | None:
     executor.apply(ops, job, decide(known, seen))
     if job.state == JobState.RUNNING:
         split.follow(ops, job, seen.coordinator)   # re-plan events, a straggler's release
+        throughput.note(ops, job, seen.coordinator)   # issue 32: its samples/s at this size
     return seen.coordinator
 
 

@@ -19,6 +19,9 @@ One tick of `gpuflex harvest` asks `plan()` what to do and an executor
    then the job with the fewest harvested GPUs, then the older job. A job whose training
    has finished (`training_finished`) is never grown: its newcomers would exit at once. A
    worker's devices are on one host, preferably a host the job already uses.
+   With `[harvest] policy = "throughput"` (issue 32) step 4 is gpuflex.policy.allocation's
+   instead: by measured scaling, with Shrink actions (to start a queued job, or past a
+   job's optimum) and a Note, the event, with each decision's reason.
 
 Hysteresis: a GPU is grown onto only with verdict "idle" and at least `idle_samples`
 quiet probes in a row (see gpuflex.hosts.probe), from a probe no older than
@@ -32,8 +35,10 @@ from typing import Any, Iterable, Mapping, Sequence, Union
 
 from gpuflex.config import HarvestSettings
 from gpuflex.elastic.protocol.wire import CoordinatorStatus
+from gpuflex.policy import allocation
 from gpuflex.policy.fairshare import Quota
 from gpuflex.policy.placement import Assignment, HostFree, place
+from gpuflex.policy.throughput import Point
 from gpuflex.states import JobState, WorkerState
 
 GpuRef = tuple[str, int]          # (host, device index)
@@ -66,6 +71,11 @@ class JobView:
     # an interactive session or alloc (issue 33): its user is at the terminal, so a process
     # on its GPUs is theirs, not an owner's coming back: never yielded nor requeued
     pinned: bool = False
+    # issue 32, the throughput policy: measured (world, hosts) points, whether it shrinks in
+    # place (a restart job does not), when that policy last resized it
+    points: tuple[Point, ...] = ()
+    inplace: bool = True
+    resized_at: float | None = None
 
     def __post_init__(self) -> None:
         if self.min_workers < 1 or self.max_workers < self.min_workers or self.gpus_per_worker < 0:
@@ -167,8 +177,26 @@ class Grow:
     devices: tuple[int, ...]
 
 
-Action = Union[HostDown, Yield, Requeue, Place, Grow]
-_NAMES = {HostDown: "host-down", Yield: "yield", Requeue: "requeue", Place: "place", Grow: "grow"}
+@dataclasses.dataclass(frozen=True)
+class Shrink:
+    """Retire `wids` of `job` in place (the throughput policy: its devices do more elsewhere)."""
+
+    job: int
+    wids: tuple[int, ...]
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Note:
+    """Why the throughput policy resized `job`, or left it at its size (an event)."""
+
+    job: int
+    reason: str
+
+
+Action = Union[HostDown, Yield, Requeue, Place, Grow, Shrink, Note]
+_NAMES = {HostDown: "host-down", Yield: "yield", Requeue: "requeue", Place: "place", Grow: "grow",
+          Shrink: "shrink", Note: "note"}
 
 
 def action_json(a: Action) -> dict[str, Any]:
@@ -301,6 +329,12 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
         harvested[j.id] = sum(len(w.gpus) for w in stay if w.host in owned_hosts)
         hosts_of[j.id] = {w.host for w in stay}
         growers.append(j)
+    if settings.policy == "throughput":
+        placed = {a.job for a in actions if isinstance(a, Place)}
+        waiting = [j for j in jobs if j.state == JobState.QUEUED and j.id not in placed]
+        actions += _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings, now,
+                                  leaving_now, sum(len(d) for d in free.values()))
+        return Plan(tuple(actions))
     while True:
         best = None
         for j in growers:
@@ -325,6 +359,40 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
             room[j.user] -= len(devices)
         hosts_of[j.id].add(host)
     return Plan(tuple(actions))
+
+
+def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings, now, leaving_now,
+                   unheld: int) -> list[Action]:
+    """The throughput policy's moves (gpuflex.policy.allocation) as Grow, Shrink and Note."""
+    views = [dataclasses.replace(j, workers=tuple(w for w in j.members if w.wid not in leaving_now.get(j.id, ())))
+             for j in growers]
+    held: dict[str, int] = {}
+    for j in views:
+        held[j.user] = held.get(j.user, 0) + sum(len(w.gpus) for w in j.workers)
+    alloc = allocation.allocate(
+        [allocation.elastic(j) for j in views],
+        [allocation.Waiting(j.id, j.user, j.min_workers * max(j.gpus_per_worker, 1), j.priority) for j in waiting],
+        sum(len(d) for d in idle.values()), held=held, pool=unheld + sum(held.values()), room=room,
+        rules=allocation.rules_of(settings), now=now)
+    out: list[Action] = [Note(d.job, d.reason) for d in alloc.stays]
+    for d in alloc.changes:
+        j = next(v for v in views if v.id == d.job)
+        out.append(Note(j.id, d.reason))
+        if d.new < d.old:   # the newest workers leave, never the last one holding the state
+            order = sorted(j.workers, key=lambda w: (w.state == WorkerState.RUNNING, -w.wid))   # newcomers first
+            wids = tuple(w.wid for w in order)[:d.old - d.new]
+            out.append(Shrink(j.id, tuple(sorted(wids)), d.reason))
+            continue
+        for _ in range(d.new - d.old):
+            offer = _without(idle, j.shunned)
+            host = _pick_host(offer, j.gpus_per_worker, hosts_of[j.id])
+            if host is None:
+                break
+            devices = tuple(offer[host][:j.gpus_per_worker])
+            _take(free, idle, host, devices)
+            hosts_of[j.id].add(host)
+            out.append(Grow(j.id, host, devices))
+    return out
 
 
 def _pick_host(idle: Mapping[str, list[int]], need: int, used: Iterable[str]) -> str | None:

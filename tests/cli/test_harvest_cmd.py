@@ -69,3 +69,13 @@ def test_bad_options_are_usage_errors(home, config_path, args, message):
 def test_an_empty_pools_report_by_user(home, config_path):
     r = invoke(home, config_path, "report", "--by", "user", "--since", "24h")
     assert r.exit_code == 0 and "no GPU or CPU slot time used since" in r.stdout
+
+
+def test_an_unknown_harvest_policy_exits_2_naming_the_choices(home):
+    """Issue 32: `[harvest] policy` is "fair" or "throughput"; anything else is one line, exit 2."""
+    from tests.clirun import invoke
+    cfg = home / "bad.toml"
+    cfg.write_text("[harvest]\npolicy = 'fastest'\n")
+    r = invoke(home, cfg, "harvest", "--dry-run")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert "harvest.policy: Input should be 'fair' or 'throughput', got 'fastest'." in r.output

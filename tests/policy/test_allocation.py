@@ -1,0 +1,96 @@
+"""The throughput policy's decisions (issue 32), without processes: who grows, who
+shrinks to start a queued job, who stays and why."""
+
+from __future__ import annotations
+
+from gpuflex.policy.allocation import Elastic, Rules, Waiting, allocate, speedup
+from gpuflex.policy.throughput import Model
+
+LINEAR = Model(1.0, 0.0)            # compute-bound: n workers, n times as fast
+FLAT = Model(0.2, 0.15)             # communication-bound: a second worker already loses
+WEAK = Model(1.0, 0.2)              # 3 workers no faster than 2
+RULES = Rules(horizon_s=900, stall_s=5, min_gain=0.05, hold_s=300)
+
+
+def job(id, size, model=LINEAR, lo=1, hi=8, user=None, **kw) -> Elastic:
+    return Elastic(id=id, user=user or f"u{id}", size=size, min_workers=lo, max_workers=hi, model=model,
+                   measured=frozenset({1, size}), **kw)
+
+
+def run(jobs, waiting=(), free=0, pool=16, room=None, now=1000.0):
+    held = {}
+    for j in jobs:
+        held[j.user] = held.get(j.user, 0) + j.size * j.per_worker
+    return allocate(jobs, waiting, free, held=held, pool=pool, room=room, rules=RULES, now=now)
+
+
+def test_idle_devices_go_to_the_job_that_scales_and_not_to_the_one_that_does_not():
+    a = run([job(1, 2, LINEAR), job(2, 2, FLAT)], free=4)
+    assert a.sizes == {1: 6, 2: 1}       # the flat one even gives back its worker past the optimum
+    reasons = {d.job: d.reason for d in a.changes}
+    assert reasons[1].startswith("job 1 2->6: one more worker adds")
+    assert "one fewer worker is" in reasons[2]
+
+
+def test_a_poorly_scaling_job_is_shrunk_to_start_a_queued_one_and_says_so():
+    a = run([job(12, 3, WEAK, user="alice"), job(13, 4, LINEAR, user="bob")],
+            [Waiting(15, "carol", need=1)], free=0, pool=7)
+    assert a.sizes[12] == 2 and a.sizes[13] == 4 and a.made_room_for == (15,)
+    (d,) = a.changes
+    assert d.reason.startswith("job 12 3->2: one fewer worker loses") and "job 15 needs 1" in d.reason
+
+
+def test_a_linear_job_is_not_shrunk_for_an_equal_priority_job_unless_fair_share_says_so():
+    same_user = run([job(1, 4, LINEAR, user="alice")], [Waiting(2, "alice", need=1)], pool=4)
+    assert same_user.sizes == {1: 4} and same_user.made_room_for == ()
+    other_user = run([job(1, 4, LINEAR, user="alice")], [Waiting(2, "bob", need=1)], pool=4)
+    assert other_user.sizes == {1: 3} and other_user.made_room_for == (2,)   # bob is below his share
+
+
+def test_nothing_is_shrunk_when_the_room_cannot_be_made_in_full():
+    a = run([job(1, 2, WEAK, lo=1, user="a")], [Waiting(2, "b", need=3)], pool=2)
+    assert a.sizes == {1: 2} and a.changes == () and a.made_room_for == ()
+
+
+def test_a_higher_priority_job_is_never_shrunk_for_a_lower_one():
+    a = run([job(1, 3, WEAK, priority=5)], [Waiting(2, "b", need=1, priority=0)], pool=3)
+    assert a.sizes == {1: 3}
+
+
+def test_too_few_measurements_leave_a_job_at_its_size_saying_why():
+    one = Elastic(id=7, user="a", size=3, min_workers=1, max_workers=8, why_not="too few measurements: x",
+                  measured=frozenset({3}))
+    a = run([one], [Waiting(8, "b", need=1)], free=0, pool=3)
+    assert a.sizes == {7: 3} and a.stays[0].reason == "job 7 stays at 3: too few measurements: x"
+
+
+def test_a_job_measured_at_one_size_grows_by_one_only_onto_devices_nobody_measured_wants():
+    one = Elastic(id=7, user="a", size=2, min_workers=1, max_workers=8, measured=frozenset({2}))
+    assert run([one], free=3).sizes == {7: 3}
+    assert run([one, job(1, 2, LINEAR)], free=2).sizes == {7: 2, 1: 4}
+
+
+def test_hysteresis_a_job_resized_lately_is_left_alone_and_a_small_gain_is_not_worth_a_resize():
+    held = job(1, 2, LINEAR, resized_at=900.0)
+    assert run([held], free=4, now=1000.0).sizes == {1: 2}
+    assert run([held], free=4, now=1300.0).sizes == {1: 6}
+    nearly_flat = Model(1.0, 0.09)       # 3->4 adds under 5%
+    j = job(2, 3, nearly_flat)
+    assert speedup(j, 4) / speedup(j, 3) - 1 < RULES.min_gain
+    assert run([j], free=4).sizes[2] == 3
+
+
+def test_grows_respect_max_quota_and_per_worker_devices():
+    a = run([job(1, 2, LINEAR, hi=3), job(2, 1, LINEAR, per_worker=2, user="q")], free=5, room={"q": 2})
+    assert a.sizes == {1: 3, 2: 2}
+
+
+def test_a_restart_job_grows_but_is_never_shrunk():
+    r = job(1, 4, FLAT, shrinkable=False)
+    a = run([r], [Waiting(2, "b", need=1)], free=0, pool=4)
+    assert a.sizes == {1: 4} and "restart job" in a.stays[0].reason
+
+
+def test_the_same_inputs_give_the_same_decisions():
+    jobs = [job(i, 2, LINEAR if i % 2 else FLAT) for i in range(6)]
+    assert run(jobs, [Waiting(9, "z", 2)], free=3) == run(jobs, [Waiting(9, "z", 2)], free=3)

@@ -1,0 +1,64 @@
+"""The harvest plan under `[harvest] policy = "throughput"` (issue 32): the allocation's
+sizes as Grow / Shrink actions with a Note (the event) for each reason. Pure."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gpuflex.config import HarvestSettings
+from gpuflex.policy.harvest import Grow, JobView, Note, Shrink, plan
+from gpuflex.policy.throughput import Model, Point
+from tests.policy.test_harvest import NOW, g, w
+
+S = HarvestSettings(interval_s=60, idle_samples=3, reclaim_deadline_s=30, policy="throughput")
+
+
+def pts(model: Model, *sizes: int) -> tuple[Point, ...]:
+    return tuple(Point(n, 1, model.throughput(n), 4) for n in sizes)
+
+
+def job(id, workers, model=None, sizes=(1, 2), lo=1, hi=4, user="", state="running", **kw) -> JobView:
+    return JobView(id=id, state=state, min_workers=lo, max_workers=hi, harvest=True, workers=tuple(workers),
+                   user=user or f"u{id}", points=pts(model, *sizes) if model else (), **kw)
+
+
+def test_idle_gpus_go_to_the_job_that_scales_with_a_note_of_why():
+    linear, flat = Model(1.0, 0.0), Model(1.0, 0.4)
+    jobs = [job(1, [w(0, "a:0")], linear, user="ann"), job(2, [w(0, "a:1")], flat, user="ann")]
+    p = plan(jobs, [g("a:0"), g("a:1"), g("b:0"), g("b:1")], S, NOW)
+    assert [(a.job, a.host, a.devices) for a in p.of(Grow)] == [(1, "b", (0,)), (1, "b", (1,))]
+    assert [n.reason for n in p.of(Note)] == ["job 1 1->3: one more worker adds 100%; one more worker adds 50%"]
+    fair = plan(jobs, [g("a:0"), g("a:1"), g("b:0"), g("b:1")], dataclasses.replace(S, policy="fair"), NOW)
+    assert sorted(a.job for a in fair.of(Grow)) == [1, 2]     # today's policy: one each
+
+
+def test_a_user_below_fair_share_gets_a_worker_before_a_better_scaling_job_of_a_user_above_it():
+    linear, flat = Model(1.0, 0.0), Model(1.0, 0.4)     # flat: 1 -> 2 still adds 11%
+    jobs = [job(1, [w(0, "a:0")], linear, user="ann"), job(2, [w(0, "a:1")], flat, user="bob")]
+    p = plan(jobs, [g("a:0"), g("a:1"), g("b:0"), g("b:1")], S, NOW)
+    assert sorted(a.job for a in p.of(Grow)) == [1, 2]    # 2 GPUs each: nobody below 4 / 2
+
+
+def test_a_poorly_scaling_job_shrinks_its_newest_worker_so_a_queued_job_can_start():
+    weak = Model(1.0, 0.2)
+    running = job(12, [w(0, "a:0"), w(1, "a:1"), w(2, "b:0")], weak, sizes=(2, 3), user="alice")
+    queued = job(15, [], state="queued", user="carol")
+    p = plan([running, queued], [g("a:0"), g("a:1"), g("b:0")], S, NOW)
+    (s,) = p.of(Shrink)
+    assert s.job == 12 and s.wids == (2,) and "job 15 needs 1" in s.reason
+    assert not p.of(Grow)
+
+
+def test_a_job_with_too_few_measurements_stays_and_says_why():
+    once = job(3, [w(0, "a:0"), w(1, "a:1")], Model(1.0, 0.5), sizes=(2,), user="a")
+    p = plan([once, job(4, [], state="queued", user="b")], [g("a:0"), g("a:1")], S, NOW)
+    assert not p.of(Shrink)
+    assert [n.reason for n in p.of(Note)] == \
+        ["job 3 stays at 2: too few measurements: 2 world sizes needed (measured at 2 worker(s) only)"]
+
+
+def test_a_job_resized_lately_is_left_alone():
+    linear = Model(1.0, 0.0)
+    recent = job(1, [w(0, "a:0")], linear, resized_at=NOW - 10)
+    p = plan([recent], [g("a:0"), g("a:1")], S, NOW)
+    assert not p.of(Grow) and "resized less than 300 s ago" in p.of(Note)[0].reason
