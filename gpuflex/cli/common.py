@@ -10,7 +10,7 @@ import math
 import signal
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import typer
 from rich.console import Console, ConsoleDimensions
@@ -100,6 +100,11 @@ class Context:
             self._service.close()
 
 
+def known_job(svc: JobService, job: str) -> None:
+    """Fail on an unknown job before the refresh, so bad input changes nothing."""
+    svc.job(job, events=False)
+
+
 def one_line(text: str) -> str:
     """`text` as one printable line: newlines folded, bytes that are not UTF-8 (argv
     comes surrogate-escaped) shown as backslash escapes instead of failing the write."""
@@ -157,6 +162,27 @@ def obj(ctx: typer.Context) -> Context:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def stream_json(items: Iterable[Any], head: str = "[", tail: str = "]") -> None:
+    """A JSON array written an item at a time, one per line, between `head` and `tail` (a
+    listing of any length is never built whole; the document is whole once it ends)."""
+    out = sys.stdout
+    out.write(head)
+    for i, item in enumerate(items):
+        out.write(("," if i else "") + "\n  " + json.dumps(item, default=str))
+    out.write("\n" + tail + "\n")
+
+
+def check_page(limit: int, cursor: int | None) -> None:
+    """UsageError for a page (`acct`, `status --all/--json`) of a size out of range or a
+    cursor that no page printed."""
+    from gpuflex.control.acct import MAX_LIMIT
+
+    if not 0 <= limit <= MAX_LIMIT:
+        raise UsageError(f"--limit {limit}: give 1 to {MAX_LIMIT} jobs per page, or 0 for every job (streamed).")
+    if cursor is not None and cursor < 1:
+        raise UsageError(f"--cursor {cursor}: give the job id a previous page ended at (1 or more).")
 
 
 class _Woken(BaseException):

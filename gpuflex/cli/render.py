@@ -151,8 +151,12 @@ def array_summary(jobs: list[JobInfo], counts: dict[JobState, int] | None = None
 
 
 def listing(shown: Listing, progress: dict[int, dict[str, Any]]) -> Table | Group:
-    """`status`'s table, then a line for the ended jobs it left out, if any."""
+    """`status`'s table, then a line for the jobs it left out, if any: ended ones, or for a
+    page of `status --all` the later pages'."""
     table = jobs_table(shown.jobs, progress, shown.arrays)
+    if shown.next_cursor is not None:   # a page of `status --all`
+        return Group(table, f"{shown.more} older job(s) not shown: add --cursor {shown.next_cursor} "
+                     "for the next page")
     if not shown.older:
         return table
     return Group(table, f"{shown.older} older ended job(s) not shown: gpuflex status --all")
