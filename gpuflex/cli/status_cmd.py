@@ -17,7 +17,6 @@ import gpuflex.cli.job_settings as job_settings
 import gpuflex.cli.render as render
 from gpuflex.cli.common import (StopSignals, check_page, command, console, err_console, known_job, obj, parse_states,
                                 print_json, seconds, stream_json)
-from gpuflex.control import access
 from gpuflex.control.requests import parse_ref
 from gpuflex.errors import UsageError
 from gpuflex.jobenv import JobEnv, describe
@@ -72,6 +71,8 @@ def status(
     check_page(page, cursor)
     states = parse_states(state) if state else None
     svc = obj(ctx).service()
+    from gpuflex.control import access   # the models: loaded by the commands that read them
+
     owner = access.caller() if mine else svc.check_owner_name(user) if user is not None else None
 
     def as_json_row(j):
