@@ -265,8 +265,8 @@ def print_table(results: list[dict]) -> None:
     print()
     for cmd in ("status", "submit"):
         cells = [f"{r['concurrent'][cmd]['median_s']:.2f} / {r['concurrent'][cmd]['p95_s']:.2f}" for r in results]
-        print(f"{'32 at once: ' + cmd:32}" + "".join(f"{c:>22}" for c in cells))
-    print(f"{'32 at once: wall, failed':32}"
+        print(f"{str(results[0]['concurrent']['clis']) + ' at once: ' + cmd:32}" + "".join(f"{c:>22}" for c in cells))
+    print(f"{str(results[0]['concurrent']['clis']) + ' at once: wall, failed':32}"
           + "".join(f"{str(r['concurrent']['wall_s']) + ' s, ' + str(r['concurrent']['failed']):>22}"
                     for r in results))
     for r in results:
