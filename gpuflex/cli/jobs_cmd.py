@@ -1,5 +1,5 @@
-"""Job commands: submit, status, logs, events (scale: scale_cmd.py; cancel, hold, release,
-update, requeue: verbs_cmd.py)."""
+"""Job commands: submit, logs, events (status: status_cmd.py; scale: scale_cmd.py; cancel,
+hold, release, update, requeue: verbs_cmd.py)."""
 
 from __future__ import annotations
 
