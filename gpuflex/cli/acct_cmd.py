@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import dataclasses
-import json
 import sys
 import time
 from typing import Any, Iterable, Optional
@@ -12,7 +11,8 @@ from typing import Any, Iterable, Optional
 import typer
 from rich.table import Table
 
-from gpuflex.cli.common import command, console, err_console, obj, parse_states, print_json
+from gpuflex.cli.common import (check_page, command, console, err_console, obj, parse_states, print_json,
+                                stream_json)
 from gpuflex.errors import UsageError
 
 
@@ -65,15 +65,6 @@ def _csv_rows(rows: Iterable[dict[str, Any]]) -> None:
     w.writeheader()
     for r in rows:
         w.writerow({k: "" if r[k] is None else r[k] for k in FIELDS})
-
-
-def _json_stream(rows: Iterable[dict[str, Any]]) -> None:
-    """{"jobs": [...], "next_cursor": null}, written a row at a time (--limit 0)."""
-    out = sys.stdout
-    out.write('{"jobs": [')
-    for i, r in enumerate(rows):
-        out.write(("," if i else "") + "\n  " + json.dumps(r, default=str))
-    out.write('\n], "next_cursor": null}\n')
 
 
 def _show_totals(data: dict[str, Any], as_json: bool, as_csv: bool) -> None:
@@ -138,10 +129,7 @@ def acct(
 
     if as_json and as_csv:
         raise UsageError("--json and --csv: choose one.")
-    if not 0 <= limit <= A.MAX_LIMIT:
-        raise UsageError(f"--limit {limit}: give 1 to {A.MAX_LIMIT} jobs per page, or 0 for every job (streamed).")
-    if cursor is not None and cursor < 1:
-        raise UsageError(f"--cursor {cursor}: give the job id a previous page ended at (1 or more).")
+    check_page(limit, cursor)
     if totals and (limit != 100 or cursor is not None):
         raise UsageError("--totals sums every matching job: give it without --limit and --cursor.")
     if mine and user:
@@ -166,7 +154,7 @@ def acct(
     if limit == 0:
         rows = svc.acct_rows(f, cursor)
         if as_json:
-            _json_stream(rows)
+            stream_json(rows, '{"jobs": [', '], "next_cursor": null}')   # written a row at a time
         elif as_csv:
             _csv_rows(rows)
         elif not _table(rows):

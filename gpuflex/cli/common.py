@@ -10,16 +10,18 @@ import math
 import signal
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import typer
 from rich.console import Console, ConsoleDimensions
 from rich.markup import escape
 
-from gpuflex.config import DAY_S, Config, load_config
-from gpuflex.control.service import JobService
 from gpuflex.errors import GpuflexError, UsageError
 from gpuflex.states import JobState
+
+if TYPE_CHECKING:   # imported when a command reads its config (pydantic) or opens the database
+    from gpuflex.config import Config
+    from gpuflex.control.service import JobService
 
 PIPE_WIDTH = 10_000   # columns for output that goes to no terminal: wider than any row
 
@@ -87,17 +89,26 @@ class Context:
 
     def config(self) -> Config:
         if self._config is None:
+            from gpuflex.config import load_config   # not at import: `--help` needs no pydantic
+
             self._config = load_config(self.config_path)
         return self._config
 
     def service(self) -> JobService:
         if self._service is None:
+            from gpuflex.control.service import JobService   # the ORM, only for commands that use it
+
             self._service = JobService(self.config())
         return self._service
 
     def close(self) -> None:
         if self._service is not None:
             self._service.close()
+
+
+def known_job(svc: JobService, job: str) -> None:
+    """Fail on an unknown job before the refresh, so bad input changes nothing."""
+    svc.job(job, events=False)
 
 
 def one_line(text: str) -> str:
@@ -124,10 +135,14 @@ def parse_states(values: list[str]) -> list[JobState]:
     return out
 
 
-def seconds(option: str, value: float, low: float, high: float = DAY_S) -> float:
+def seconds(option: str, value: float, low: float, high: float | None = None) -> float:
     """`value` if it is a finite number of seconds in [low, high]; UsageError otherwise
     (typer's own `min=` lets nan through, and inf or 1e300 overflow time.sleep). A day is
-    the longest wait a user may ask for, as for the config's settings."""
+    the longest wait a user may ask for, as for the config's settings (the default `high`)."""
+    if high is None:
+        from gpuflex.config import DAY_S   # here, not at import: `--help` needs no pydantic
+
+        high = DAY_S
     if not math.isfinite(value) or not low <= value <= high:
         raise UsageError(f"{option} {value!r}: give seconds from {low:g} to {high:g}.")
     return value
@@ -157,6 +172,27 @@ def obj(ctx: typer.Context) -> Context:
 
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+
+
+def stream_json(items: Iterable[Any], head: str = "[", tail: str = "]") -> None:
+    """A JSON array written an item at a time, one per line, between `head` and `tail` (a
+    listing of any length is never built whole; the document is whole once it ends)."""
+    out = sys.stdout
+    out.write(head)
+    for i, item in enumerate(items):
+        out.write(("," if i else "") + "\n  " + json.dumps(item, default=str))
+    out.write("\n" + tail + "\n")
+
+
+def check_page(limit: int, cursor: int | None) -> None:
+    """UsageError for a page (`acct`, `status --all/--json`) of a size out of range or a
+    cursor that no page printed."""
+    from gpuflex.control.acct import MAX_LIMIT
+
+    if not 0 <= limit <= MAX_LIMIT:
+        raise UsageError(f"--limit {limit}: give 1 to {MAX_LIMIT} jobs per page, or 0 for every job (streamed).")
+    if cursor is not None and cursor < 1:
+        raise UsageError(f"--cursor {cursor}: give the job id a previous page ended at (1 or more).")
 
 
 class _Woken(BaseException):

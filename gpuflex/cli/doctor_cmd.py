@@ -9,8 +9,16 @@ from rich.table import Table
 from rich.text import Text
 
 from gpuflex.cli.common import command, console, obj, print_json
-from gpuflex.control.doctor import run_doctor
 from gpuflex.policy.doctor_facts import Finding, Verdict, exit_code
+
+
+def run_doctor(config, hosts, pg_port=None):
+    """gpuflex.control.doctor.run_doctor, imported when the command runs: it brings the
+    transports and the database's modules, which no other command's start needs."""
+    from gpuflex.control.doctor import run_doctor as run
+
+    return run(config, hosts, pg_port=pg_port)
+
 
 STYLES = {Verdict.OK: "green", Verdict.WARN: "yellow", Verdict.FAIL: "red", Verdict.SKIP: "dim"}
 

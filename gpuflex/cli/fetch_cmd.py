@@ -8,7 +8,6 @@ from typing import Optional
 import typer
 
 from gpuflex.cli.common import command, console, err_console, obj
-from gpuflex.control import fetch as fetching
 from gpuflex.control.requests import parse_ref
 
 
@@ -33,6 +32,8 @@ def fetch(
     Example: gpuflex fetch 3 out/model.pt --to results
     """
     parse_ref(job)
+    from gpuflex.control import fetch as fetching   # transports and the ORM: loaded to run it
+
     fetching.check_path(path)   # bad input: refused before the database is read
     svc = obj(ctx).service()
     j = svc.job(job, events=False)

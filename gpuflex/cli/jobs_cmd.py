@@ -1,33 +1,28 @@
-"""Job commands: submit, status, logs, events (scale: scale_cmd.py; cancel, hold, release,
-update, requeue: verbs_cmd.py)."""
+"""Job commands: submit, logs, events (status: status_cmd.py; scale: scale_cmd.py; cancel,
+hold, release, update, requeue: verbs_cmd.py)."""
 
 from __future__ import annotations
 
-import json
-import sys
 from typing import Optional
 
 import typer
-from rich.console import Group
-from rich.live import Live
-from rich.text import Text
 
 import gpuflex.cli.render as render
 import gpuflex.cli.job_settings as job_settings
 import gpuflex.cli.verbs_cmd as verbs_cmd
-from gpuflex.cli.common import StopSignals, command, console, err_console, obj, parse_states, print_json, seconds
+from gpuflex.cli.common import StopSignals, command, console, err_console, known_job, obj, print_json
 from gpuflex.cli.scale_cmd import scale
-from gpuflex.control import access, throughput
+from gpuflex.cli.status_cmd import ENDED_SHOWN, status  # noqa: F401 (ENDED_SHOWN: read here before)
 from gpuflex.control.requests import SubmitRequest, parse_env, parse_ref, parse_workers
 from gpuflex.errors import UsageError
-from gpuflex.jobenv import JobEnv, describe
+from gpuflex.jobenv import JobEnv
 from gpuflex.jobspec import After, parse_after, parse_array, parse_time
-from gpuflex.states import JobState, WorkerState
+from gpuflex.states import JobState
 
 
 def register(app: typer.Typer) -> None:
     app.command(context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True})(submit)
-    app.command()(status)
+    app.command()(status)   # status_cmd.py
     app.command()(scale)
     verbs_cmd.register(app)   # cancel, hold, release, update, requeue: verbs_cmd.py
     app.command()(logs)
@@ -173,119 +168,6 @@ def _request(given: job_settings.Settings) -> SubmitRequest:
                          image=v["image"])
 
 
-ENDED_SHOWN = 20   # ended jobs `status` lists without --all: the newest
-
-
-def _known(svc, job: str) -> None:
-    """Fail on an unknown job before the refresh, so bad input changes nothing."""
-    svc.job(job, events=False)
-
-
-@command
-def status(
-    ctx: typer.Context,
-    job: Optional[str] = typer.Argument(None, help="A job id or name; when left out, the jobs not ended "
-                                        f"and the {ENDED_SHOWN} that ended last."),
-    as_json: bool = typer.Option(False, "--json", help="Print JSON (one object, or an array of all jobs, "
-                                 "filtered by --user, --mine and --state)."),
-    show_all: bool = typer.Option(False, "--all", help="List every ended job too, not only the "
-                                  f"{ENDED_SHOWN} that ended last."),
-    state: Optional[list[str]] = typer.Option(None, "--state", help="Only jobs in this state (repeatable, "
-                                              "or comma-separated): " + ", ".join(s.value for s in JobState) + "."),
-    watch: bool = typer.Option(False, "--watch", help="Refresh every --interval seconds until Ctrl-C "
-                               "(with --json: one JSON document per line per refresh)."),
-    interval: float = typer.Option(2.0, "--interval", help="Seconds between refreshes with --watch (0.2 to 86400)."),
-    user: Optional[str] = typer.Option(None, "--user", help="Only the jobs this user submitted (their owner)."),
-    mine: bool = typer.Option(False, "--mine", help="Only the jobs I submitted."),
-) -> None:
-    """Show the jobs not ended and the newest ended ones (--all: every job), or one job with
-    its workers and last scale events.
-
-    Example: gpuflex status 3 --json
-    """
-    seconds("--interval", interval, 0.2)
-    if job is not None:
-        parse_ref(job)
-    if (job is not None) + (user is not None) + mine > 1:
-        raise UsageError("give one of JOB, --user NAME and --mine.")
-    if job is not None and (show_all or state):
-        raise UsageError("--all and --state choose the jobs listed; give them without JOB.")
-    states = parse_states(state) if state else None
-    svc = obj(ctx).service()
-    owner = access.caller() if mine else svc.check_owner_name(user) if user is not None else None
-
-    def snapshot():
-        svc.refresh()
-        if job is None:
-            # JSON is for scripts: every job (the contract); a table is for people: the
-            # jobs not ended and the newest ended ones, the rest counted in one line
-            shown = svc.listing(owner, states, None if as_json or show_all else ENDED_SHOWN)
-            if as_json:
-                return [render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id))
-                        for j in shown.jobs]
-            return render.listing(shown, svc.progress)
-        j = svc.job(job, events=False)   # the whole history is `gpuflex events`; status reads a few rows
-        hosts = len({w.host for w in j.workers if w.state is WorkerState.RUNNING}) or 1
-        scaling = throughput.scaling(svc.sessions, j.id, j.min_workers, j.max_workers, j.world_size or 0, hosts)
-        if as_json:   # issue 32: "scaling" is added to the one job's object only
-            return {**render.job_json(j, progress=svc.progress.get(j.id), forming=svc.forming.get(j.id)),
-                    "scaling": scaling}
-        head = Text.assemble(f"job {j.id} ", (j.name, "bold"), f" {j.state} world {j.world_size} "
-                             f"({j.min_workers}:{j.max_workers}) generation {j.generation}")
-        if j.array_id is not None:
-            head += f" array {j.array_id}_{j.array_index}"
-        if render.time_left_text(j):
-            head += f" {render.time_left_text(j)}"
-        prog = svc.progress.get(j.id)
-        if prog:
-            head += f" step {prog.get('step')} epoch {prog.get('epoch')}"
-            if prog.get("samples_per_s"):
-                head += f" {prog['samples_per_s']:.0f} samples/s"
-        if render.restarts_text(j):
-            head += f" {render.restarts_text(j)}"
-        if j.waiting and j.state.active:
-            head += f"\n{render.waiting_text(j.waiting)}"
-        forming = render.forming_text(svc.forming.get(j.id))
-        if forming and j.state.active:
-            head += f"\n{forming}"
-        if throughput.scaling_text(scaling):
-            head += f"\n{throughput.scaling_text(scaling)}"
-        if j.queue_reason and j.state is JobState.QUEUED:
-            head += f"\n{j.queue_reason}"
-        if job_settings.sources_text(j.sources):
-            head += f"\nsettings: {job_settings.sources_text(j.sources)}; the rest default"
-        if j.code_sha256:
-            head += f"\ncode: {j.code_sha256[:12]} ({'--sync' if j.sync else 'hosts with sync = true'}, " \
-                    f"in <workdir>/.gpuflex/code/{j.code_sha256[:12]}...)"
-        if describe(JobEnv.of(j)):
-            head += f"\nenvironment: {describe(JobEnv.of(j))}"
-        if j.image:
-            head += f"\nimage: {j.image} (each worker in a container)"
-        if j.exit_reason:
-            head += f"\n{j.exit_reason}"
-        elif j.last_crash and not j.state.final:
-            head += f"\nlast crash: worker {j.last_crash.get('wid')} on {j.last_crash.get('host')}: " \
-                    f"{j.last_crash.get('error')}"
-        return Group(head, render.workers_table(j, prog), render.events_table(j, list(j.recent)))
-
-    if job is not None:
-        _known(svc, job)
-    if not watch:
-        out = snapshot()
-        print_json(out) if as_json else console.print(out)
-        return
-    with StopSignals() as stop:  # Ctrl-C ends the watch after the refresh under way
-        if as_json:  # a live table cannot show JSON: one document per line, per refresh
-            while True:
-                sys.stdout.write(json.dumps(snapshot(), default=str) + "\n")
-                sys.stdout.flush()
-                if stop.sleep(interval):
-                    return
-        with Live(snapshot(), console=console, auto_refresh=False) as live:
-            while not stop.sleep(interval):
-                live.update(snapshot(), refresh=True)
-
-
 @command
 def logs(
     ctx: typer.Context,
@@ -303,7 +185,7 @@ def logs(
     if setup and worker is not None:
         raise UsageError("--setup prints each host's --env-setup output; give it without --worker.")
     svc = obj(ctx).service()
-    _known(svc, job)
+    known_job(svc, job)
     svc.check_reader(job, "logs")
     svc.refresh()
     j = svc.job(job, events=setup)
@@ -377,7 +259,7 @@ def events(
     """
     parse_ref(job)
     svc = obj(ctx).service()
-    _known(svc, job)
+    known_job(svc, job)
     svc.check_reader(job, "events")
     svc.refresh()
     j = svc.job(job)

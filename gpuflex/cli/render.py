@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from gpuflex.control.views import SPLIT_FIELDS, EventInfo, JobInfo, Listing, WorkerInfo, worker_split
 from gpuflex.jobspec import format_time
 from gpuflex.states import JobState
+
+if TYPE_CHECKING:   # views reads the database (SQLAlchemy): imported by the commands that do
+    from gpuflex.control.views import EventInfo, JobInfo, Listing, WorkerInfo
 
 
 def worker_json(w: WorkerInfo, progress: dict[str, Any] | None = None) -> dict[str, Any]:
     """A worker, with its share of the global batch, samples/s and speed relative to the
     fastest member from the coordinator's `progress` (null when unknown: issue 12)."""
+    from gpuflex.control.views import worker_split
+
     return {"rank": w.rank, "wid": w.wid, "host": w.host, "gpus": list(w.gpus), "pid": w.pid,
             "state": w.state, "generation": w.generation, "exit_code": w.exit_code, "log": w.log_path,
             "control": w.control_path, **worker_split(progress, w.wid)}
@@ -151,8 +155,12 @@ def array_summary(jobs: list[JobInfo], counts: dict[JobState, int] | None = None
 
 
 def listing(shown: Listing, progress: dict[int, dict[str, Any]]) -> Table | Group:
-    """`status`'s table, then a line for the ended jobs it left out, if any."""
+    """`status`'s table, then a line for the jobs it left out, if any: ended ones, or for a
+    page of `status --all` the later pages'."""
     table = jobs_table(shown.jobs, progress, shown.arrays)
+    if shown.next_cursor is not None:   # a page of `status --all`
+        return Group(table, f"{shown.more} older job(s) not shown: add --cursor {shown.next_cursor} "
+                     "for the next page")
     if not shown.older:
         return table
     return Group(table, f"{shown.older} older ended job(s) not shown: gpuflex status --all")
@@ -203,6 +211,8 @@ def _job_row(t: Table, j: JobInfo, progress: dict[int, dict[str, Any]], indent: 
 def workers_table(job: JobInfo, progress: dict[str, Any] | None = None) -> Table:
     """The job's workers; with SHARE, SAMPLES/S and SPEED (relative to the fastest member)
     once the coordinator's `progress` reports a split of the global batch (issue 12)."""
+    from gpuflex.control.views import worker_split
+
     t = Table(title=f"workers of job {job.id}", title_justify="left")
     split = {w.wid: worker_split(progress, w.wid) for w in job.workers}
     shown = any(v is not None for row in split.values() for v in row.values())
@@ -219,6 +229,8 @@ def workers_table(job: JobInfo, progress: dict[str, Any] | None = None) -> Table
 
 def split_cells(split: dict[str, Any]) -> tuple[str, str, str]:
     """("43", "812.4", "0.33x"): a worker's share, samples/s and relative speed; "-" unknown."""
+    from gpuflex.control.views import SPLIT_FIELDS
+
     share, rate, rel = (split.get(k) for k in SPLIT_FIELDS)
     return ("-" if share is None else str(share), "-" if rate is None else f"{rate:.1f}",
             "-" if rel is None else f"{rel:.2f}x")

@@ -4,16 +4,18 @@ changes any (gpuflex.control.verbs)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 
 import gpuflex.cli.render as render
 from gpuflex.cli.common import command, console, obj, parse_states
 from gpuflex.control.requests import INT_MAX, parse_count, parse_ref
-from gpuflex.control.service import JobService
 from gpuflex.errors import UsageError
 from gpuflex.jobspec import parse_time
+
+if TYPE_CHECKING:
+    from gpuflex.control.service import JobService
 
 _JOBS = "Job ids or names (several: 3 4 train); an array's id stands for its jobs not ended."
 

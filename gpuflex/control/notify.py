@@ -28,9 +28,7 @@ import json
 import logging
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any, Callable, Iterable
 
 from sqlalchemy import event
@@ -156,20 +154,23 @@ def where(url: str) -> str:
     return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
-class _NoRedirects(urllib.request.HTTPRedirectHandler):
-    """A redirect is an answer, not an order: urllib would follow it as a GET, or to ftp."""
-
-    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
 def post(url: str, body: dict[str, Any], timeout_s: float = TIMEOUT_S) -> str | None:
-    """POST `body` as JSON to `url`; None when the receiver answered 2xx, else why not."""
+    """POST `body` as JSON to `url`; None when the receiver answered 2xx, else why not.
+    urllib.request (http.client, email: ~50 ms) is imported here, by the commands that post."""
+    import urllib.error
+    import urllib.request
+
+    class NoRedirects(urllib.request.HTTPRedirectHandler):
+        """A redirect is an answer, not an order: urllib would follow it as a GET, or to ftp."""
+
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
     data = json.dumps(body, sort_keys=True).encode("utf-8")
     req = urllib.request.Request(url, data=data, method="POST", headers={
         "Content-Type": "application/json", "User-Agent": "gpuflex-notify"})
     try:
-        with urllib.request.build_opener(_NoRedirects).open(req, timeout=timeout_s) as resp:
+        with urllib.request.build_opener(NoRedirects).open(req, timeout=timeout_s) as resp:
             status = resp.status
     except urllib.error.HTTPError as e:
         return f"HTTP {e.code} {e.reason}"

@@ -11,7 +11,6 @@ import os
 import re
 from typing import Mapping
 
-from gpuflex.config_fields import check_webhook_url
 from gpuflex.errors import UnknownJobError, UsageError
 from gpuflex.jobenv import JobEnv, check_command
 from gpuflex.jobspec import After, ArraySpec, check_torchrun, elastic_mode, split_mode
@@ -120,6 +119,8 @@ class SubmitRequest:
                 check_text(flag, value, shown=flag != "--env-setup")
         check_command(self.job_env, self.argv)
         if self.notify is not None:
+            from gpuflex.config_fields import check_webhook_url   # pydantic's: loaded when a URL is given
+
             check_webhook_url(self.notify)
 
     @property

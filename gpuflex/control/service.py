@@ -115,6 +115,20 @@ class JobService:
             shown = views.listing(session, owner, states, ended)
             return dataclasses.replace(shown, jobs=[self.as_seen(j) for j in shown.jobs])
 
+    def listing_page(self, owner: str | None, states: list[JobState] | None, limit: int,
+                     cursor: int | None) -> views.Listing:
+        """A page of `status --all`: the `limit` newest jobs below `cursor` (views.listing_page)."""
+        with self.sessions() as session:
+            shown = views.listing_page(session, owner, states, limit, cursor)
+            return dataclasses.replace(shown, jobs=[self.as_seen(j) for j in shown.jobs])
+
+    @contextlib.contextmanager
+    def paged(self, owner: str | None, states: list[JobState] | None, limit: int, cursor: int | None):
+        """`views.paged` (`status --json`), its jobs read as the caller iterates in this block."""
+        with self.sessions() as session:
+            page = views.paged(session, owner, states, limit, cursor)
+            yield dataclasses.replace(page, jobs=(self.as_seen(j) for j in page.jobs))
+
     def check_owner_name(self, name: str) -> str:
         """`name` for `status --user` (gpuflex.control.access.check_user): a unix user, or
         the owner of a job here; UsageError otherwise."""

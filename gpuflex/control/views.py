@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from sqlalchemy.orm import Session, object_session
 
@@ -138,6 +138,21 @@ class Listing:
     jobs: list[JobInfo]
     older: int = 0
     arrays: dict[int, dict[JobState, int]] = dataclasses.field(default_factory=dict)
+    # a page of a paged listing (`status --all`): the next page's cursor (None: this was
+    # the last) and how many jobs the later pages hold
+    next_cursor: int | None = None
+    more: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Paged:
+    """A page of jobs being read (`status --json`): `jobs` yields them oldest first, a chunk
+    of queries.CHUNK read at a time, while its session is open; the next page's cursor
+    (None: this is the last) and how many jobs the later pages hold are known first."""
+
+    jobs: Iterator[JobInfo]
+    next_cursor: int | None = None
+    more: int = 0
 
 
 def listing(session: Session, owner: str | None, states: list[JobState] | None, ended: int | None) -> Listing:
@@ -148,6 +163,44 @@ def listing(session: Session, owner: str | None, states: list[JobState] | None, 
     older = 0 if ended is None else max(0, queries.ended_count(session, owner=owner, states=states) - ended)
     arrays = queries.array_state_counts(session, [j.array_id for j in jobs if j.array_id is not None])
     return Listing(job_infos(jobs), older, arrays)
+
+
+def paged(session: Session, owner: str | None, states: list[JobState] | None, limit: int,
+          cursor: int | None) -> Paged:
+    """The `limit` newest jobs below `cursor` (every one when `limit` is 0), of `owner` and in
+    `states` when given, as acct pages (queries.jobs_page: newest first, a cursor is the
+    oldest id a page showed); yielded oldest first, as `status` lists. The page's bounds are
+    read first (ids alone), then its jobs a chunk at a time, so memory holds one chunk."""
+    where = queries.page_where(None if owner is None else [owner], states)
+    low, following, more = None, None, 0
+    if limit:
+        ids = queries.job_ids_page(session, where, below=cursor, limit=limit + 1)
+        if not ids:
+            return Paged(iter(()))
+        low = ids[min(limit, len(ids)) - 1]
+        if len(ids) > limit:
+            following, more = low, queries.jobs_count(session, where, below=low)
+    return Paged(_chunked(session, where, low, cursor), following, more)
+
+
+def _chunked(session: Session, where: list, low: int | None, below: int | None) -> Iterator[JobInfo]:
+    after = None if low is None else low - 1
+    while True:
+        jobs = queries.jobs_page(session, where, above=after, below=below, limit=queries.CHUNK,
+                                 oldest_first=True, workers=True)
+        yield from job_infos(jobs)
+        if len(jobs) < queries.CHUNK:
+            return
+        after = jobs[-1].id
+
+
+def listing_page(session: Session, owner: str | None, states: list[JobState] | None, limit: int,
+                 cursor: int | None) -> Listing:
+    """`paged`'s page as a whole Listing (the table of `status --all`), with its arrays' counts."""
+    page = paged(session, owner, states, limit, cursor)
+    jobs = list(page.jobs)
+    arrays = queries.array_state_counts(session, [j.array_id for j in jobs if j.array_id is not None])
+    return Listing(jobs, 0, arrays, page.next_cursor, page.more)
 
 
 def job_info(job: Job, *, events: bool = False) -> JobInfo:

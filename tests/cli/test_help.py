@@ -94,9 +94,9 @@ def test_the_command_list_gives_each_command_one_sentence_unbroken(home):
         doc = (cmd.help or "").strip()
         if doc and not hasattr(cmd, "commands"):   # a group's (hosts, db) help is one line already
             assert cmd.short_help == " ".join(doc.split("\n\n")[0].split()), name
-    listing = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "300"}).output
-    assert "Show the jobs not ended and the newest ended ones (--all: every job), or one job with its workers" \
-        in listing
+    listing = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "400"}).output
+    status = group.commands["status"].short_help
+    assert status.startswith("Show the jobs not ended") and status in listing   # one line, whole
 
 
 def test_version_prints_the_packages_version_and_needs_no_config(home):

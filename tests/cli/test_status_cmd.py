@@ -268,3 +268,95 @@ def test_status_through_a_pipe_keeps_every_column_whole(home, config_path):
     assert reason in one and "worker 1 crashed" in one
     assert next(line for line in one.splitlines() if "RANK" in line).replace("┃", " ").split() == \
         ["RANK", "WID", "HOST", "DEVICES", "PID", "STATE", "GEN", "EXIT"]
+
+
+def older_line(text: str) -> tuple[int, int] | None:
+    """(how many older jobs, the next cursor) from a page's last line; None without one."""
+    import re
+
+    found = re.search(r"(\d+) older job\(s\) not shown: add --cursor (\d+) for the next page", text)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def test_all_pages_the_table_and_the_cursors_chain_to_every_job_once(config_path, status):
+    ids = record_jobs(config_path, ["succeeded", "queued", "failed"] * 9)   # 27
+    seen, args = [], ("--all", "--limit", "10")
+    while True:
+        code, out, err = status(*args)
+        assert code == 0, err
+        page = table_ids(out)
+        assert page == sorted(page) and len(page) <= 10
+        seen = page + seen
+        line = older_line(out)
+        if line is None:
+            break
+        assert line == (len(ids) - len(seen), page[0])
+        args = ("--all", "--limit", "10", "--cursor", str(line[1]))
+    assert seen == ids
+
+
+def test_all_without_limit_is_a_page_of_the_newest(config_path, status):
+    from gpuflex.cli.status_cmd import ALL_PAGE
+
+    ids = record_jobs(config_path, ["succeeded"] * (ALL_PAGE + 3))
+    code, out, _ = status("--all")
+    assert code == 0 and table_ids(out) == ids[3:] and older_line(out) == (3, ids[3])
+
+
+def test_streamed_json_parses_and_equals_the_jobs_records(config_path, status):
+    # (no running job: the refresh would reconcile it with a host it never ran on)
+    ids = record_jobs(config_path, ["succeeded", "cancelled", "queued", "failed"] * 3, history=True)
+    code, out, err = status("--json")
+    assert code == 0 and err == ""
+    svc = JobService(load_config(str(config_path)))
+    try:
+        whole = [render.job_json(j) for j in svc.listing().jobs]
+    finally:
+        svc.close()
+    assert json.loads(out) == json.loads(json.dumps(whole, default=str))
+    assert len(out.splitlines()) == len(ids) + 2   # a job per line, between the brackets
+    code, out, err = status("--json", "--limit", "5", "--cursor", str(ids[-2]))
+    assert code == 0 and [j["id"] for j in json.loads(out)] == ids[-7:-2]
+    assert older_line(err) == (len(ids) - 7, ids[-7])
+    code, out, err = status("--json", "--all", "--limit", "0", "--state", "failed")
+    assert code == 0 and [j["id"] for j in json.loads(out)] == ids[3::4] and err == ""
+    code, out, _ = status("--json", "--user", "nobody-30")
+    assert code == 2
+
+
+def test_empty_listings_are_valid_json(config_path, status):
+    code, out, _ = status("--json")
+    assert code == 0 and json.loads(out) == []
+
+
+def test_bad_paging_options_are_one_error_line_and_change_nothing(config_path, db_path, status):
+    record_jobs(config_path, ["succeeded", "queued"])
+    before = db_dump(db_path)
+    for args, words in [(("--all", "--limit", "-1"), "--limit -1: give 1 to 10000 jobs per page"),
+                        (("--json", "--limit", "10001"), "--limit 10001: give 1 to 10000"),
+                        (("--all", "--cursor", "0"), "--cursor 0: give the job id a previous page ended at"),
+                        (("--limit", "5"), "--limit and --cursor page 'status --all' and 'status --json'"),
+                        (("--cursor", "5"), "add one of them"),
+                        (("1", "--limit", "5"), "give them without JOB"),
+                        (("--all", "--cursor", "x"), "Invalid value for '--cursor'")]:
+        code, out, err = status(*args)
+        assert (code, out) == (2, ""), args
+        assert err.startswith("error: ") and words in err, err
+        assert len(err.strip().splitlines()) == 1
+    assert db_dump(db_path) == before
+
+
+def test_a_page_takes_a_number_of_statements_that_does_not_grow_with_the_jobs(tmp_path):
+    counts = []
+    for n, name in [(1, "few"), (30, "many")]:
+        (tmp_path / name).mkdir()
+        config = write_config(tmp_path / name)
+        record_jobs(config, ["running", "queued", "succeeded", "failed"] * n, history=True)
+        svc = JobService(load_config(str(config)))
+        try:
+            with statements(svc) as seen:
+                render.listing(svc.listing_page(None, None, 3, None), {})
+            counts.append(len(seen))
+        finally:
+            svc.close()
+    assert counts[0] == counts[1] and counts[1] <= 10
