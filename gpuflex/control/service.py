@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import time
 from typing import Any, Iterator
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -401,3 +402,9 @@ class JobService:
             scaling.scale_in_steps(self.sessions.begin, self.config, self.pool, job_id, n)
         self.notify()
         return self.job(job_id, events=False)
+
+    def watch_leavers(self, job_id: int, bound_s: float) -> tuple[int, ...]:
+        """Record the job's leavers' ends as their processes exit, for `bound_s` at most
+        (gpuflex.policy.leavers); the leavers still leaving then, left to the next refresh."""
+        return scaling.watch_leavers(self.sessions, self.config, self.pool, job_id, self.refresh,
+                                     time.monotonic() + bound_s)
