@@ -104,15 +104,43 @@ def consistent(gf: GpuflexCLI) -> list[dict]:
     return jobs
 
 
+def running_with(marker: str) -> list[int]:
+    """Pids of the processes whose command line holds `marker`."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and marker.encode() in (proc / "cmdline").read_bytes():
+                out.append(int(proc.name))
+        except OSError:
+            continue
+    return out
+
+
 def test_a_restart_while_submit_starts_its_job_fails_it_in_one_line_and_leaves_no_process(gf, cluster, home):
+    marker = f"restarted-submit-{home.name}"
     code, out, err = restarted_inside(gf, cluster, "start.spawned", "submit", "--workers", "2", "--",
-                                      sys.executable, "-c", "import time; time.sleep(300)")
+                                      sys.executable, "-c", "import time, sys; time.sleep(300)", marker)
     assert_one_line_or_done(code, err)
     assert code == 2 and "lost the connection" in err, err   # the commit of the start could not be made
-    jobs = consistent(gf)
-    assert jobs == [] or all(j["state"] in ("queued", "running") for j in jobs)
-    assert rows(gf.url, "SELECT count(*) FROM workers WHERE state IN ('starting', 'running', 'leaving')") \
-        == [(sum(len([w for w in j["workers"] if w["state"] in LIVE]) for j in jobs),)]
+    assert running_with(marker)   # its run was spawned before the commit failed
+    assert consistent(gf) == []   # the job and its start were one transaction: neither was written
+    # the next command ended the run the database never recorded (its launch intent)
+    end = time.monotonic() + 60
+    while running_with(marker) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert running_with(marker) == []
+
+
+def test_a_server_down_when_a_command_starts_is_one_line_within_the_connect_timeout(gf, cluster):
+    cluster.run("pg_ctl", "-D", str(cluster.data), "-m", "immediate", "-w", "stop")
+    try:
+        for args in (["submit", "--", "true"], ["status"], ["harvest"]):
+            p = gf(*args, timeout=60)   # libpq's connect timeout bounds it (gpuflex.db.url)
+            assert_one_line_or_done(p.returncode, p.stderr)
+            assert p.returncode == 2 and "cannot open the database" in p.stderr, p.stderr
+    finally:
+        cluster.restart()   # starts it again with the options it ran with
+    assert gf.json("status", "--all") == []
 
 
 def test_a_restart_between_a_grow_s_steps_fails_it_in_one_line_and_the_next_command_ends_its_newcomer(
