@@ -105,9 +105,11 @@ class PgCluster:
         return self.url(name)
 
     def restart(self) -> None:
-        """Stop the server at once (`-m immediate`: every connection dropped, as a crash or a
-        failover would) and start it again with the options it ran with (postmaster.opts)."""
-        self.run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-m", "immediate",
+        """Stop the server (`-m fast`: every connection dropped, what was committed kept: the
+        cluster runs with synchronous_commit off, so an immediate stop would lose the last
+        commits, which a real server does not) and start it again with the options it ran
+        with (postmaster.opts)."""
+        self.run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-m", "fast",
                  "-w", "-t", str(START_TIMEOUT_S), "restart", timeout=START_TIMEOUT_S + 10)
 
     def stop(self) -> None:

@@ -111,7 +111,10 @@ class FileLock(Lock):
             self._lock.acquire(blocking=blocking)
         except filelock.Timeout:
             return False
-        self.path.write_text(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
+        try:
+            self.path.write_text(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
+        except OSError:   # a full disk: the flock is the lock, the text only names its holder
+            pass
         return True
 
     def release(self) -> None:

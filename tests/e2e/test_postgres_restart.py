@@ -159,6 +159,8 @@ def test_a_restart_between_a_grow_s_steps_fails_it_in_one_line_and_the_next_comm
     newcomer = max(w["wid"] for w in after[0]["workers"])
     # the newcomer was spawned and recorded, but never asked for: the next command stopped it
     assert [w["state"] for w in after[0]["workers"] if w["wid"] == newcomer] == ["stopped"]
+    pgid = rows(gf.url, f"SELECT pgid FROM workers WHERE wid = {newcomer}")[0][0]
+    assert pgid is not None and not group_alive(pgid)   # its process ended too
     p = gf("scale", str(job["id"]), "2", "--wait", "--timeout", "240", timeout=300)   # the database goes on
     assert p.returncode == 0, p.stdout + p.stderr
     hold.unlink()
@@ -192,6 +194,8 @@ def test_a_restart_inside_a_harvest_tick_s_grow_fails_the_tick_in_one_line_and_t
         assert [j["state"] for j in after] == ["running"]
         # the newcomer the lost tick spawned and recorded, never asked for: stopped by the next command
         assert {w["wid"]: w["state"] for w in after[0]["workers"]}[1] == "stopped"
+        newcomer_pgid = rows(url, "SELECT pgid FROM workers WHERE wid = 1")[0][0]
+        assert newcomer_pgid is not None and not group_alive(newcomer_pgid)   # its process ended too
         tick = json.loads(gf.ok("harvest", "--json").stdout)   # the next tick grows on the restarted server
         assert [(a["action"], a["ok"], a["gpus"]) for a in tick["actions"]] == [("grow", True, [["box", 1]])], tick
     finally:
