@@ -112,3 +112,15 @@ def test_a_leaver_that_outlives_the_watch_stays_leaving_and_is_named(two_workers
     assert r.exit_code == 0, r.output
     assert "worker(s) 1 still leaving after 1 s; the next command records their end." in r.stdout
     assert world.workers()[1].alive and _states(svc, job_id)[1] is WorkerState.LEAVING
+
+
+def test_ctrl_c_while_the_shrink_watches_its_leaver_is_one_line_and_exit_130(two_workers, monkeypatch):
+    world, svc, job_id = two_workers
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(svc, "watch_leavers", interrupted)
+    r = _scale(job_id, 1)
+    assert (r.exit_code, r.stderr.strip()) == (130, "error: interrupted."), r.output
+    assert _states(svc, job_id)[1] is WorkerState.LEAVING   # the shrink was asked: it goes on
