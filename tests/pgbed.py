@@ -5,6 +5,7 @@ starts `postgres` on 127.0.0.1 at a free port (and a unix socket in that directo
 tuned for tests (no fsync). The server refuses to run as root, so as root the cluster
 belongs to the `postgres` system user the Debian package creates (else `nobody`).
 `PgCluster.database()` creates a fresh database for one test and returns its URL;
+`PgCluster.restart()` drops every connection and starts the server again;
 `PgCluster.stop()` stops the server and removes the directory.
 
 Plain functions (a benchmark can use them too); the fixtures are in conftest.py.
@@ -102,6 +103,14 @@ class PgCluster:
         name = f"{prefix}{next(self._names)}"
         self.sql(f'CREATE DATABASE "{name}" OWNER {TEST_ROLE}')
         return self.url(name)
+
+    def restart(self) -> None:
+        """Stop the server (`-m fast`: every connection dropped, what was committed kept: the
+        cluster runs with synchronous_commit off, so an immediate stop would lose the last
+        commits, which a real server does not) and start it again with the options it ran
+        with (postmaster.opts)."""
+        self.run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "server.log"), "-m", "fast",
+                 "-w", "-t", str(START_TIMEOUT_S), "restart", timeout=START_TIMEOUT_S + 10)
 
     def stop(self) -> None:
         try:

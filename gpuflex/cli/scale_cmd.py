@@ -15,6 +15,7 @@ import gpuflex.cli.render as render
 from gpuflex.cli.common import StopSignals, command, console, err_console, obj, seconds
 from gpuflex.control.requests import parse_count, parse_ref
 from gpuflex.errors import INTERRUPTED_EXIT, JobError
+from gpuflex.policy import leavers
 from gpuflex.policy.lifecycle import LEFT_OUT_KIND
 from gpuflex.states import JobState, WorkerState
 
@@ -34,6 +35,8 @@ def scale(
     step boundary: its workers go on, newcomers warm up and join, leavers exit. A restart job
     (--elastic restart) is stopped (SIGTERM, the grace period, SIGKILL) and launched again at
     N workers, resuming from its own checkpoint. A fixed gang (--workers N) is not resized.
+    Without --wait, a shrink still waits up to 30 s for its leavers to exit, so their rows
+    end with their processes (a slower leaver's end is recorded by the next command).
 
     Example: gpuflex scale 3 4 --wait
     """
@@ -46,8 +49,11 @@ def scale(
     asked: list[float] = []
     scaled: list = []
 
+    leaving_before: set[int] = set()
+
     def request() -> None:
         svc.refresh()
+        leaving_before.update(_leaving(svc.job(job, events=False)))
         asked.append(time.time())
         scaled.append(svc.scale(job, n))
 
@@ -59,6 +65,8 @@ def scale(
     j = scaled[0]
     console.print(f"job {j.id}: resizing to {n} worker(s)")
     if not wait:
+        if _leaving(j) - leaving_before:   # this shrink's leavers: their ends recorded as they exit
+            _watch_leavers(svc, j.id)
         return
     switched = None
     with StopSignals() as stop:
@@ -85,6 +93,20 @@ def scale(
             elif cur.state is JobState.RUNNING and (why := _ended_short(svc, cur, asked[0])) is not None:
                 raise JobError(f"job {cur.id}: the resize to {n} ended at {cur.world_size} worker(s): {why}")
     raise JobError(f"job {j.id}: the resize to {n} did not finish within {timeout:.0f} s.")
+
+
+def _leaving(info) -> set[int]:
+    return {w.wid for w in info.workers if w.state is WorkerState.LEAVING}
+
+
+def _watch_leavers(svc, job_id: int) -> None:
+    """A shrink's leavers exit a step or two after the switch: their ends are recorded as
+    they exit, for SCALE_WATCH_S at most (gpuflex.policy.leavers), so the database does not
+    show them `leaving` after their processes are gone. Ctrl-C stops the watch (exit 130)."""
+    still = svc.watch_leavers(job_id, leavers.SCALE_WATCH_S)
+    if still:
+        console.print(f"job {job_id}: worker(s) {', '.join(map(str, still))} still leaving after "
+                      f"{leavers.SCALE_WATCH_S:.0f} s; the next command records their end.")
 
 
 def _within(deadline: float, work: Callable[[], object]) -> bool:

@@ -34,8 +34,8 @@ from gpuflex.config import Config
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.locks import shared_directory
-from gpuflex.db.url import sqlite_path
-from gpuflex.errors import TransportError
+from gpuflex.db.url import space_note, sqlite_path
+from gpuflex.errors import DatabaseError, TransportError
 
 log = logging.getLogger(__name__)
 
@@ -57,14 +57,19 @@ def intents_path(url: str) -> Path:
 def note(url: str, job_id: int, socket_dir: str, hosts: list[str]) -> None:
     """Record a run about to be spawned (before its first process), durably."""
     path = intents_path(url)
-    path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({"job": job_id, "socket_dir": socket_dir, "hosts": sorted(set(hosts))}) + "\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     try:
-        os.write(fd, line.encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:   # nothing spawned yet: the command's transaction is rolled back with it
+        raise DatabaseError(f"cannot note the launch of job {job_id} in {path}: {e.strerror or e}"
+                            f"{space_note(path.parent)}; the job was not started.",
+                            hint="Free space there, then run the command again.") from None
 
 
 def _read(path: Path) -> list[dict[str, Any]]:

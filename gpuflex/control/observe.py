@@ -49,8 +49,23 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
     """Every live worker's process group (all hosts at once), then the coordinator, then
     the tail of the log of each worker that ended with a crash's exit code and left no
     crashed record (sys.exit(3), a C-level abort: its log is all there is)."""
+    procs, unreachable = groups(config, pool, job.live_workers)
+    coord = coordinator_status(config, pool, job)
+    alive, coord_exit = (True, None) if coord is not None else coordinator_process(config, pool, job)
+    abort_left = recorded_abort(pool, job) if coord is None else None   # it ended itself after ending the job
+    recorded = {r.get("wid") for r in (coord.crashed if coord is not None else ())}
+    crashed = [w for w in job.live_workers if w.wid in procs and not procs[w.wid].alive
+               and procs[w.wid].exited and is_crash_exit(procs[w.wid].returncode) and w.wid not in recorded]
+    tails = {w.wid: log_tail(pool, w) for w in crashed}
+    return Observation(procs, unreachable, coord, alive, coord_exit,
+                       log_tails={k: v for k, v in tails.items() if v}, recorded_abort=abort_left)
+
+
+def groups(config: Config, pool: Pool, workers: list[Worker]) -> tuple[dict[int, ProcSeen], dict[str, str]]:
+    """These workers' process groups (all hosts at once, each bounded by its timeouts): wid
+    -> what its host saw, and host -> error for the hosts that did not answer."""
     by_host: dict[str, list[Worker]] = collections.defaultdict(list)
-    for w in job.live_workers:
+    for w in workers:
         by_host[w.host].append(w)
     hosts = [config.host(h) for h in by_host]
     limit = max((h.connect_timeout_s + h.command_timeout_s for h in hosts), default=0) + 5
@@ -65,15 +80,7 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
         for w, st in zip(by_host[host], res.value):
             procs[w.wid] = ProcSeen(st.alive, st.returncode, (st.exit or {}).get("ended_at"),
                                     exited=st.exit is not None)
-    coord = coordinator_status(config, pool, job)
-    alive, coord_exit = (True, None) if coord is not None else coordinator_process(config, pool, job)
-    abort_left = recorded_abort(pool, job) if coord is None else None   # it ended itself after ending the job
-    recorded = {r.get("wid") for r in (coord.crashed if coord is not None else ())}
-    crashed = [w for w in job.live_workers if w.wid in procs and not procs[w.wid].alive
-               and procs[w.wid].exited and is_crash_exit(procs[w.wid].returncode) and w.wid not in recorded]
-    tails = {w.wid: log_tail(pool, w) for w in crashed}
-    return Observation(procs, unreachable, coord, alive, coord_exit,
-                       log_tails={k: v for k, v in tails.items() if v}, recorded_abort=abort_left)
+    return procs, unreachable
 
 
 def recorded_abort(pool: Pool, job: Job) -> dict[str, Any] | None:

@@ -22,6 +22,7 @@ asked for).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, ContextManager
 
 from sqlalchemy.orm import Session
@@ -30,12 +31,15 @@ from gpuflex.config import Config
 from gpuflex.control import access, executor, journal, quotas, restarts
 from gpuflex.control.harvest_inputs import has_finished
 from gpuflex.control.executor import Ops
+from gpuflex.control.observe import groups
 from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job, Worker
 from gpuflex.elastic.protocol import failpoints
 from gpuflex.errors import GpuflexError, JobError, UsageError
+from gpuflex.policy.leavers import LeaverSeen, watch_step
 from gpuflex.policy.placement import Assignment, place
+from gpuflex.states import WorkerState
 
 # a new transaction per call, committed when its block ends without error; the caller
 # holds the ops lock over all of them (gpuflex.db.locks)
@@ -206,3 +210,23 @@ def retire(ops: Ops, job: Job, wids: list[int], why: str = "", wait_s: float = 3
         journal.retiring(w)
     executor.ask_membership(ops, job, f"shrink to {len(job.members)} worker(s)" + (f": {why}" if why else ""),
                             wait_s=wait_s, by_caller=by_caller)
+
+
+def watch_leavers(sessions: Callable[[], ContextManager[Session]], config: Config, pool: Pool, job_id: int,
+                  refresh: Callable[[], None], deadline: float) -> tuple[int, ...]:
+    """Watch the job's `leaving` workers until `deadline` (time.monotonic()) at most, and
+    refresh as soon as one's process group is seen gone, so its row ends while the command
+    that shrank the job still runs (gpuflex.policy.leavers). The leavers not seen gone (the
+    next command's refresh records them). Reads without the ops lock; only `refresh` writes."""
+    while True:
+        with sessions() as session:
+            job = queries.job(session, job_id)
+            leaving = [w for w in job.live_workers if w.state is WorkerState.LEAVING]
+            procs, _ = groups(config, pool, leaving) if leaving else ({}, {})
+            seen = tuple(LeaverSeen(w.wid, procs[w.wid].alive if w.wid in procs else None) for w in leaving)
+        step = watch_step(seen, time.monotonic(), deadline)
+        if step.record:
+            refresh()
+        if step.done:
+            return step.still
+        time.sleep(step.wait_s)   # also after a refresh: one that could not end the row is not repeated at once

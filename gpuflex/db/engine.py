@@ -22,7 +22,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from gpuflex.db.locks import LOCK_SUFFIXES, database_lock, shared_directory, verify_held
-from gpuflex.db.url import connect_args, shown, sqlite_path, where
+from gpuflex.db.url import connect_args, shown, space_note, sqlite_path, where
 from gpuflex.errors import DatabaseError
 from gpuflex.hosts.private import private_dir, tighten_file
 
@@ -69,6 +69,7 @@ def make_engine(url: str) -> Engine:
         raise DatabaseError(f"cannot use the database URL {shown(url)!r}: {e}.", hint=_HINT) from None
     if path is not None:
         event.listen(engine, "connect", _sqlite_pragmas)
+        event.listen(engine, "handle_error", _sqlite_full)
     else:
         event.listen(engine, "handle_error", _server_lost)
     return engine
@@ -83,6 +84,21 @@ def _server_lost(context) -> None:
         raise DatabaseError(f"lost the connection to the database {where(context.engine.url)} in the "
                             f"middle of the command: {detail}.",
                             hint="Check that the server is up, then run 'gpuflex status' to see what took effect.")
+
+
+_SQLITE_WRITE_FAILED = ("database or disk is full", "disk I/O error")
+
+
+def _sqlite_full(context) -> None:
+    """A SQLite write that failed for want of space (its disk filled during the command):
+    one DatabaseError line instead of a traceback. SQLite rolls the statement back, and the
+    session the transaction; the file stays whole."""
+    detail = " ".join(str(context.original_exception).split())
+    if any(m in detail for m in _SQLITE_WRITE_FAILED):
+        path = Path(str(context.engine.url.database))
+        raise DatabaseError(f"cannot write the database {path}: {detail}{space_note(path.parent)}; "
+                            "the change under way was not committed.",
+                            hint="Free space on that disk, then run the command again.")
 
 
 def _masked(url: str) -> str:
@@ -322,8 +338,11 @@ def _migration_pragmas(dbapi_conn, _record) -> None:
 
 def _unopenable(engine: Engine, e: sa.exc.DBAPIError) -> DatabaseError:
     detail = " ".join(str(e.orig).split()) or type(e.orig).__name__
-    return DatabaseError(f"cannot open the database {where(engine.url)}: {detail}.",
-                         hint=_HINT if engine.url.get_backend_name() == "sqlite" else _SERVER_HINT)
+    sqlite = engine.url.get_backend_name() == "sqlite"
+    full = space_note(Path(str(engine.url.database)).parent) if sqlite else ""
+    return DatabaseError(f"cannot open the database {where(engine.url)}: {detail}{full}.",
+                         hint="Free space on that disk, then run the command again." if full
+                         else _HINT if sqlite else _SERVER_HINT)
 
 
 def open_database(url: str) -> sessionmaker[Session]:

@@ -111,7 +111,10 @@ class FileLock(Lock):
             self._lock.acquire(blocking=blocking)
         except filelock.Timeout:
             return False
-        self.path.write_text(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
+        try:
+            self.path.write_text(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
+        except OSError:   # a full disk: the flock is the lock, the text only names its holder
+            pass
         return True
 
     def release(self) -> None:
@@ -236,8 +239,11 @@ def verify_held() -> None:
         if not lock.holds():
             raise DatabaseError(
                 f"lost the connection that held the database's {lock.purpose} lock "
-                f"({where(lock.url)}); nothing was committed.",
-                hint="Run the command again once the database server answers.")
+                f"({where(lock.url)}); the change under way was not committed.",
+                # a command of several committed steps (a grow, a harvest tick) keeps the steps
+                # before: the next command's reconcile ends what they started
+                hint="Once the server answers, run 'gpuflex status' to see what took effect, "
+                     "then the command again if need be.")
 
 
 def _unreachable(url: str, e: sa.exc.DBAPIError) -> DatabaseError:

@@ -49,3 +49,18 @@ def connect_args(url: str | sa.engine.URL) -> dict:
     if backend == "postgresql" and u.get_driver_name() == "psycopg":
         return {"connect_timeout": CONNECT_TIMEOUT_S, **_KEEPALIVES}
     return {}
+
+
+FULL_BELOW_BYTES = 1 << 20   # less free than this: a write of a page or a WAL frame may well fail
+
+
+def space_note(directory: Path) -> str:
+    """" (the disk holding DIRECTORY is full: N KiB free)" when it is nearly full, else "":
+    SQLite says "disk I/O error" where the cause is a full disk (it cannot create its WAL),
+    so the messages name the cause they can tell."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f" (the disk holding {directory} is full: {free // 1024} KiB free)" if free < FULL_BELOW_BYTES else ""

@@ -13,7 +13,7 @@ from gpuflex.config import load_config
 from gpuflex.control import intents
 from gpuflex.control.service import JobService
 from gpuflex.db.models import Job
-from gpuflex.errors import TransportError
+from gpuflex.errors import DatabaseError, TransportError
 from tests.conftest import write_config
 
 
@@ -101,3 +101,12 @@ def test_garbage_lines_are_skipped(svc):
     intents.note(svc.config.database_url, 4, "/s/4", ["local"])
     with svc.sessions.begin() as s:
         assert [e["job"] for e in intents.settle(svc.config, Pool(), s)] == [4]
+
+
+def test_a_launch_that_cannot_be_noted_is_one_database_error_before_anything_spawns(tmp_path):
+    """A full disk (or any write error) beside the database: the run is not started."""
+    url = f"sqlite:///{tmp_path}/g.db"
+    intents.intents_path(url).mkdir()   # a directory where the file goes: the write fails
+    with pytest.raises(DatabaseError, match=r"cannot note the launch of job 3 in .*g\.db\.launches: .*; "
+                                            "the job was not started"):
+        intents.note(url, 3, "/tmp/s", ["local"])

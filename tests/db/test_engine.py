@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -238,3 +239,22 @@ def test_an_upgrade_keeps_every_row_of_an_older_database(tmp_path, start):
         assert conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall() == []
         assert conn.exec_driver_sql("PRAGMA foreign_keys").scalar() == 1   # the commands' connections: on
     assert after == before and before["workers"] == before["events"] == 1
+
+
+def test_a_sqlite_write_that_finds_the_disk_full_is_one_database_error_and_commits_nothing(tmp_path, monkeypatch):
+    """SQLite's "database or disk is full" at a commit (its disk filled during the command;
+    a real full disk: tests/e2e/test_database_disk_full.py) is one line naming the file."""
+    sessions = open_database(f"sqlite:///{tmp_path}/g.db")
+    engine = sessions.kw["bind"]
+
+    def full(*_a, **_k):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    with pytest.raises(DatabaseError, match=rf"cannot write the database {tmp_path}/g.db: database or disk is "
+                                            "full; the change under way was not committed"):
+        with sessions.begin() as s:
+            s.add(Host(name="h", address="local"))
+            s.flush()
+            monkeypatch.setattr(engine.dialect, "do_commit", full)
+    monkeypatch.undo()
+    assert db_rows(tmp_path / "g.db", "SELECT count(*) FROM hosts") == [(0,)]

@@ -3,11 +3,12 @@ holds how the engine resolves a SQLite URL's path)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from gpuflex.db.url import CONNECT_TIMEOUT_S, connect_args, is_postgresql, shown, sqlite_path, where
+from gpuflex.db.url import CONNECT_TIMEOUT_S, connect_args, is_postgresql, shown, space_note, sqlite_path, where
 
 
 def test_a_sqlite_url_names_its_file_with_home_expanded(home):
@@ -43,3 +44,19 @@ def test_each_driver_gets_its_own_connect_arguments():
     pg = connect_args("postgresql+psycopg://u@h/db")
     assert pg["connect_timeout"] == CONNECT_TIMEOUT_S and pg["keepalives"] == 1
     assert connect_args("postgresql+asyncpg://u@h/db") == {}
+
+
+class _Vfs:
+    def __init__(self, free_blocks: int) -> None:
+        self.f_bavail, self.f_frsize = free_blocks, 4096
+
+
+def test_a_nearly_full_disk_is_named_and_one_with_room_is_not(monkeypatch, tmp_path):
+    monkeypatch.setattr(os, "statvfs", lambda _p: _Vfs(3))
+    assert space_note(tmp_path) == f" (the disk holding {tmp_path} is full: 12 KiB free)"
+    monkeypatch.setattr(os, "statvfs", lambda _p: _Vfs(1 << 20))
+    assert space_note(tmp_path) == ""
+
+
+def test_a_directory_that_cannot_be_asked_gives_no_note(tmp_path):
+    assert space_note(tmp_path / "missing") == ""

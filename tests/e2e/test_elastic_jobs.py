@@ -169,6 +169,31 @@ def test_kill_9_of_rank_0_and_of_a_worker_mid_resize(ej, tmp_path_factory, home)
     assert dead[rank0["wid"]]["exit_code"] == -9 and dead[victim["wid"]]["exit_code"] == -9
 
 
+def test_a_shrink_s_leaver_is_not_shown_leaving_once_its_process_is_gone(ej, home):
+    """Issue 28: after a shrink the database showed the leaver `leaving` after its process
+    was gone, until the next command. `scale` without --wait records the end itself (it
+    watches its leaver): once the leaver's group is gone, its row (read from the database,
+    no command in between) is no longer `leaving`."""
+    report, hold = home / "r.json", home / "hold"
+    hold.touch()   # paced: the job trains on until the test has looked
+    job = ej.submit(example_argv(report, epochs=16, sleep=0.2, hold=hold), "--workers", "1:2")
+    wait_for(ej, job["id"], lambda j: j["state"] == "running" and j["world_size"] == 2 and step_of(j) >= 3,
+             "training at world size 2")
+    p = ej("scale", str(job["id"]), "1", timeout=DEADLINE_S)
+    assert p.returncode == 0, p.stdout + p.stderr
+    db = home / "g.db"
+    leaver = max(db_rows(db, "SELECT wid, pgid FROM workers WHERE job_id = ?", (job["id"],)))
+    end = time.monotonic() + 120
+    while group_alive(leaver[1]) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not group_alive(leaver[1]), "the leaver did not exit"
+    state, = db_rows(db, "SELECT state FROM workers WHERE job_id = ? AND wid = ?", (job["id"], leaver[0]))[0]
+    assert state == "exited"
+    assert [r for r in db_rows(db, "SELECT wid FROM workers WHERE state = 'leaving'")] == []
+    hold.unlink()
+    assert ej.wait_final(job["id"], DEADLINE_S)["state"] == "succeeded"
+
+
 @pytest.mark.parametrize("exchange_bytes", ["524288", "0"], ids=["exchange", "all-reduce"])
 def test_gradients_launched_during_backward_line_up_with_a_rank_that_has_no_samples(
         ej, tmp_path_factory, home, exchange_bytes):

@@ -425,8 +425,16 @@ def test_the_coordinator_killed_at_each_phase_requeues_and_a_cancel_then_ends_cl
                            "cancel.stop@wid=13=kill"))
     jid = str(job["id"])
     assert killed_at(fm, home, job, 0, "formation.join", 1) == [3, 4, 5]
-    fm.ok("scale", jid, "2")
-    assert killed_at(fm, home, job, 3, "resize.rebuild", 2) == [6, 7]   # a restart keeps the scaled size
+    # a shrink watches its leaver until it exits (up to 30 s): the fault lands meanwhile
+    shrink = subprocess.Popen([fm.script, "scale", jid, "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=fm.env(), cwd=fm.home)
+    try:
+        assert killed_at(fm, home, job, 3, "resize.rebuild", 2) == [6, 7]   # a restart keeps the scaled size
+        out, err = shrink.communicate(timeout=BOUND_S)
+    finally:
+        if shrink.poll() is None:
+            shrink.kill()
+    assert shrink.returncode == 0 and "resizing to 2" in out, out + err
     assert killed_at(fm, home, job, 6, "checkpoint.write", 3, trained=False) == [8, 9]
     assert killed_at(fm, home, job, 9, "startup.before_join", 4, trained=False) == [10, 11]
     members = killed_at(fm, home, job, 10, "formation.group", 5)
