@@ -149,7 +149,7 @@ def acct(
         f = dataclasses.replace(f, users=tuple(svc.check_owner_name(n) for n in names))
     svc.refresh()
     if totals:
-        _show_totals(A.totals(svc.acct_rows(f)), as_json, as_csv)
+        _show_totals(A.totals(svc.acct_rows(f, world=False)), as_json, as_csv)
         return
     if limit == 0:
         rows = svc.acct_rows(f, cursor)

@@ -156,4 +156,4 @@ def live_progress(config: Config, pool: Pool, job: Job) -> Mapping[str, Any] | N
 
 def accounting(session: Session, w: Window) -> dict[str, Any]:
     """`acct --totals` over `w`: per user and per host, summed from the jobs' own rows."""
-    return {**acct.totals(acct.every_row(session, acct.Filter(since=w.since, until=w.until))), "window": w}
+    return {**acct.totals(acct.every_row(session, acct.Filter(since=w.since, until=w.until), world=False)), "window": w}

@@ -136,8 +136,8 @@ class Reads:
         with self.sessions() as session:
             return acct.page(session, f, limit, cursor)
 
-    def acct_rows(self, f: acct.Filter, cursor: int | None = None) -> Iterator[dict[str, Any]]:
+    def acct_rows(self, f: acct.Filter, cursor: int | None = None, world: bool = True) -> Iterator[dict[str, Any]]:
         """Every row of `gpuflex acct` from `cursor` down, read a page at a time (a session
         held while the caller iterates)."""
         with self.sessions() as session:
-            yield from acct.every_row(session, f, cursor)
+            yield from acct.every_row(session, f, cursor, world)

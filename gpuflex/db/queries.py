@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Iterable, Iterator
 
 from sqlalchemy import delete, func, select
-from sqlalchemy.orm import Session, selectinload
+from sqlalchemy.orm import Session, load_only, selectinload
 
 from gpuflex.db.models import Event, Gpu, GpuSample, Host, Job, Worker
 from gpuflex.states import JobState, WorkerState
@@ -81,20 +81,26 @@ def ended_count(session: Session, *, owner: str | None = None, states: Iterable[
 
 def ended_jobs_page(session: Session, *, users: Iterable[str] | None = None, since: float | None = None,
                     until: float | None = None, states: Iterable[JobState] | None = None,
-                    name: str | None = None, below: int | None = None, limit: int = 100) -> list[Job]:
+                    name: str | None = None, below: int | None = None, limit: int = 100,
+                    columns: tuple = ()) -> list[Job]:
     """Up to `limit` ended jobs, newest id first and below `below` when given, that ended in
-    [since, until], of `users`, in `states` (final ones), named `name` (acct's page)."""
+    [since, until], of `users`, in `states` (final ones), named `name` (acct's page);
+    `columns`: only those loaded (jobs_page)."""
     return jobs_page(session, page_where(users, list(states) if states else list(FINAL), since, until, name),
-                     below=below, limit=limit)
+                     below=below, limit=limit, columns=columns)
 
 
 def jobs_page(session: Session, where: list, *, below: int | None = None, above: int | None = None,
-              limit: int = 100, oldest_first: bool = False, workers: bool = False) -> list[Job]:
+              limit: int = 100, oldest_first: bool = False, workers: bool = False,
+              columns: tuple = ()) -> list[Job]:
     """Up to `limit` jobs matching `where` (`page_where`) with ids in (above, below), newest
     first (or oldest), with their workers loaded when asked (one more query). The keyset of
     every paged listing: a page is the jobs below the last id the previous one showed, so
-    a job recorded meanwhile shifts no page, and the database stops at `limit` rows."""
+    a job recorded meanwhile shifts no page, and the database stops at `limit` rows.
+    `columns` (Job attributes): only those loaded, the rest on first use (a reader of a few
+    fields of many jobs skips the JSON columns' decoding)."""
     q = select(Job).where(*where, *_between(above, below))
+    q = q.options(load_only(*columns)) if columns else q
     q = q.options(selectinload(Job.workers)) if workers else q
     return list(session.scalars(q.order_by(Job.id if oldest_first else Job.id.desc()).limit(limit)))
 

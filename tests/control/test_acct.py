@@ -183,3 +183,17 @@ def test_bad_input_is_one_line_and_exit_2_with_the_database_unchanged(pool, home
     out = run(pool, *args, code=2)
     assert message in out and "Traceback" not in out and len(out.strip().splitlines()) == 1
     assert db_dump(home / "g.db") == before
+
+
+def test_rows_without_the_world_sizes_are_the_same_rows_less_those(pool):
+    """`--totals` and the web's accounting read rows without their world sizes over time
+    (a third of the reading): everything else is the same row."""
+    svc = JobService(load_config(str(pool)))
+    try:
+        whole, lean = list(svc.acct_rows(acct.Filter())), list(svc.acct_rows(acct.Filter(), world=False))
+    finally:
+        svc.close()
+    world = ("world_sizes", "world_size_min", "world_size_max")
+    assert [{k: v for k, v in r.items() if k not in world} for r in whole] == \
+        [{k: v for k, v in r.items() if k not in world} for r in lean]
+    assert any(r["world_size_max"] == 3 for r in whole) and all(r["world_sizes"] == [] for r in lean)
