@@ -130,6 +130,10 @@ def test_two_users_share_one_database(lab):
     assert one_error(gpuflex(lab, BOB, "cancel", str(job["id"]))) == \
         f"error: job {job['id']} belongs to {ALICE}; only {ALICE} or an admin ([access] admins) may cancel it."
     assert (db_dir / "g.db").read_bytes() == before
+    for verb in ("logs", "events"):   # issue 30: another member sees the job, not its output or history
+        assert one_error(gpuflex(lab, BOB, verb, str(job["id"]))) == \
+            f"error: job {job['id']} belongs to {ALICE}; only {ALICE} or an admin ([access] admins) may read its {verb}."
+    assert (db_dir / "g.db").read_bytes() == before
 
     denied = one_error(gpuflex(lab, DAVE, "status"))
     assert f"permission denied on the database directory {db_dir}" in denied and f"group {LAB}" in denied
@@ -144,6 +148,10 @@ def test_two_users_share_one_database(lab):
     done = gpuflex(lab, CAROL, "cancel", str(job["id"]))   # an admin through the @group
     assert done.returncode == 0, done.stderr
     assert json.loads(gpuflex(lab, ALICE, "status", str(job["id"]), "--json").stdout)["state"] == "cancelled"
+    history = gpuflex(lab, CAROL, "events", str(job["id"]), "--json")   # an admin reads it, and is named in it
+    assert history.returncode == 0, history.stderr
+    [cancel] = [e for e in json.loads(history.stdout) if e["kind"] == "state" and "cancelled" in e["message"]]
+    assert cancel["message"] == f"cancelled: cancelled by {CAROL} (admin)" and cancel["data"]["by"] == CAROL
     # every file the three users' commands made or used is still the group's, none narrower
     assert set(modes(db_dir).values()) == {0o660}
     assert {p.stat().st_uid for p in db_dir.iterdir()} == {__import__("pwd").getpwnam(ALICE).pw_uid}
