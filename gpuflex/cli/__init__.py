@@ -11,7 +11,7 @@ prints as it always has.
 from __future__ import annotations
 
 import sys
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 import typer
 from typer.core import TyperGroup
@@ -45,15 +45,28 @@ class OneLineErrors(TyperGroup):
         sys.exit(rv if isinstance(rv, int) else 0)
 
 
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        """The root's options parsed; a Ctrl-C meanwhile is one line and exit 130 as in
+        `invoke` (typer imports pydantic here, lazily, the first thing a command loads now
+        that importing the CLI does not)."""
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt:
+            _interrupted()
+
     def invoke(self, ctx: Any) -> Any:
         """The command; a Ctrl-C during it is one line and exit 130 (typer would end it with
         130 and no word)."""
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            common.err_console.print()   # closes the terminal's ^C echo
-            common.print_error("interrupted.")
-            raise typer.Exit(INTERRUPTED_EXIT) from None
+            _interrupted()
+
+
+def _interrupted() -> NoReturn:
+    common.err_console.print()   # closes the terminal's ^C echo
+    common.print_error("interrupted.")
+    raise typer.Exit(INTERRUPTED_EXIT) from None
 
 
 def _is_help(e: Exception) -> bool:
