@@ -20,6 +20,23 @@ def main() -> None:
         run_cli()
     except KeyboardInterrupt:
         interrupted()
+    except Exception as e:
+        if interrupt_inside(e):
+            interrupted()
+        raise
+
+
+def interrupt_inside(e: BaseException | None) -> bool:
+    """Whether `e` is a Ctrl-C in disguise: pydantic-core turns a KeyboardInterrupt raised
+    while it builds a model's schema (the config's models, built as a command loads them)
+    into a SchemaError that names it, chained or only in its text."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, KeyboardInterrupt) or (type(e).__name__ == "SchemaError" and "KeyboardInterrupt" in str(e)):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def interrupted() -> NoReturn:

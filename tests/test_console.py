@@ -86,3 +86,20 @@ def test_ctrl_c_at_any_moment_of_the_console_script_gives_no_traceback(home, con
             assert err.strip() == "error: interrupted.", (delay, err)
         codes.append(p.returncode)
     assert codes[0] == 130, codes
+
+
+def test_a_ctrl_c_that_pydantic_turned_into_a_schema_error_is_still_a_ctrl_c():
+    """pydantic-core wraps a KeyboardInterrupt raised while it builds a schema (seen in
+    the Ctrl-C test above, at 0.2 s: 'SchemaError: Error building `literal` serializer:
+    KeyboardInterrupt:'): still one line and 130, not a traceback; other errors are not."""
+    SchemaError = type("SchemaError", (Exception,), {})   # pydantic_core's, by name
+    assert console.interrupt_inside(SchemaError("Error building `default` serializer: KeyboardInterrupt: "))
+    try:
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt as e:
+            raise ValueError("while building") from e
+    except ValueError as chained:
+        assert console.interrupt_inside(chained)
+    assert not console.interrupt_inside(SchemaError("Error building `literal` serializer: bad value"))
+    assert not console.interrupt_inside(RuntimeError("KeyboardInterrupt"))   # only pydantic's, by type name
