@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from sqlalchemy.orm import Session
 
-from gpuflex.db import queries
+from gpuflex.db import listings, queries
 from gpuflex.db.models import Event, Job
 from gpuflex.errors import UsageError
 from gpuflex.states import JobState
@@ -68,7 +68,7 @@ def page(session: Session, f: Filter, limit: int, cursor: int | None = None,
     """The rows of the `limit` newest matching jobs below `cursor`, and the cursor of the
     next page (None: this was the last). `world=False`: without the world sizes over time
     (their events are a third of the reading; `totals` does not use them)."""
-    jobs = queries.ended_jobs_page(session, users=f.users, since=f.since, until=f.until, states=f.states,
+    jobs = listings.ended_jobs_page(session, users=f.users, since=f.since, until=f.until, states=f.states,
                                    name=f.name, below=cursor, limit=limit + 1, columns=COLUMNS)
     more = len(jobs) > limit
     jobs = jobs[:limit]

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Iterator, Mapping
 from sqlalchemy.orm import Session, object_session
 
 from gpuflex.config import Config
-from gpuflex.db import queries
+from gpuflex.db import listings, queries
 from gpuflex.db.models import Event, Gpu, Job, Worker
 from gpuflex.policy import split as split_policy
 from gpuflex.policy.lifecycle import CRASH_KIND, WAITING_KIND
@@ -157,10 +157,10 @@ class Paged:
 
 def listing(session: Session, owner: str | None, states: list[JobState] | None, ended: int | None) -> Listing:
     """The jobs `status` lists, by id, read in a few queries whatever their number
-    (queries.listed_jobs, `job_infos`): every job not ended and the `ended` newest ended
+    (listings.listed_jobs, `job_infos`): every job not ended and the `ended` newest ended
     ones (all when None); only `owner`'s and only those in `states` when given."""
-    jobs = queries.listed_jobs(session, owner=owner, states=states, ended=ended)
-    older = 0 if ended is None else max(0, queries.ended_count(session, owner=owner, states=states) - ended)
+    jobs = listings.listed_jobs(session, owner=owner, states=states, ended=ended)
+    older = 0 if ended is None else max(0, listings.ended_count(session, owner=owner, states=states) - ended)
     arrays = queries.array_state_counts(session, [j.array_id for j in jobs if j.array_id is not None])
     return Listing(job_infos(jobs), older, arrays)
 
@@ -168,25 +168,25 @@ def listing(session: Session, owner: str | None, states: list[JobState] | None, 
 def paged(session: Session, owner: str | None, states: list[JobState] | None, limit: int,
           cursor: int | None) -> Paged:
     """The `limit` newest jobs below `cursor` (every one when `limit` is 0), of `owner` and in
-    `states` when given, as acct pages (queries.jobs_page: newest first, a cursor is the
+    `states` when given, as acct pages (listings.jobs_page: newest first, a cursor is the
     oldest id a page showed); yielded oldest first, as `status` lists. The page's bounds are
     read first (ids alone), then its jobs a chunk at a time, so memory holds one chunk."""
-    where = queries.page_where(None if owner is None else [owner], states)
+    where = listings.page_where(None if owner is None else [owner], states)
     low, following, more = None, None, 0
     if limit:
-        ids = queries.job_ids_page(session, where, below=cursor, limit=limit + 1)
+        ids = listings.job_ids_page(session, where, below=cursor, limit=limit + 1)
         if not ids:
             return Paged(iter(()))
         low = ids[min(limit, len(ids)) - 1]
         if len(ids) > limit:
-            following, more = low, queries.jobs_count(session, where, below=low)
+            following, more = low, listings.jobs_count(session, where, below=low)
     return Paged(_chunked(session, where, low, cursor), following, more)
 
 
 def _chunked(session: Session, where: list, low: int | None, below: int | None) -> Iterator[JobInfo]:
     after = None if low is None else low - 1
     while True:
-        jobs = queries.jobs_page(session, where, above=after, below=below, limit=queries.CHUNK,
+        jobs = listings.jobs_page(session, where, above=after, below=below, limit=queries.CHUNK,
                                  oldest_first=True, workers=True)
         yield from job_infos(jobs)
         if len(jobs) < queries.CHUNK:
@@ -222,7 +222,7 @@ def without_output(info: JobInfo) -> JobInfo:
 def job_infos(jobs: list[Job], *, recent: bool = False) -> list[JobInfo]:
     """Jobs of one session as records, in their order, read in a few queries whatever
     their number (the workers come loaded with the jobs, or one query each: see
-    queries.listed_jobs): the newest crash of each, the newest wait of each running one,
+    listings.listed_jobs): the newest crash of each, the newest wait of each running one,
     and with `recent` each one's newest few state and generation events (a query per
     job: for one job's view)."""
     session = object_session(jobs[0]) if jobs else None
