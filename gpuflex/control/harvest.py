@@ -50,7 +50,7 @@ from gpuflex.db.locks import database_lock
 from gpuflex.errors import GpuflexError
 from gpuflex.hosts.fanout import Result
 from gpuflex.hosts.probe import HostProbe
-from gpuflex.policy.harvest import Grow, Note, Plan, Requeue, Shrink, Yield
+from gpuflex.policy.harvest_actions import Grow, Note, Plan, Requeue, Shrink, Yield
 from gpuflex.policy.placement import Assignment
 from gpuflex.states import JobState
 

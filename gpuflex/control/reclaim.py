@@ -21,7 +21,7 @@ from gpuflex.control.pool import Pool
 from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
-from gpuflex.policy.harvest import Requeue, Yield
+from gpuflex.policy.harvest_actions import Requeue, Yield
 from gpuflex.states import JobState, WorkerState
 
 log = logging.getLogger(__name__)
