@@ -33,22 +33,26 @@ TREES = {name: ast.parse(path.read_text(), str(path)) for name, path in MODULES.
 def imported(name: str, tree: ast.Module) -> set[str]:
     """Every module (of any package) that `name` imports, anywhere in its source."""
     out: set[str] = set()
-    is_pkg = MODULES[name].name == "__init__.py"
     for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = name.split(".")
-                base = base[:len(base) - node.level + (1 if is_pkg else 0)]
-                mod = ".".join(base + ([node.module] if node.module else []))
-            else:
-                mod = node.module or ""
-            out.add(mod)
-            for a in node.names:   # `from gpuflex.x import y` may name the submodule y
-                if f"{mod}.{a.name}" in MODULES:
-                    out.add(f"{mod}.{a.name}")
+        out |= import_names(name, node)
     return out
+
+
+def import_names(name: str, node: ast.AST) -> set[str]:
+    """The modules one statement of module `name` imports (none for any other statement):
+    a relative import resolved against `name`, and `from gpuflex.x import y` naming the
+    submodule y counted as y."""
+    if isinstance(node, ast.Import):
+        return {a.name for a in node.names}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    if node.level:
+        base = name.split(".")
+        base = base[:len(base) - node.level + (1 if name in MODULES and MODULES[name].name == "__init__.py" else 0)]
+        mod = ".".join(base + ([node.module] if node.module else []))
+    else:
+        mod = node.module or ""
+    return {mod} | {f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in MODULES}
 
 
 def edges(name: str) -> set[str]:

@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.test_structure import MODULES, TREES
+from tests.test_structure import MODULES, TREES, import_names
 
 # what no command's module may import at its top: each is a command's own business
 HEAVY = ("torch", "alembic", "paramiko", "prometheus_client", "sqlalchemy", "pydantic", "pydantic_core",
@@ -38,21 +38,11 @@ def import_time(name: str, tree: ast.Module) -> set[str]:
     """The modules `name` imports when it is imported: statements run at import (the top,
     `if`/`try`/`with` blocks, class bodies), not functions and not `if TYPE_CHECKING:`."""
     out: set[str] = set()
-    is_pkg = MODULES[name].name == "__init__.py" if name in MODULES else False
 
     def visit(body: list[ast.stmt]) -> None:
         for node in body:
-            if isinstance(node, ast.Import):
-                out.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = name.split(".")
-                    base = base[:len(base) - node.level + (1 if is_pkg else 0)]
-                    mod = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    mod = node.module or ""
-                out.add(mod)
-                out.update(f"{mod}.{a.name}" for a in node.names if f"{mod}.{a.name}" in MODULES)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                out.update(import_names(name, node))
             elif isinstance(node, ast.If):
                 if not _type_checking(node):
                     visit(node.body)

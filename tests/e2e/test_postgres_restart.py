@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import pytest
-import sqlalchemy as sa
 
 from gpuflex.hosts.hostops import group_alive
 from tests import REPO, pgbed
+from tests.e2e.test_postgres import rows
 from tests.conftest import GpuflexCLI, write_config
 from tests.e2e.test_harvest_cmd_local import fake_host
 from tests.sshbed import default_gpus
@@ -56,15 +56,6 @@ def gf(home, cluster):
             cli("cancel", str(job["id"]), timeout=60)
     for pgid, in rows(url, "SELECT pgid FROM workers WHERE pgid IS NOT NULL"):
         assert not group_alive(pgid), f"process group {pgid} left running"
-
-
-def rows(url: str, sql: str) -> list[tuple]:
-    engine = sa.create_engine(url, poolclass=sa.pool.NullPool)
-    try:
-        with engine.connect() as conn:
-            return [tuple(r) for r in conn.execute(sa.text(sql))]
-    finally:
-        engine.dispose()
 
 
 def restarted_inside(gf: GpuflexCLI, cluster: pgbed.PgCluster, point: str, *args: str) -> tuple[int, str, str]:
