@@ -11,10 +11,9 @@ import pytest
 from gpuflex.config import parse_config
 from gpuflex.control import throughput
 from gpuflex.control.pool import Pool
-from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
 from gpuflex.policy.throughput import Point
-from gpuflex.states import WorkerState as W
+from tests.control.test_split import submit   # a 1:4 job, running on the simulated pool
 from tests.fakes.hosts import FakeHost, World
 
 
@@ -29,18 +28,6 @@ def sim(tmp_path):
     svc.close()
 
 
-def running(world: World, svc: JobService, tmp_path, workers: int = 4) -> tuple[int, str]:
-    job_id = svc.submit(SubmitRequest(argv=["python3", "train.py"], min_workers=1, max_workers=workers,
-                                      workdir=str(tmp_path)))
-    with svc.sessions() as s:
-        token = svc.get(s, job_id).token
-    world.jobs[token].desired = sorted(world.workers(token))
-    svc.refresh()
-    svc.refresh()
-    assert all(w.state is W.RUNNING for w in svc.job(job_id, events=False).workers)
-    return job_id, token
-
-
 def report(world: World, token: str, rate: float, when: float, **over) -> None:
     job = world.jobs[token]
     world.progress[token] = {"step": 40, "epoch": 0, "samples_per_s": rate, "time": when,
@@ -49,7 +36,7 @@ def report(world: World, token: str, rate: float, when: float, **over) -> None:
 
 def test_readings_fold_into_one_point_per_size_each_counted_once(sim, tmp_path):
     world, svc = sim
-    job_id, token = running(world, svc, tmp_path)
+    job_id, token = submit(world, svc, tmp_path)
     report(world, token, 100.0, 1000.0)
     svc.refresh()
     svc.refresh()                        # the same record read again: not a second reading
@@ -70,7 +57,7 @@ def test_readings_fold_into_one_point_per_size_each_counted_once(sim, tmp_path):
 ])
 def test_a_reading_that_is_not_of_the_generation_now_or_not_a_rate_is_left_out(sim, tmp_path, over):
     world, svc = sim
-    job_id, token = running(world, svc, tmp_path)
+    job_id, token = submit(world, svc, tmp_path)
     report(world, token, 100.0, 1000.0, **over)
     svc.refresh()
     with svc.sessions() as s:
@@ -79,7 +66,7 @@ def test_a_reading_that_is_not_of_the_generation_now_or_not_a_rate_is_left_out(s
 
 def test_the_scaling_view_says_too_few_measurements_with_one_size(sim, tmp_path):
     world, svc = sim
-    job_id, token = running(world, svc, tmp_path)
+    job_id, token = submit(world, svc, tmp_path)
     report(world, token, 100.0, 1000.0)
     svc.refresh()
     view = throughput.scaling(svc.sessions, job_id, 1, 4, 4, 2)
