@@ -28,6 +28,16 @@ import pytest
 # the call gave. Without it the width is read at each print (the calls give 200).
 os.environ.pop("COLUMNS", None)
 
+# One intra-op thread for the torch this process and its direct children run (the
+# standalone reference runs, the in-process unit tests), as a job's workers get from their
+# CPU share. With torch's default (one thread per core), OpenMP's threads spin between the
+# small ops of these tiny models, and on a loaded 2-core machine the spinning was most of
+# the CPU: the elastic example's reference run took 22 to 27 s of CPU instead of 5 to 7 s,
+# for the same parameters bit for bit. The console script does not inherit it
+# (GpuflexCLI.env): a job's workers get their share as from a user's shell.
+OMP_SET_HERE = "OMP_NUM_THREADS" not in os.environ
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from tests.tiers import fast_tier_starts_no_process, heaviest_first, mark_tiers  # noqa: F401 (an autouse fixture)
 
 FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
@@ -104,6 +114,8 @@ class GpuflexCLI:
         env = dict(os.environ)
         env["HOME"] = str(self.home)
         env.pop("GPUFLEX_CONFIG", None)
+        if OMP_SET_HERE:
+            env.pop("OMP_NUM_THREADS", None)
         if self.config is not None:
             env["GPUFLEX_CONFIG"] = str(self.config)
         env["COLUMNS"] = "200"
