@@ -9,9 +9,26 @@ import signal
 from pathlib import Path
 from typing import Iterator, Mapping, Sequence
 
+import typer.testing
 from typer.testing import CliRunner, Result
 
 from gpuflex.cli import app
+
+# typer's CliRunner builds the click command from the typer app at every invoke (~0.1 s of
+# CPU here: each command's signature read back into click parameters), which the console
+# script does once per process. Built once here, so an in-process call costs what the
+# command costs: the end-to-end tests poll `status` this way every second or half second.
+_build_command = typer.testing._get_command
+_built: dict[int, object] = {}
+
+
+def _command_built_once(typer_app):
+    if id(typer_app) not in _built:
+        _built[id(typer_app)] = _build_command(typer_app)
+    return _built[id(typer_app)]
+
+
+typer.testing._get_command = _command_built_once
 
 
 def invoke(home: Path, config: Path, *args: str) -> Result:
