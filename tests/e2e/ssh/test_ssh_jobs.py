@@ -2,8 +2,9 @@
 
 The elastic example placed across the hosts and resized 2 -> 5 -> 3 ends exactly as its
 standalone reference; cancel across hosts leaves no process; sshd stopped under a running
-job gives a per-host error and the job goes on; a host that dies (sshd and its workers
-gone) has its workers marked lost while the job finishes on the others.
+job gives a per-host error and the job goes on; a host that reboots (sshd and its workers
+gone, then sshd back) has its workers marked lost while the job goes on on the others, and
+is used again by a grow.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import pytest
 
@@ -107,20 +109,39 @@ def test_sshd_stopped_under_a_running_job(sj, ssh_hosts, home):
     assert running["generation"] == done["generation"]   # no fault: the job never lost a worker
 
 
-def test_a_host_that_dies_loses_its_workers_and_the_job_goes_on(sj, ssh_hosts, tmp_path_factory, home):
-    report = home / "r.json"
-    job = sj.submit(example_argv(report, epochs=10, sleep=0.05), "--workers", "2:5")
+def test_a_rebooted_host_loses_its_workers_the_job_goes_on_and_the_host_is_used_again(
+        sj, ssh_hosts, tmp_path_factory, home):
+    """A host "rebooted": its sshd and every process of the job there killed, sshd back once
+    the job has gone on without it. Its workers are written off (`lost`, a new generation
+    of the others), the host answers again, and a grow back to 5 places newcomers on it:
+    the other hosts' four GPUs alone cannot hold 5. The job ends exact, every sample once."""
+    report, hold = home / "r.json", home / "hold"
+    hold.touch()   # paced until the grow after the reboot is in: newcomers start slowly under load
+    job = sj.submit(example_argv(report, epochs=16, sleep=0.3, hold=hold), "--workers", "2:5")
     running = wait_for(sj, job["id"], lambda j: step_of(j) >= 5 and j["world_size"] == 5, "five workers")
     h3 = ssh_hosts.host("gpu03")
     doomed = [w for w in running["workers"] if w["host"] == "gpu03"]
-    _stop(h3.proc)                       # the host "dies": no ssh, and its processes are gone
+    _stop(h3.proc)                       # the host goes down: no ssh, and its processes are gone
     h3.proc = None
     for w in doomed:
         os.killpg(os.getpgid(w["pid"]), signal.SIGKILL)
+    down = time.monotonic()
     after = wait_for(sj, job["id"], lambda j: j["generation"] > running["generation"]
                      and all(w["state"] == "lost" for w in j["workers"] if w["host"] == "gpu03"),
                      "the job to go on without gpu03")
+    print(f"gpu03's workers written off {time.monotonic() - down:.1f} s after it went down "
+          f"(bound: heartbeat_timeout_s 3 + a poll)")
     assert after["world_size"] == 5 - len(doomed)
+    restart_sshd(ssh_hosts, h3)          # the host is back up
+    scale(sj, job["id"], 5)
+    grown = sj.json("status", str(job["id"]))
+    back = [w for w in live_members(grown) if w["host"] == "gpu03"]
+    assert len(live_members(grown)) == 5 and back, grown
+    assert not {w["wid"] for w in back} & {w["wid"] for w in doomed}   # newcomers, not the lost ones
+    hold.unlink()
     done = sj.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
-    assert_matches_reference(json.loads(report.read_text()), reference(tmp_path_factory, 10))
+    r = json.loads(report.read_text())
+    assert_matches_reference(r, reference(tmp_path_factory, 16))
+    sizes = [ws for _, _, ws in r["step_log"]]
+    assert [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws][-3:] == [5, 5 - len(doomed), 5]
