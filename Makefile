@@ -12,7 +12,7 @@ TORCH_PIN := $(VENV)/torch-pin.txt
 # apt-get update once (not once per missing package): a fresh machine has no package lists
 APT_UPDATE := test -e $(VENV)/.apt-updated || { apt-get update -qq && touch $(VENV)/.apt-updated; }
 
-.PHONY: demo test test-fast venv sshd postgresql podman prometheus chromium bench clean
+.PHONY: demo test test-fast venv sshd iptables postgresql podman prometheus chromium bench clean
 
 venv: $(VENV)/.installed
 
@@ -30,6 +30,15 @@ sshd:
 		echo "installing openssh-server for the SSH tests"; \
 		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openssh-server >/dev/null; \
 	else echo "sshd not found and not root: the SSH tests will be skipped"; fi
+
+# The partition test (tests/e2e/ssh/test_partition_ssh.py) cuts a host's job processes off with
+# iptables rules on loopback; install Debian's iptables where it is missing and we are root.
+iptables:
+	@if command -v iptables >/dev/null 2>&1 || test -x /usr/sbin/iptables; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing iptables for the partition test"; \
+		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null; \
+	else echo "iptables not found and not root: the partition test will be skipped"; fi
 
 # The PostgreSQL tests start a throw-away cluster of Debian's postgresql (tests/pgbed.py);
 # install it where it is missing and we are root (as on CI).
@@ -75,7 +84,7 @@ chromium:
 # tests whose job can end before the event they wait for fail under the load
 # (docs/testing.md). 0: in this process, one test at a time (also for -s or pdb).
 TEST_WORKERS ?= 0
-test: venv sshd postgresql podman prometheus chromium
+test: venv sshd iptables postgresql podman prometheus chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The tests that start no process or server: the markers are tests/tiers.py's.
