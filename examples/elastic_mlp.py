@@ -66,10 +66,10 @@ def main():
     for epoch in run.epochs():
         for xb, yb in loader:
             noise = 0.01 * torch.randn(run.batch.global_size, D_IN)[run.batch.slice]  # one draw per global batch
+            loss = F.mse_loss(model(xb + noise), yb)
             device_work(args, len(xb))
             opt.zero_grad()
-            for xu, yu, nu in run.accumulate(xb, yb, noise):   # the share; GPUFLEX_EXACT=bitwise: unit by unit
-                run.backward(F.mse_loss(model(xu + nu), yu))
+            run.backward(loss)
             opt.step()
             sched.step()
             if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
