@@ -160,7 +160,7 @@ class UnitGrads:
         return max((float(u.abs().max()) for u in self.units if u.numel()), default=0.0)
 
     def local_sum(self, k: int, n: int) -> torch.Tensor:
-        total = torch.zeros(n, dtype=torch.int64)
+        total = torch.zeros(n, dtype=torch.int64, device=self.params[0].device if self.params else None)
         for u in self.units:
             total += quantize(u, k)
         return total
@@ -200,15 +200,15 @@ class UnitGrads:
         k = scale_exponent(peak_value, global_units)
         total = self.local_sum(k, n)
         if vote is not None:
-            total = torch.cat([total, vote.to(torch.int64)])
+            total = torch.cat([total, vote.to(device=total.device, dtype=torch.int64)])
         if group is not None:
             total = self._all_reduce(group, total, dist.ReduceOp.SUM)
         self.set_grads(total[:n], k)
-        return total[n:] if vote is not None else None
+        return total[n:].cpu() if vote is not None else None
 
     @staticmethod
     def _all_reduce(group, t: torch.Tensor, op) -> torch.Tensor:
-        dev = t.to(group.device) if group.backend == "nccl" else t
+        dev = t.to(group.device) if group.backend == "nccl" else t.cpu()   # gloo: on the host
         if not group.call(dist.all_reduce, dev, op=op, group=group.pg):
             raise RuntimeError("a collective of the bitwise gradient sum failed")
-        return dev.cpu()
+        return dev

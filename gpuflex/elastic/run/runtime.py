@@ -17,7 +17,10 @@ boundary: the survivors report it, the coordinator publishes the next generation
 members continue from the newest state any of them holds (membership/joining.py). Before a
 step's collectives the members pass a barrier over the job store (membership/liveness.py):
 a busy member is waited for, a silent one fenced. With `shard=` the model is sharded with
-FSDP2 over each generation and resharded in place (sharding/, sharded_steps.py).
+FSDP2 over each generation and resharded in place (sharding/, sharded_steps.py). With
+`exact="bitwise"` (or GPUFLEX_EXACT=bitwise) a data-parallel run keeps the bits of a
+standalone run: `run.accumulate` yields the global batch's units and the units' gradients
+are summed as integers (data/exact.py).
 
 `ElasticRun` is this file's step loop over parts it composes (run/__init__.py lists them):
 they share one `RunContext` (context.py), and the run's public attributes are the
