@@ -44,8 +44,8 @@ def exact_mode(exact: str | None, environ: Mapping[str, str] | None = None) -> s
 def unit_size(global_batch_size: int, num_samples: int, unit: int | None,
               environ: Mapping[str, str] | None = None) -> int:
     """The samples of one unit in bitwise mode: `unit=`, else GPUFLEX_UNIT, else the global
-    batch / DEFAULT_UNITS. Refused (ValueError, one line) where the global batch, or the
-    samples of an epoch, do not divide into units."""
+    batch / DEFAULT_UNITS. Refused (ValueError, one line) where the global batch does not
+    divide into units."""
     env = os.environ if environ is None else environ
     if unit is None and env.get(UNIT):
         try:
@@ -60,10 +60,7 @@ def unit_size(global_batch_size: int, num_samples: int, unit: int | None,
     if unit < 1 or global_batch_size % unit:
         raise ValueError(f"exact='bitwise': global_batch_size {global_batch_size} does not divide into units "
                          f"of {unit} samples")
-    if num_samples % global_batch_size:
-        raise ValueError(f"exact='bitwise': num_samples {num_samples} is not a multiple of global_batch_size "
-                         f"{global_batch_size} (an epoch's last, partial batch is not cut into units)")
-    return unit
+    return unit   # an epoch's last, partial batch ends in a short unit where `unit` does not divide it
 
 
 def refuse(*, shard: object, scaler: object, batch_norm: bool, buffers: str) -> None:

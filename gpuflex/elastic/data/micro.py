@@ -123,7 +123,7 @@ class Accumulation:
                              f"{u} samples: pass unit= at most {micro_batch_size} to ElasticRun")
         total = batch.global_size if batch is not None else n
         offset, step = (batch.offset, batch.step) if batch is not None else (0, 0)
-        bounds = [(a, a + u) for a in range(0, n, u)] or [(0, 0)]
+        bounds = [(a, min(a + u, n)) for a in range(0, n, u)] or [(0, 0)]   # an epoch's last unit may be short
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         try:
             for k, (a, b) in enumerate(bounds):

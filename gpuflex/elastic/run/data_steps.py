@@ -108,7 +108,7 @@ class DataParallelSteps:
             ctx.split.meter.add(time.perf_counter() - ctx.t_step - ctx.waited, len(batch.indices))
         ctx.last_loss = loss.detach()
         world = ctx.world_size
-        units = batch.global_size // ctx.unit if batch is not None else len(self.units.units)
+        units = -(-batch.global_size // ctx.unit) if batch is not None else len(self.units.units)
         try:
             if world > 1:
                 if failpoints.ARMED: failpoints.hit("steady.collective", **ctx.where())

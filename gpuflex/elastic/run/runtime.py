@@ -120,6 +120,7 @@ class ElasticRun:
             checkpoint_interval_s=float(checkpoint_interval_s or env.checkpoint_interval_s),
             warm_up_steps=passes, track_samples=track_samples, unit=units)
         ctx.micro.unit, ctx.micro.seed = units, seed   # bitwise: run.accumulate yields the units
+        sampler.unit = units or 1                      # ... and the shares are cut at their boundaries
         self.strategy = ShardedSteps(ctx) if sharding is not None else DataParallelSteps(ctx)
         if sharding is not None:
             sharding.on_forward = self.strategy.forward_barrier
