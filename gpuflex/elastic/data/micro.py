@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from gpuflex.elastic import torch_compat
 from gpuflex.elastic.membership.collectives import Collectives
+from gpuflex.elastic.data.exact import unit_seed
 from gpuflex.elastic.data.sampler import Batch, split as even_split, split_by
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class Accumulation:
 
     def __init__(self) -> None:
         self.current: Micro | None = None
+        self.unit = 0   # bitwise mode (data/exact.py): the micro-batches are units of this many samples
+        self.seed = 0   # bitwise mode: the run's seed, of each unit's own RNG stream
 
     def split(self, tensors: Sequence[torch.Tensor], batch: Batch | None, *,
               micro_batch_size: int | None, steps: int | None,
@@ -93,7 +96,12 @@ class Accumulation:
             raise ValueError(f"run.accumulate: got {n} rows, but this rank's share of step {batch.step} "
                              f"has {len(batch.indices)} samples (pass the batch the loader gave)")
         total = batch.global_size if batch is not None else n
-        if lockstep and batch is not None and batch.world_size > 1:
+        if self.unit:
+            yield from self.units(tensors, batch, micro_batch_size)
+            return
+        if micro_batch_size is None and steps is None:   # one micro-batch: the whole share
+            bounds = [(0, n)]
+        elif lockstep and batch is not None and batch.world_size > 1:
             bounds = lockstep_bounds(batch, micro_batch_size, steps)
         else:
             bounds = micro_bounds(n, micro_batch_size, steps)
@@ -101,6 +109,28 @@ class Accumulation:
             for k, (a, b) in enumerate(bounds):
                 self.current = Micro(weight=(b - a) / total if total else 0.0, last=k == len(bounds) - 1)
                 yield tuple(t[a:b] for t in tensors)
+        finally:
+            self.current = None
+
+    def units(self, tensors: Sequence[torch.Tensor], batch: Batch | None,
+              micro_batch_size: int | None) -> Iterator[tuple[torch.Tensor, ...]]:
+        """Bitwise mode: the share's units, each its own micro-batch (the same shapes on any
+        member), each under its own RNG stream seeded by (step, the unit's place in the
+        global batch); the RNG outside the units is left as it was."""
+        u, n = self.unit, len(tensors[0])
+        if micro_batch_size is not None and micro_batch_size < u:
+            raise ValueError(f"run.accumulate(micro_batch_size={micro_batch_size}) is below the bitwise unit of "
+                             f"{u} samples: pass unit= at most {micro_batch_size} to ElasticRun")
+        total = batch.global_size if batch is not None else n
+        offset, step = (batch.offset, batch.step) if batch is not None else (0, 0)
+        bounds = [(a, min(a + u, n)) for a in range(0, n, u)] or [(0, 0)]   # an epoch's last unit may be short
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        try:
+            for k, (a, b) in enumerate(bounds):
+                self.current = Micro(weight=(b - a) / total if total else 0.0, last=k == len(bounds) - 1)
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(unit_seed(self.seed, step, (offset + a) // u))
+                    yield tuple(t[a:b] for t in tensors)
         finally:
             self.current = None
 

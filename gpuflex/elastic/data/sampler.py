@@ -62,6 +62,17 @@ def split_by(shares: tuple[int, ...], total: int, rank: int, world: int, full: i
     return sum(cut[:rank]), cut[rank]
 
 
+def split_units(shares: tuple[int, ...], total: int, rank: int, world: int, unit: int) -> tuple[int, int]:
+    """(offset, length) of rank's share of a global batch of `total` samples cut into units of
+    `unit` (the last one short where `unit` does not divide `total`), under a plan's `shares`
+    (whole units of a full batch): the plan's units rescaled to this batch's, in units."""
+    if len(shares) != world or min(shares) < 0 or any(n % unit for n in shares):
+        raise ValueError(f"shares {shares} are not whole units of {unit} over {world} ranks")
+    cut = rescale([n // unit for n in shares], -(-total // unit))
+    start = sum(cut[:rank]) * unit
+    return min(start, total), max(0, min(start + cut[rank] * unit, total) - start)
+
+
 class ElasticSampler:
     """Global batches of `num_samples` samples, for `epochs` epochs or, in step mode, for
     `steps` global steps (exactly one of the two): a step count crosses epochs as needed,
@@ -86,6 +97,7 @@ class ElasticSampler:
         self.total_steps = spe * epochs if epochs is not None else steps
         self.epochs = -(-self.total_steps // spe)   # the epochs begun, the last one maybe partial
         self.seed = seed
+        self.unit = 1   # bitwise mode (data/exact.py): shares are cut at unit boundaries
         self._perm_epoch = -1
         self._perm: torch.Tensor | None = None
 
@@ -112,6 +124,8 @@ class ElasticSampler:
         epoch, k, ids = self.global_batch(step)
         if shares is None:
             offset, length = split(len(ids), world, rank)
+        elif self.unit > 1:   # bitwise mode: whole units; an epoch's last batch may end in a short one
+            offset, length = split_units(shares, len(ids), rank, world, self.unit)
         else:
             offset, length = split_by(shares, len(ids), rank, world, self.global_batch_size)
         return Batch(epoch=epoch, step=step, step_in_epoch=k, indices=ids[offset:offset + length],

@@ -98,8 +98,10 @@ class SplitPlan:
     rank's local part (mode, hint, meter, the generation last exchanged in)."""
 
     def __init__(self, global_batch_size: int, split: str | None = None,
-                 environ: Mapping[str, str] | None = None, least: int = 1, empty_ok: bool = False) -> None:
+                 environ: Mapping[str, str] | None = None, least: int = 1, empty_ok: bool = False,
+                 unit: int = 1) -> None:
         env = os.environ if environ is None else environ
+        self.unit = unit   # every share is a whole number of units (bitwise mode; else 1 sample)
         self.mode = split_mode(split, env)
         self.least = least   # the smallest share a speed split gives a member (BatchNorm: 2)
         self.empty_ok = empty_ok   # the script takes an empty batch: a share below `least` may become 0
@@ -134,7 +136,11 @@ class SplitPlan:
     def shares_for(self, world: int) -> tuple[int, ...] | None:
         """The shares of a full global batch, by rank, for a step at this world size (None:
         no plan for it yet, the even split)."""
-        return tuple(self.shares) if len(self.shares) == world else None
+        if len(self.shares) == world:
+            return tuple(self.shares)
+        if self.unit > 1:   # no plan yet: the even split, in whole units
+            return tuple(n * self.unit for n in even_shares(world, self.global_batch_size // self.unit))
+        return None
 
     def due(self, step: int, generation: int) -> bool:
         """Whether the members exchange their measurements at the top of this step."""
@@ -157,9 +163,11 @@ class SplitPlan:
         measured = [self.speeds.get(str(w), 0.0) for w in wids]
         est = estimates(measured, [r[2] for r in rows])
         self._mark_stragglers(wids, measured, now)
-        b = self.global_batch_size
-        even = even_shares(len(wids), b)
-        new = speed_shares(est, b, wids, self.least, self.empty_ok) if self.mode == "speed" else even
+        u = self.unit   # shares are planned in units, then counted in samples
+        b = self.global_batch_size // u
+        even = [n * u for n in even_shares(len(wids), b)]
+        new = [n * u for n in speed_shares(est, b, wids, -(-self.least // u), self.empty_ok)] \
+            if self.mode == "speed" else even
         if wids != self.members:
             new = new if worth_replanning(even, new, est) else even   # speeds must earn an uneven split
             reason = "membership" if self.members else "start"

@@ -46,6 +46,9 @@ RESTART_COUNT = "GPUFLEX_RESTART_COUNT"      # the job's relaunches so far (jobs
 SPLIT = "GPUFLEX_SPLIT"                         # speed | even: how the global batch is divided
 SPEED_HINT = "GPUFLEX_SPEED_HINT"               # its first guess of its relative speed
 STRAGGLER_FACTOR = "GPUFLEX_STRAGGLER_FACTOR"   # slower than the median by this: a straggler
+EXACT = "GPUFLEX_EXACT"                         # allclose | bitwise: ElasticRun(exact=) for an unchanged script
+UNIT = "GPUFLEX_UNIT"                           # bitwise mode: samples per unit (ElasticRun(unit=))
+EXACT_THREADS = "GPUFLEX_EXACT_THREADS"         # bitwise mode: intra-op threads (default 1)
 # Tuning knobs a user may set in a job's environment (read by gpuflex.elastic.data.gradients).
 DIRECT_BYTES = "GPUFLEX_DIRECT_BYTES"
 EXCHANGE_BYTES = "GPUFLEX_EXCHANGE_BYTES"

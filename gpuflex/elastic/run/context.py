@@ -68,6 +68,7 @@ class RunContext:
     checkpoint_interval_s: float
     warm_up_steps: int
     track_samples: bool
+    unit: int = 0   # exact="bitwise": samples per unit (data/exact.py); 0: the default mode
     agreement: Agreement = field(init=False)
     progress: Progress = field(init=False)
 

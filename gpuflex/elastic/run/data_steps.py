@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from gpuflex.elastic.data.exact import UnitGrads
 from gpuflex.elastic.data.gradients import GradPlan, drop_grads
 from gpuflex.elastic.data.micro import share
 from gpuflex.elastic.membership.collectives import backward
@@ -40,12 +41,15 @@ class DataParallelSteps:
         self.ctx = ctx
         self.grad_plan: GradPlan | None = None   # made at start-up under gpuflex, else at the first reduce
         self.overlap = False   # the process's first backward is not overlapped (it may compile)
+        self.units: UnitGrads | None = None   # bitwise mode: this step's units (data/exact.py)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this rank's *mean* loss over its share, weighted by the share's part
         of the global batch, then the gradients summed over the members: exactly the
         full-batch mean gradient, at any world size (as DDP's average is at a fixed one)."""
         ctx = self.ctx
+        if ctx.unit:
+            return self.bitwise_backward(loss)
         batch, micro = ctx.batch, ctx.micro.take()
         if ctx.micro.backward_before_last(loss):   # accumulating: the last micro-batch reduces
             return
@@ -80,6 +84,50 @@ class DataParallelSteps:
                 drop_grads(ctx.model)
                 ctx.store_lost = e
 
+    def bitwise_backward(self, loss: torch.Tensor) -> None:
+        """exact="bitwise" (data/exact.py): one unit's backward, its gradient kept; after the
+        rank's last unit, the exact integer sum over every unit of every member, with the
+        boundary's vote at its end."""
+        ctx = self.ctx
+        batch, micro = ctx.batch, ctx.micro.take()
+        if micro is None and batch is not None and len(batch.indices) > ctx.unit:
+            raise ValueError(f"exact='bitwise': run.backward got the loss of {len(batch.indices)} samples, more "
+                             f"than one unit ({ctx.unit}); loop over the units: for xb, yb in "
+                             "run.accumulate(x, y): run.backward(loss_fn(model(xb), yb))")
+        weight, last = (share(batch), True) if micro is None else (micro.weight, micro.last)
+        if ctx.warming_up:
+            return warm_up_backward(ctx, loss)
+        if self.units is None:
+            self.units = UnitGrads([p for p in ctx.model.parameters() if p.requires_grad])
+        if batch is None or len(batch.indices) > 0:   # a member with no samples adds no unit
+            (loss * weight).backward()
+            self.units.take()
+        if not last:
+            return
+        if batch is not None:
+            ctx.split.meter.add(time.perf_counter() - ctx.t_step - ctx.waited, len(batch.indices))
+        ctx.last_loss = loss.detach()
+        world = ctx.world_size
+        units = -(-batch.global_size // ctx.unit) if batch is not None else len(self.units.units)
+        try:
+            if world > 1:
+                if failpoints.ARMED: failpoints.hit("steady.collective", **ctx.where())
+                if not ctx.cross("backward") or ctx.group.failure is not None:
+                    raise RuntimeError("the step barrier failed")
+            summed = self.units.reduce(ctx.group if world > 1 else None, units,
+                                       ctx.agreement.build(done_step=True) if world > 1 else None)
+        except StoreLost as e:   # raised at the boundary, where the runtime exits cleanly
+            self.units.units = []
+            drop_grads(ctx.model)
+            ctx.store_lost = e
+            return
+        except RuntimeError:   # noted by the group: the boundary undoes the step
+            self.units.units = []
+            drop_grads(ctx.model)
+            return
+        if summed is not None:
+            ctx.agreement.summed(summed)
+
     def make_grad_plan(self) -> GradPlan:
         ctx = self.ctx
         return GradPlan(ctx.model, ctx.group, ctx.agreement, ctx.sampler.num_samples)
@@ -87,7 +135,7 @@ class DataParallelSteps:
     def prepare(self) -> None:
         """At start-up under gpuflex: the gradient buffer (and hooks) made and touched, so a
         first step does not pay for them."""
-        if any(p.requires_grad for p in self.ctx.model.parameters()):
+        if not self.ctx.unit and any(p.requires_grad for p in self.ctx.model.parameters()):
             self.grad_plan = self.make_grad_plan()
             self.grad_plan.flat.zero_()
 
@@ -95,6 +143,8 @@ class DataParallelSteps:
         """The boundary's vote rode this step's gradient all-reduce (its barrier was crossed
         and the plan fuses the vote into it)."""
         ctx = self.ctx
+        if ctx.unit:   # bitwise: the vote rode the integer sum when it arrived with it
+            return ctx.agreement.held
         return ctx.crossed == (ctx.generation, ctx.state.step, "backward") and self.grad_plan.fuse
 
     def vote_rides_barrier(self) -> bool:

@@ -17,7 +17,10 @@ boundary: the survivors report it, the coordinator publishes the next generation
 members continue from the newest state any of them holds (membership/joining.py). Before a
 step's collectives the members pass a barrier over the job store (membership/liveness.py):
 a busy member is waited for, a silent one fenced. With `shard=` the model is sharded with
-FSDP2 over each generation and resharded in place (sharding/, sharded_steps.py).
+FSDP2 over each generation and resharded in place (sharding/, sharded_steps.py). With
+`exact="bitwise"` (or GPUFLEX_EXACT=bitwise) a data-parallel run keeps the bits of a
+standalone run: `run.accumulate` yields the global batch's units and the units' gradients
+are summed as integers (data/exact.py).
 
 `ElasticRun` is this file's step loop over parts it composes (run/__init__.py lists them):
 they share one `RunContext` (context.py), and the run's public attributes are the
@@ -35,6 +38,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from gpuflex.elastic.data.exact import bitwise_units
 from gpuflex.elastic.data.loader import ElasticLoader, Prefetcher
 from gpuflex.elastic.data.micro import Accumulation, has_batch_norm, warm_up_steps
 from gpuflex.elastic.data.sampler import Batch, ElasticSampler
@@ -82,7 +86,10 @@ class ElasticRun:
                  extra: dict[str, Any] | None = None, buffers: str = "broadcast",
                  warm_up: int | None = None, track_samples: bool = False,
                  checkpoint_dir: str | None = None, checkpoint_interval_s: float | None = None,
-                 split: str | None = None, shard: Any = None, empty_batches: bool = False) -> None:
+                 split: str | None = None, shard: Any = None, empty_batches: bool = False,
+                 exact: str | None = None, unit: int | None = None) -> None:
+        units = bitwise_units(has_batch_norm(model), num_samples, global_batch_size, exact, unit, shard=shard, scaler=scaler,
+                              buffers=buffers)   # 0: the default mode; checked before anything starts
         device = pick_device()
         sharding = None   # shard=: FSDP2 over each generation; optimizer (and scheduler) are factories
         if shard is not None:
@@ -90,7 +97,8 @@ class ElasticRun:
         sampler = ElasticSampler(num_samples, global_batch_size, epochs=epochs, steps=steps, seed=seed)
         plan = SplitPlan(global_batch_size, split,   # "speed" | "even"; None: GPUFLEX_SPLIT, else "speed"
                          least=2 if has_batch_norm(model) else 1,   # every member gets this many samples,
-                         empty_ok=empty_batches)                   # or 0 where the script takes an empty batch
+                         empty_ok=empty_batches,                   # or 0 where the script takes an empty batch
+                         unit=units or 1)                          # bitwise: whole units
         heavy = sharding is None   # a sharded run's model and optimizer state move as shards only
         registry = Registry.of(model=model if heavy else None, optimizer=optimizer if heavy else None,
                                scheduler=scheduler, scaler=scaler, extra=extra)
@@ -110,7 +118,9 @@ class ElasticRun:
             sampler=sampler, split=plan, registry=registry, group=group, buffers=buffer_sync, state=state,
             signals=StepSignals(), micro=Accumulation(), checkpoint_dir=checkpoint_dir,
             checkpoint_interval_s=float(checkpoint_interval_s or env.checkpoint_interval_s),
-            warm_up_steps=passes, track_samples=track_samples)
+            warm_up_steps=passes, track_samples=track_samples, unit=units)
+        ctx.micro.unit, ctx.micro.seed = units, seed   # bitwise: run.accumulate yields the units
+        sampler.unit = units or 1                      # ... and the shares are cut at their boundaries
         self.strategy = ShardedSteps(ctx) if sharding is not None else DataParallelSteps(ctx)
         if sharding is not None:
             sharding.on_forward = self.strategy.forward_barrier

@@ -1,0 +1,211 @@
+"""`exact="bitwise"`: gradients whose bits do not depend on the world size, the split or
+the order the members' parts arrive in.
+
+The global batch is cut into units of `unit` samples; every member's share is a whole
+number of units, and each unit's forward and backward is its own (`run.accumulate` yields
+the units), so a unit's gradient has the same bits whichever member computes it. The sum
+over the units is then made exact: each unit's gradient is turned into int64 fixed point
+at a power-of-two scale 2**k that every member agrees on (one MAX all-reduce of the
+members' largest |gradient|; k leaves room for the sum of every unit of the global batch,
+so nothing overflows), the member's units are added as integers, the members' sums are
+all-reduced as integers, and the one integer sum is turned back into floats the same way
+on every member. Integer addition is associative, so any grouping of the units over the
+members, and a member alone, gives the same integers, hence the same float bits.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from gpuflex.elastic.protocol.env import EXACT, EXACT_THREADS, UNIT
+
+MODES = ("allclose", "bitwise")
+DEFAULT_UNITS = 8      # unit= defaults to the global batch / 8 (so up to 8 members get work)
+INT_BITS = 62          # the integer sum of every unit stays below 2**62: int64 with room to spare
+DEFAULT_THREADS = 1    # intra-op threads in bitwise mode (GPUFLEX_EXACT_THREADS): a reduction
+# split over threads adds in an order that depends on their count, so it is fixed per run
+
+
+def exact_mode(exact: str | None, environ: Mapping[str, str] | None = None) -> str:
+    """`ElasticRun(exact=...)`: as given, else GPUFLEX_EXACT, else "allclose"."""
+    env = os.environ if environ is None else environ
+    mode = exact if exact is not None else (env.get(EXACT) or "allclose")
+    if mode not in MODES:
+        where = "exact" if exact is not None else EXACT
+        raise ValueError(f"{where} must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def unit_size(global_batch_size: int, num_samples: int, unit: int | None,
+              environ: Mapping[str, str] | None = None) -> int:
+    """The samples of one unit in bitwise mode: `unit=`, else GPUFLEX_UNIT, else the global
+    batch / DEFAULT_UNITS. Refused (ValueError, one line) where the global batch does not
+    divide into units."""
+    env = os.environ if environ is None else environ
+    if unit is None and env.get(UNIT):
+        try:
+            unit = int(env[UNIT])
+        except ValueError:
+            raise ValueError(f"{UNIT} must be a whole number of samples, got {env[UNIT]!r}") from None
+    if unit is None:
+        if global_batch_size % DEFAULT_UNITS:
+            raise ValueError(f"exact='bitwise': global_batch_size {global_batch_size} is not a multiple of "
+                             f"{DEFAULT_UNITS}; give unit= (samples per unit) dividing it")
+        unit = global_batch_size // DEFAULT_UNITS
+    if unit < 1 or global_batch_size % unit:
+        raise ValueError(f"exact='bitwise': global_batch_size {global_batch_size} does not divide into units "
+                         f"of {unit} samples")
+    return unit   # an epoch's last, partial batch ends in a short unit where `unit` does not divide it
+
+
+def refuse(*, shard: object, scaler: object, batch_norm: bool, buffers: str) -> None:
+    """What bitwise mode does not cover yet, refused at construction with one line."""
+    if shard is not None:
+        raise ValueError("exact='bitwise' with shard= is not supported: FSDP's reduce-scatter sums in "
+                         "floats in an order set by the world size")
+    if scaler is not None:
+        raise ValueError("exact='bitwise' with a loss scaler (scaler=) is not supported: drop the scaler "
+                         "(float32 or bfloat16 autocast need none)")
+    if batch_norm:
+        raise ValueError("exact='bitwise' with BatchNorm is not supported: its running statistics would "
+                         "depend on which units each member ran")
+    if buffers != "broadcast":
+        raise ValueError(f"exact='bitwise' with buffers={buffers!r} is not supported: averaged buffers "
+                         "depend on the split; use buffers='broadcast'")
+
+
+def bitwise_units(batch_norm: bool, num_samples: int, global_batch_size: int, exact: str | None,
+                  unit: int | None, *, shard: object, scaler: object, buffers: str) -> int:
+    """ElasticRun's exact= and unit=: 0 in the default mode; in bitwise mode the unit's
+    samples, once what it does not cover is refused and the threads are pinned."""
+    if exact_mode(exact) != "bitwise":
+        if unit is not None:
+            raise ValueError("unit= is for exact='bitwise' (the default mode has no units)")
+        return 0
+    refuse(shard=shard, scaler=scaler, batch_norm=batch_norm, buffers=buffers)
+    units = unit_size(global_batch_size, num_samples, unit)
+    pin_threads()
+    return units
+
+
+def pin_threads(environ: Mapping[str, str] | None = None) -> int:
+    """Fix the intra-op threads for the run (a float reduction's order depends on their
+    count) and ask torch for deterministic kernels; returns the thread count."""
+    env = os.environ if environ is None else environ
+    raw = env.get(EXACT_THREADS)
+    try:
+        threads = int(raw) if raw else DEFAULT_THREADS
+    except ValueError:
+        raise ValueError(f"{EXACT_THREADS} must be a whole number of threads, got {raw!r}") from None
+    if threads < 1:
+        raise ValueError(f"{EXACT_THREADS} must be at least 1, got {threads}")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS' deterministic mode
+    torch.set_num_threads(threads)
+    torch.use_deterministic_algorithms(True)
+    return threads
+
+
+def unit_seed(seed: int, step: int, unit: int) -> int:
+    """The seed of a unit's own RNG stream (dropout and the like): a function of the step
+    and the unit's place in the global batch only, never of the member that runs it."""
+    return (seed * 1_000_003 + step) * 65_537 + unit
+
+
+def scale_exponent(max_abs: float, units: int) -> int:
+    """k such that round(g x 2**k) summed over `units` units, each |g| <= max_abs, stays
+    below 2**INT_BITS: max_abs < 2**e, units <= 2**b, so each term is at most 2**(62-b)."""
+    if max_abs == 0.0:
+        return 0
+    e = math.frexp(max_abs)[1]               # max_abs < 2**e
+    b = max(units - 1, 0).bit_length()       # units <= 2**b
+    return max(-1000, min(1000, INT_BITS - b - e))   # 2.0**k stays a finite float64
+
+
+def quantize(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """int64 fixed point of `flat` at scale 2**k (exact scaling in float64, then one
+    rounding, half to even: a function of the values and k alone)."""
+    return torch.round(flat.to(torch.float64) * (2.0 ** k)).to(torch.int64)
+
+
+def dequantize(total: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float gradient of an int64 sum: the same rounding on every member."""
+    return (total.to(torch.float64) * (2.0 ** -k)).to(dtype)
+
+
+class UnitGrads:
+    """One step's units of this member: each unit's gradient, flattened, kept until the
+    step's last unit; then the scale is agreed and the integer sum made (`reduce`)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.units: list[torch.Tensor] = []
+
+    def take(self) -> None:
+        """After one unit's backward: keep its gradient, and clear `.grad` for the next unit
+        (whose backward must start from nothing, not add to this one)."""
+        flats = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
+        self.units.append(torch.cat(flats) if flats else torch.zeros(0))
+        for p in self.params:
+            p.grad = None
+
+    def local_max(self) -> float:
+        return max((float(u.abs().max()) for u in self.units if u.numel()), default=0.0)
+
+    def local_sum(self, k: int, n: int) -> torch.Tensor:
+        total = torch.zeros(n, dtype=torch.int64, device=self.params[0].device if self.params else None)
+        for u in self.units:
+            total += quantize(u, k)
+        return total
+
+    def size(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    def set_grads(self, total: torch.Tensor, k: int) -> None:
+        """The summed integers back into every parameter's `.grad`."""
+        off = 0
+        for p in self.params:
+            p.grad = dequantize(total[off:off + p.numel()], k, p.dtype).view_as(p).to(p.device)
+            off += p.numel()
+        self.units = []
+
+    def set_nan(self) -> None:
+        """A non-finite gradient somewhere: every gradient is NaN, on every member alike."""
+        for p in self.params:
+            p.grad = torch.full_like(p, float("nan"))
+        self.units = []
+
+    def reduce(self, group, global_units: int, vote: torch.Tensor | None) -> torch.Tensor | None:
+        """Sum this step's units over the members (`group`, None alone): the MAX all-reduce
+        of the largest |gradient|, the scale from it, the int64 sums all-reduced with the
+        boundary's `vote` (int64) at their end. Returns the summed vote (None without one);
+        raises RuntimeError where a collective failed (the caller drops the gradients)."""
+        n = self.size()
+        peak = torch.tensor([self.local_max()], dtype=torch.float64)
+        if group is not None:
+            peak = self._all_reduce(group, peak, dist.ReduceOp.MAX)
+        peak_value = float(peak[0])
+        if not math.isfinite(peak_value):
+            self.set_nan()
+            if vote is not None and group is not None:
+                vote = self._all_reduce(group, vote, dist.ReduceOp.SUM)
+            return vote
+        k = scale_exponent(peak_value, global_units)
+        total = self.local_sum(k, n)
+        if vote is not None:
+            total = torch.cat([total, vote.to(device=total.device, dtype=torch.int64)])
+        if group is not None:
+            total = self._all_reduce(group, total, dist.ReduceOp.SUM)
+        self.set_grads(total[:n], k)
+        return total[n:].cpu() if vote is not None else None
+
+    @staticmethod
+    def _all_reduce(group, t: torch.Tensor, op) -> torch.Tensor:
+        dev = t.to(group.device) if group.backend == "nccl" else t.cpu()   # gloo: on the host
+        if not group.call(dist.all_reduce, dev, op=op, group=group.pg):
+            raise RuntimeError("a collective of the bitwise gradient sum failed")
+        return dev

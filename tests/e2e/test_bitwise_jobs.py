@@ -1,0 +1,110 @@
+"""Issue 31 end to end: the elastic MLP in bitwise mode (examples/bitwise_mlp.py) on the
+local pool, grown to 3 workers, re-split by speed (the worker on slot 0 three times slower),
+a fast member killed with SIGKILL, shrunk to 1 and grown to 2, ends with the very bits of a
+standalone run of the same script: parameters and momentum, torch.equal, every sample of
+every epoch once. (tests/e2e/test_elastic_jobs.py's first test shows that the default mode,
+under resizes, does not keep the bits; tests/elastic/data/test_exact.py shows why.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests import REPO
+from tests.conftest import wait_for
+from tests.e2e.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, ej,  # noqa: F401
+                                         live_members, scale, step_of)
+from tests.e2e.test_hetero_split import favours_the_fast
+
+pytestmark = pytest.mark.e2e   # a job of real workers and a coordinator
+
+BITWISE = str(REPO / "examples" / "bitwise_mlp.py")
+ARGS = ["--hidden", "32", "--global-batch-size", "64", "--seed", "3"]
+EPOCHS = 8   # 256 steps of 8 units of 8 samples
+
+
+def test_bitwise_job_resized_killed_and_re_split_has_the_bits_of_the_standalone_run(ej, tmp_path, home):
+    report, hold = home / "r.json", home / "hold"
+    hold.touch()   # paced while the test resizes it, then at full speed
+    job = ej.submit([sys.executable, BITWISE, *ARGS, "--epochs", str(EPOCHS), "--step-sleep", "0.3",
+                     "--sleep-while", str(hold), "--device-work-s", "0.002", "--slow-slots", "0=3",
+                     "--report", str(report)], "--workers", "1:3")
+    scale(ej, job["id"], 3)
+    planned = wait_for(ej, job["id"], lambda j: favours_the_fast(j.get("progress")), "a re-plan by speed")
+    shares = [w["share"] for w in planned["progress"]["workers"].values()]
+    assert all(n % 8 == 0 for n in shares) and sum(shares) == 64   # whole units
+    fast = [w for w in live_members(planned)
+            if planned["progress"]["workers"][str(w["wid"])]["relative"] > 0.6]
+    victim = fast[-1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    after = wait_for(ej, job["id"], lambda j: j["generation"] > planned["generation"] and j["state"] == "running"
+                     and j["world_size"] == 2 and step_of(j) > step_of(planned), "recovery without the victim")
+    scale(ej, job["id"], 1)
+    alone = wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(after) + 5 and j["world_size"] == 1,
+                     "steps at world size 1")
+    scale(ej, job["id"], 2)
+    wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(alone) + 5 and j["world_size"] == 2,
+             "steps at world size 2")
+    hold.unlink()
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    r = json.loads(report.read_text())
+    sizes = [ws for _, _, ws in r["step_log"]]
+    order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
+    assert order[-4:] == [3, 2, 1, 2], order
+
+    ref_path = tmp_path / "ref.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
+    subprocess.run([sys.executable, BITWISE, *ARGS, "--epochs", str(EPOCHS), "--report", str(ref_path)],
+                   check=True, env=env, timeout=300)
+    ref = json.loads(ref_path.read_text())
+    assert_matches_reference(r, ref)   # the steps, every sample once
+    assert torch.equal(torch.tensor(r["params"]), torch.tensor(ref["params"]))
+    assert r["params_sha256"] == ref["params_sha256"]
+    assert r["optimizer_sha256"] == ref["optimizer_sha256"]
+    assert done["workers"] and {w["wid"]: w for w in done["workers"]}[victim["wid"]]["exit_code"] == -9
+
+
+LM = str(REPO / "examples" / "transformer_lm" / "elastic.py")
+# unchanged, with GPUFLEX_EXACT=bitwise: AdamW, clipping, dropout (each unit's own RNG
+# stream), micro-batches of 4 that become units of 3
+LM_ARGS = ["--steps", "100", "--global-batch-size", "24", "--micro-batch-size", "4", "--eval-interval", "40",
+           "--dropout", "0.1", "--seed", "1"]
+
+
+def test_the_transformer_lm_unchanged_in_bitwise_mode_resized_and_killed_has_the_standalone_bits(
+        ej, tmp_path, home):
+    report = home / "lm.json"
+    job = ej.submit([sys.executable, LM, *LM_ARGS, "--step-sleep", "0.6", "--report", str(report)],
+                    "--workers", "1:3", "--env", "GPUFLEX_EXACT=bitwise")
+    scale(ej, job["id"], 3)
+    three = wait_for(ej, job["id"], lambda j: step_of(j) >= 3 and j["world_size"] == 3, "steps at world size 3")
+    victim = live_members(three)[-1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    after = wait_for(ej, job["id"], lambda j: j["generation"] > three["generation"] and j["state"] == "running"
+                     and j["world_size"] == 2, "recovery without the victim")
+    scale(ej, job["id"], 1)
+    scale(ej, job["id"], 2)
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    r = json.loads(report.read_text())
+    sizes = [ws for _, _, ws in r["step_log"]]
+    order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
+    assert order[-4:] == [3, 2, 1, 2], order
+    assert [s for s, _, _ in r["step_log"]] == list(range(100)) and step_of(after) < 100
+
+    ref_path = tmp_path / "lm_ref.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
+    subprocess.run([sys.executable, LM, *LM_ARGS, "--report", str(ref_path)], check=True, timeout=600,
+                   env={**env, "GPUFLEX_EXACT": "bitwise"})
+    ref = json.loads(ref_path.read_text())
+    assert torch.equal(torch.tensor(r["params"]), torch.tensor(ref["params"]))
+    assert r["params_sha256"] == ref["params_sha256"] and r["evals"] == ref["evals"]
+    assert r["best_val_loss"] == ref["best_val_loss"]
+    assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)   # run.global_mean: a float sum, not exact
