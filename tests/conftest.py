@@ -28,7 +28,8 @@ import pytest
 # the call gave. Without it the width is read at each print (the calls give 200).
 os.environ.pop("COLUMNS", None)
 
-from tests.tiers import fast_tier_starts_no_process, heaviest_first, mark_tiers  # noqa: F401 (an autouse fixture)
+from tests import schema_template as schema_template_mod
+from tests.tiers import file_key, fast_tier_starts_no_process, heaviest_first, mark_tiers  # noqa: F401 (an autouse fixture)
 
 FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
 # generous: a job launch starts a coordinator that imports torch, on a busy 2-core box
@@ -306,6 +307,25 @@ def gpuflex_logger_restored():
     logger.setLevel(level)
     logger.handlers[:] = handlers
     logger.propagate = propagate
+
+
+@pytest.fixture(scope="session")
+def schema_template(tmp_path_factory):
+    """The session's template database (tests/schema_template.py), migrated on first use."""
+    from alembic import command
+
+    return schema_template_mod.Template(command.upgrade, tmp_path_factory.mktemp("schema-template"))
+
+
+@pytest.fixture(autouse=True)
+def migrated_once(request, monkeypatch):
+    """A new SQLite database of this process gets the template's schema instead of running
+    every migration again (tests/schema_template.py), except in REAL_MIGRATIONS' files."""
+    if file_key(request.node.path).startswith(schema_template_mod.REAL_MIGRATIONS):
+        return
+    from alembic import command
+
+    monkeypatch.setattr(command, "upgrade", request.getfixturevalue("schema_template").upgrade)
 
 
 @pytest.fixture(scope="session")
