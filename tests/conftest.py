@@ -313,8 +313,10 @@ def gpuflex_logger_restored():
 def schema_template(tmp_path_factory):
     """The session's template database (tests/schema_template.py), migrated on first use."""
     from alembic import command
+    from alembic.script import ScriptDirectory
 
-    return schema_template_mod.Template(command.upgrade, tmp_path_factory.mktemp("schema-template"))
+    return schema_template_mod.Template(command.upgrade, tmp_path_factory.mktemp("schema-template"),
+                                        ScriptDirectory.from_config)
 
 
 @pytest.fixture(autouse=True)
@@ -324,8 +326,11 @@ def migrated_once(request, monkeypatch):
     if file_key(request.node.path).startswith(schema_template_mod.REAL_MIGRATIONS):
         return
     from alembic import command
+    from alembic.script import ScriptDirectory
 
-    monkeypatch.setattr(command, "upgrade", request.getfixturevalue("schema_template").upgrade)
+    template = request.getfixturevalue("schema_template")
+    monkeypatch.setattr(command, "upgrade", template.upgrade)
+    monkeypatch.setattr(ScriptDirectory, "from_config", template.script_directory)
 
 
 @pytest.fixture(scope="session")

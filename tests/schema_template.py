@@ -8,7 +8,7 @@ of CPU on the idle 2-core machine, ~1 s on a loaded one, for each such test, the
 share of the fast tier's time.
 
 Only Alembic's `command.upgrade(config, "head")` on a SQLite database that holds no table
-yet is replaced. Everything of gpuflex's runs as it does for a user: the CLI, JobService,
+yet is replaced, and Alembic's reading of the scripts is done once per session. Everything of gpuflex's runs as it does for a user: the CLI, JobService,
 `gpuflex.db.engine.upgrade` with its lock and its reads of the revision, and the engine the
 migration runs on (its BEGIN IMMEDIATE, foreign keys off). The migrations themselves are
 run for real where they are the subject, in the files REAL_MIGRATIONS names, and in every
@@ -71,10 +71,12 @@ class Template:
     (the engine of `config.attributes["engine"]`); anything else goes to `real`. The
     template is migrated, by `real`, on the first call that needs it, in `directory`."""
 
-    def __init__(self, real, directory: Path) -> None:
+    def __init__(self, real, directory: Path, real_scripts=None) -> None:
         self.real = real
         self.directory = directory
         self.building = False
+        self.real_scripts = real_scripts
+        self.scripts: dict[str, object] = {}
 
     @functools.cached_property
     def schema(self) -> Schema:
@@ -91,6 +93,15 @@ class Template:
         finally:
             self.building = False
             engine.dispose()
+
+    def script_directory(self, config):
+        """A stand-in for alembic's ScriptDirectory.from_config: the scripts of a location read
+        once per session (`gpuflex.db.engine.head_revision` read and compiled all 16 of them
+        twice per new database; they do not change while the tests run)."""
+        location = config.get_main_option("script_location")
+        if location not in self.scripts:
+            self.scripts[location] = self.real_scripts(config)
+        return self.scripts[location]
 
     def upgrade(self, config, revision: str, *args, **kwargs) -> None:
         engine = config.attributes.get("engine")
