@@ -309,6 +309,22 @@ def gpuflex_logger_restored():
     logger.propagate = propagate
 
 
+@pytest.fixture(autouse=True, scope="session")
+def cli_built_once():
+    """Every in-process CLI call (typer's CliRunner, here and in the tests' own modules)
+    reuses the click command built from the app (tests/clirun.py, `built_command`)."""
+    import typer.testing
+
+    def built(typer_app):
+        from tests import clirun   # here: importing it imports gpuflex.cli
+
+        return clirun.built_command(typer_app)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(typer.testing, "_get_command", built)
+        yield
+
+
 @pytest.fixture(scope="session")
 def schema_template(tmp_path_factory):
     """The session's template database (tests/schema_template.py), migrated on first use."""
