@@ -38,7 +38,8 @@ os.environ.pop("COLUMNS", None)
 OMP_SET_HERE = "OMP_NUM_THREADS" not in os.environ
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from tests.tiers import fast_tier_starts_no_process, heaviest_first, mark_tiers  # noqa: F401 (an autouse fixture)
+from tests import schema_template as schema_template_mod
+from tests.tiers import file_key, fast_tier_starts_no_process, heaviest_first, mark_tiers  # noqa: F401 (an autouse fixture)
 
 FINAL_STATES = {"succeeded", "failed", "cancelled", "timeout"}
 # generous: a job launch starts a coordinator that imports torch, on a busy 2-core box
@@ -318,6 +319,46 @@ def gpuflex_logger_restored():
     logger.setLevel(level)
     logger.handlers[:] = handlers
     logger.propagate = propagate
+
+
+@pytest.fixture(autouse=True, scope="session")
+def cli_built_once():
+    """Every in-process CLI call (typer's CliRunner, here and in the tests' own modules)
+    reuses the click command built from the app (tests/clirun.py, `built_command`)."""
+    import typer.testing
+
+    def built(typer_app):
+        from tests import clirun   # here: importing it imports gpuflex.cli
+
+        return clirun.built_command(typer_app)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(typer.testing, "_get_command", built)
+        yield
+
+
+@pytest.fixture(scope="session")
+def schema_template(tmp_path_factory):
+    """The session's template database (tests/schema_template.py), migrated on first use."""
+    from alembic import command
+    from alembic.script import ScriptDirectory
+
+    return schema_template_mod.Template(command.upgrade, tmp_path_factory.mktemp("schema-template"),
+                                        ScriptDirectory.from_config)
+
+
+@pytest.fixture(autouse=True)
+def migrated_once(request, monkeypatch):
+    """A new SQLite database of this process gets the template's schema instead of running
+    every migration again (tests/schema_template.py), except in REAL_MIGRATIONS' files."""
+    if file_key(request.node.path).startswith(schema_template_mod.REAL_MIGRATIONS):
+        return
+    from alembic import command
+    from alembic.script import ScriptDirectory
+
+    template = request.getfixturevalue("schema_template")
+    monkeypatch.setattr(command, "upgrade", template.upgrade)
+    monkeypatch.setattr(ScriptDirectory, "from_config", template.script_directory)
 
 
 @pytest.fixture(scope="session")

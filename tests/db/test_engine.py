@@ -46,6 +46,34 @@ def test_head_is_recorded_once_and_a_second_upgrade_does_nothing(tmp_path):
         (head_revision(engine),)]
 
 
+def test_the_test_sessions_template_gives_exactly_the_migrated_database(tmp_path, monkeypatch):
+    """tests/schema_template.py: outside this folder a test's new database gets a replay of
+    a template migrated once per session; it must be the database the migrations give,
+    object for object (SQLite's own indexes and sequence table included) and row for row."""
+    from alembic import command
+
+    from tests.schema_template import Template
+
+    def everything(engine) -> tuple:
+        with engine.connect() as conn:
+            objects = conn.exec_driver_sql("SELECT type, name, tbl_name, sql FROM sqlite_master "
+                                           "ORDER BY type, name").all()
+            tables = [name for kind, name, _, _ in objects if kind == "table"]
+            return objects, {t: conn.exec_driver_sql(f'SELECT * FROM "{t}"').all() for t in tables}
+
+    migrated = make_engine(_url(tmp_path / "migrated.db"))
+    assert upgrade(migrated) is True
+    (tmp_path / "template").mkdir()
+    template = Template(command.upgrade, tmp_path / "template")
+    monkeypatch.setattr(command, "upgrade", template.upgrade)
+    replayed = make_engine(_url(tmp_path / "replayed.db"))
+    assert upgrade(replayed) is True
+    assert "schema" in vars(template)   # the replay, not the real scripts, made it
+    assert upgrade(replayed) is False
+    assert everything(replayed) == everything(migrated)
+    assert len(everything(migrated)[0]) > 10
+
+
 def test_the_head_read_without_alembic_is_alembics_and_an_odd_script_leaves_it_to_alembic(tmp_path):
     engine = make_engine(_url(tmp_path / "g.db"))
     assert plain_head() == head_revision(engine)
