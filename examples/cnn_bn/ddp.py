@@ -78,6 +78,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-while", metavar="PATH",
+                    help="sleep --step-sleep after a step only while PATH exists (a test holds the pace)")
     ap.add_argument("--raise-at-step", type=int, default=-1)
     ap.add_argument("--raise-rank", type=int, default=0)
     ap.add_argument("--report")
@@ -106,7 +108,7 @@ def main():
             dist.all_reduce(mean)
             logged = mean.item() / world
             step += 1
-            if args.step_sleep:
+            if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
                 time.sleep(args.step_sleep)
         if rank == 0:
             print(f"epoch {epoch}: loss {logged:.4f}", flush=True)

@@ -11,6 +11,7 @@ the tolerance). The running statistics follow DDP's rule: rank 0's are broadcast
 import argparse
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -81,6 +82,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dropout", type=float, default=0.1)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-while", metavar="PATH",
+                    help="sleep --step-sleep after a step only while PATH exists (a test holds the pace)")
     ap.add_argument("--raise-at-step", type=int, default=-1)
     ap.add_argument("--raise-rank", type=int, default=0)
     ap.add_argument("--report")
@@ -104,7 +107,7 @@ def main():
             opt.step()
             sched.step()
             logged = run.global_mean(loss)
-            if args.step_sleep:
+            if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
                 time.sleep(args.step_sleep)
         if run.is_primary:
             print(f"epoch {epoch}: loss {logged:.4f}", flush=True)

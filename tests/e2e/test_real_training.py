@@ -88,12 +88,14 @@ def relative_distance(got: list[float], want: list[float]) -> float:
 @pytest.mark.parametrize("pool", ["local_pool", "ssh_pool"])
 def test_cnn_with_batchnorm_and_loader_workers_resized_3_2_3(pool, request, home, tmp_path_factory):
     cli = request.getfixturevalue(pool)
-    report = home / "cnn.json"
-    job = cli.submit([sys.executable, CNN, *CNN_ARGS, "--step-sleep", "0.4", "--report", str(report)],
-                     "--workers", "2:3")
+    report, hold = home / "cnn.json", home / "hold"
+    hold.touch()   # paced until the grow is in: under load the newcomer's start outlasted 96 steps of 0.4 s
+    job = cli.submit([sys.executable, CNN, *CNN_ARGS, "--step-sleep", "0.4", "--sleep-while", str(hold),
+                      "--report", str(report)], "--workers", "2:3")
     wait_for(cli, job["id"], lambda j: step_of(j) >= 8 and j["world_size"] == 3, "steps at world size 3")
     scale(cli, job["id"], 2)   # the newcomer's start takes seconds: the two train meanwhile
     scale(cli, job["id"], 3)
+    hold.unlink()
     done = cli.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", (done.get("exit_reason"), done["workers"])
 
