@@ -286,12 +286,13 @@ def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings,
     out: list[Action] = [Note(d.job, d.reason) for d in alloc.stays]
     for d in alloc.changes:
         j = next(v for v in views if v.id == d.job)
-        out.append(Note(j.id, d.reason))
         if d.new < d.old:   # the newest workers leave, never the last one holding the state
+            out.append(Note(j.id, d.reason))
             order = sorted(j.workers, key=lambda w: (w.state == WorkerState.RUNNING, -w.wid))   # newcomers first
             wids = tuple(w.wid for w in order)[:d.old - d.new]
             out.append(Shrink(j.id, tuple(sorted(wids)), d.reason))
             continue
+        grows = []
         for _ in range(d.new - d.old):
             offer = _without(idle, j.shunned)
             host = _pick_host(offer, j.gpus_per_worker, hosts_of[j.id])
@@ -300,8 +301,24 @@ def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings,
             devices = tuple(offer[host][:j.gpus_per_worker])
             _take(free, idle, host, devices)
             hosts_of[j.id].add(host)
-            out.append(Grow(j.id, host, devices))
+            grows.append(Grow(j.id, host, devices))
+        out.append(Note(j.id, placed_reason(d, len(grows), max(j.gpus_per_worker, 1))))
+        out += grows
     return out
+
+
+def placed_reason(d: allocation.Decision, placed: int, per_worker: int) -> str:
+    """A grow decision's reason as carried out: the policy counts idle devices, not where
+    they are, so only `placed` of the planned workers may find a host with `per_worker`
+    idle GPUs (or the devices a shrink of this tick frees are not idle until it is done).
+    The event says the size the job is actually grown to, and why the rest was not."""
+    planned = d.new - d.old
+    if placed >= planned:
+        return d.reason
+    head = f"job {d.job} {d.old}->{d.old + placed}" if placed else f"job {d.job} stays at {d.old}"
+    why = d.reason.split(": ", 1)[1] if ": " in d.reason else d.reason
+    return (f"{head} ({d.old}->{d.new} planned; {planned - placed} worker(s) not placed: no host has "
+            f"{per_worker} idle GPU(s) it may take this tick): {why}")
 
 
 def _pick_host(idle: Mapping[str, list[int]], need: int, used: Iterable[str]) -> str | None:
