@@ -20,8 +20,9 @@ One tick of `gpuflex harvest` asks `plan()` what to do and an executor
    has finished (`training_finished`) is never grown: its newcomers would exit at once. A
    worker's devices are on one host, preferably a host the job already uses.
    With `[harvest] policy = "throughput"` (issue 32) step 4 is gpuflex.policy.allocation's
-   instead: by measured scaling, with Shrink actions (to start a queued job, or past a
-   job's optimum) and a Note, the event, with each decision's reason.
+   instead: by measured scaling, with Shrink actions (to start a queued job, to even out
+   users' shares, or past a job's optimum) and a Note, the event, with each decision's
+   reason (for a grow, the size actually placed: placed_reason).
 
 Hysteresis: a GPU is grown onto only with verdict "idle" and at least `idle_samples`
 quiet probes in a row (see gpuflex.hosts.probe), from a probe no older than
