@@ -21,7 +21,8 @@ communication-bound one that gains 3%. The rules, in order:
    the threshold below takes a worker from a job of a user above it (never below MIN,
    never of a higher priority, a measured job not held), the one that loses least first,
    while the taker stays at or below their share and the giver at or above theirs (so
-   the move is never undone the next tick). Without it a user whose jobs all started
+   the move is never undone the next tick), and only when no device is idle or on its
+   way to being idle for the taker. Without it a user whose jobs all started
    while the pool was full stays below their share for as long as the others run.
 4. Grow: idle devices go one worker at a time to the job whose next worker adds the most
    progress per device (higher priority first, then a user below fair share), within
@@ -109,8 +110,12 @@ def speedup(j: Elastic, n: int) -> float:
 
 def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, held: Mapping[str, int],
              pool: int, room: Mapping[str, int | None] | None = None, rules: Rules = Rules(),
-             now: float = 0.0) -> Allocation:
+             now: float = 0.0, coming: int = 0) -> Allocation:
     """Target sizes of `jobs` given `free` idle devices; see the module docstring.
+    `coming`: devices on their way to being idle (leavers of an earlier shrink, GPUs not
+    yet quiet long enough): step 3 counts them, and the idle ones, as its takers' before
+    it shrinks anyone, else it would shrink another job each tick until the first freed
+    device is idle.
     `held`: devices each user's jobs hold now (all their jobs); `pool`: the devices the
     policy shares; `room`: devices each user may still take (None or missing: no quota)."""
     size = {j.id: j.size for j in jobs}
@@ -186,11 +191,17 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
         made_room.append(w.id)
 
     # -- 3. even out shares --
+    spare, promised = free + coming, dict(held)
     while True:
-        move = _rebalance(jobs, size, held, share, locked, may_take, rules)
+        move = _rebalance(jobs, size, promised, share, locked, may_take, rules)
         if move is None:
             break
         j, k, gain, loss = move
+        promised[j.user] = promised.get(j.user, 0) + j.per_worker
+        if spare >= j.per_worker:    # an idle device (step 4 grows them first), or one on its way
+            spare -= j.per_worker
+            continue
+        promised[k.user] -= k.per_worker
         take(k, -1)
         take(j, 1)
         why[k.id].append(f"one fewer worker loses {loss:.0%}; {j.user} is below their share")

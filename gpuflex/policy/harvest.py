@@ -242,8 +242,14 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
     if settings.policy == "throughput":
         placed = {a.job for a in actions if isinstance(a, Place)}
         waiting = [j for j in jobs if j.state == JobState.QUEUED and j.id not in placed]
+        # devices on their way to being idle: not quiet long enough yet, or a leaver's (not an owner's)
+        owners_back = {g.ref for g in gpus if g.foreign_since is not None}
+        coming = sum(1 for g in gpus if g.ref not in taken and seen(g) and g.verdict == "idle"
+                     and g.owner is not None and g.idle_streak < settings.idle_samples)
+        coming += sum(1 for j in jobs if j.state in ACTIVE for w in j.workers if w.state == WorkerState.LEAVING
+                      for d in w.gpus if (w.host, d) not in owners_back)
         actions += _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings, now,
-                                  leaving_now, sum(len(d) for d in free.values()))
+                                  leaving_now, sum(len(d) for d in free.values()), coming)
         return Plan(tuple(actions))
     while True:
         best = None
@@ -272,7 +278,7 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
 
 
 def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings, now, leaving_now,
-                   unheld: int) -> list[Action]:
+                   unheld: int, coming: int = 0) -> list[Action]:
     """The throughput policy's moves (gpuflex.policy.allocation) as Grow, Shrink and Note."""
     views = [dataclasses.replace(j, workers=tuple(w for w in j.members if w.wid not in leaving_now.get(j.id, ())))
              for j in growers]
@@ -283,7 +289,7 @@ def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings,
         [allocation.elastic(j) for j in views],
         [allocation.Waiting(j.id, j.user, j.min_workers * max(j.gpus_per_worker, 1), j.priority) for j in waiting],
         sum(len(d) for d in idle.values()), held=held, pool=unheld + sum(held.values()), room=room,
-        rules=allocation.rules_of(settings), now=now)
+        rules=allocation.rules_of(settings), now=now, coming=coming)
     out: list[Action] = [Note(d.job, d.reason) for d in alloc.stays]
     for d in alloc.changes:
         j = next(v for v in views if v.id == d.job)

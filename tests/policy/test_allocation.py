@@ -121,3 +121,15 @@ def test_evening_out_shares_takes_nothing_a_job_would_not_gain_from_nor_below_mi
     # alice's job was resized lately (hysteresis)
     assert run([job(1, 6, MILD, user="alice", resized_at=900.0), job(2, 2, LINEAR, user="bob")],
                free=0, pool=8).sizes == {1: 6, 2: 2}
+
+
+def test_evening_out_shares_counts_idle_devices_and_those_on_their_way_before_it_shrinks_anyone():
+    # 9 devices, a share of 3 each: bob is 2 below; dave too, but one more worker would slow his job
+    jobs = [job(1, 6, MILD, user="alice"), job(2, 1, LINEAR, user="bob"), job(3, 1, FLAT, user="dave")]
+    held = {"alice": 6, "bob": 1, "dave": 1}
+    assert allocate(jobs, (), 0, held=held, pool=8, rules=RULES, now=1000.0).sizes == {1: 5, 2: 2, 3: 1}
+    # with a 9th device on its way to being idle, alice gives one worker, not two
+    assert allocate(jobs, (), 0, held=held, pool=9, rules=RULES, now=1000.0, coming=1).sizes == {1: 5, 2: 2, 3: 1}
+    assert allocate(jobs, (), 0, held=held, pool=9, rules=RULES, now=1000.0).sizes == {1: 4, 2: 3, 3: 1}
+    # idle: bob is grown onto it, and alice still gives only one
+    assert allocate(jobs, (), 1, held=held, pool=9, rules=RULES, now=1000.0).sizes == {1: 5, 2: 3, 3: 1}
