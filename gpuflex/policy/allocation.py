@@ -17,13 +17,20 @@ communication-bound one that gains 3%. The rules, in order:
    is of a higher priority, or its user is below their fair share and theirs is above it.
    A user below fair share (the pool's devices over the users with work) is never shrunk
    for another. If the room cannot be made in full, nothing is shrunk.
-3. Grow: idle devices go one worker at a time to the job whose next worker adds the most
+3. Even out shares: a job of a user below fair share whose next worker gains more than
+   the threshold below takes a worker from a job of a user above it (never below MIN,
+   never of a higher priority, a measured job not held), the one that loses least first,
+   while the taker stays at or below their share and the giver at or above theirs (so
+   the move is never undone the next tick), and only when no device is idle or on its
+   way to being idle for the taker. Without it a user whose jobs all started
+   while the pool was full stays below their share for as long as the others run.
+4. Grow: idle devices go one worker at a time to the job whose next worker adds the most
    progress per device (higher priority first, then a user below fair share), within
    MAX and its user's quota. A worker is added only when its relative gain pays for the
    resize's stall within the horizon (gain >= stall_s / horizon_s) and is above
    `min_gain` (noise). A job measured at one size only may grow by one worker onto
    devices no measured job wants, to measure a second size (it never shrinks).
-4. Shrink what loses: a job whose one fewer worker is faster by more than `min_gain`
+5. Shrink what loses: a job whose one fewer worker is faster by more than `min_gain`
    (past its communication-bound optimum) gives that worker back.
 
 Every change carries its reason ("job 12 3->2: one fewer worker loses 1%; job 15 needs 1").
@@ -103,8 +110,12 @@ def speedup(j: Elastic, n: int) -> float:
 
 def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, held: Mapping[str, int],
              pool: int, room: Mapping[str, int | None] | None = None, rules: Rules = Rules(),
-             now: float = 0.0) -> Allocation:
+             now: float = 0.0, coming: int = 0) -> Allocation:
     """Target sizes of `jobs` given `free` idle devices; see the module docstring.
+    `coming`: devices on their way to being idle (leavers of an earlier shrink, GPUs not
+    yet quiet long enough): step 3 counts them, and the idle ones, as its takers' before
+    it shrinks anyone, else it would shrink another job each tick until the first freed
+    device is idle.
     `held`: devices each user's jobs hold now (all their jobs); `pool`: the devices the
     policy shares; `room`: devices each user may still take (None or missing: no quota)."""
     size = {j.id: j.size for j in jobs}
@@ -179,7 +190,24 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
         held[w.user] = held.get(w.user, 0) + w.need
         made_room.append(w.id)
 
-    # -- 3. grow onto idle devices --
+    # -- 3. even out shares --
+    spare, promised = free + coming, dict(held)
+    while True:
+        move = _rebalance(jobs, size, promised, share, locked, may_take, rules)
+        if move is None:
+            break
+        j, k, gain, loss = move
+        promised[j.user] = promised.get(j.user, 0) + j.per_worker
+        if spare >= j.per_worker:    # an idle device (step 4 grows them first), or one on its way
+            spare -= j.per_worker
+            continue
+        promised[k.user] -= k.per_worker
+        take(k, -1)
+        take(j, 1)
+        why[k.id].append(f"one fewer worker loses {loss:.0%}; {j.user} is below their share")
+        why[j.id].append(f"one more worker adds {gain:.0%}; {j.user} is below their share")
+
+    # -- 4. grow onto idle devices --
     explored: set[int] = set()
     while True:
         best = None
@@ -213,7 +241,7 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
         else:
             why[j.id].append(f"one more worker adds {gain:.0%}")
 
-    # -- 4. shrink what loses --
+    # -- 5. shrink what loses --
     for j in jobs:
         if j.id in locked:
             continue
@@ -229,6 +257,32 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
                              + "; ".join(_short(why[j.id])))
                     for j in jobs if size[j.id] != j.size)
     return Allocation(sizes=size, changes=changes, stays=tuple(stays), made_room_for=tuple(made_room))
+
+
+def _rebalance(jobs: Sequence[Elastic], size: Mapping[int, int], held: Mapping[str, int], share: float,
+               locked: set[int], may_take, rules: Rules):
+    """Step 3's next move: (taker, giver, taker's gain, giver's loss), or None. The taker
+    is the job of the user furthest below `share` whose next worker gains most; the
+    giver the job of another user that loses least by one fewer."""
+    best = None
+    for j in jobs:
+        n = size[j.id]
+        if (j.id in locked or n >= j.max_workers or held.get(j.user, 0) + j.per_worker > share
+                or not may_take(j.user, j.per_worker)):
+            continue
+        gain = speedup(j, n + 1) / speedup(j, n) - 1
+        if gain < rules.threshold:
+            continue
+        for k in jobs:
+            m = size[k.id]
+            if (k.id in locked or k.user == j.user or m <= k.min_workers or k.priority > j.priority
+                    or k.per_worker != j.per_worker or held.get(k.user, 0) - k.per_worker < share):
+                continue
+            loss = 1 - speedup(k, m - 1) / speedup(k, m)
+            key = (held.get(j.user, 0), -gain, loss, j.id, k.id)
+            if best is None or key < best[0]:
+                best = (key, (j, k, gain, loss))
+    return None if best is None else best[1]
 
 
 def _short(reasons: list[str]) -> list[str]:

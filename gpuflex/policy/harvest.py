@@ -20,8 +20,9 @@ One tick of `gpuflex harvest` asks `plan()` what to do and an executor
    has finished (`training_finished`) is never grown: its newcomers would exit at once. A
    worker's devices are on one host, preferably a host the job already uses.
    With `[harvest] policy = "throughput"` (issue 32) step 4 is gpuflex.policy.allocation's
-   instead: by measured scaling, with Shrink actions (to start a queued job, or past a
-   job's optimum) and a Note, the event, with each decision's reason.
+   instead: by measured scaling, with Shrink actions (to start a queued job, to even out
+   users' shares, or past a job's optimum) and a Note, the event, with each decision's
+   reason (for a grow, the size actually placed: placed_reason).
 
 Hysteresis: a GPU is grown onto only with verdict "idle" and at least `idle_samples`
 quiet probes in a row (see gpuflex.hosts.probe), from a probe no older than
@@ -241,8 +242,14 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
     if settings.policy == "throughput":
         placed = {a.job for a in actions if isinstance(a, Place)}
         waiting = [j for j in jobs if j.state == JobState.QUEUED and j.id not in placed]
+        # devices on their way to being idle: not quiet long enough yet, or a leaver's (not an owner's)
+        owners_back = {g.ref for g in gpus if g.foreign_since is not None}
+        coming = sum(1 for g in gpus if g.ref not in taken and seen(g) and g.verdict == "idle"
+                     and g.owner is not None and g.idle_streak < settings.idle_samples)
+        coming += sum(1 for j in jobs if j.state in ACTIVE for w in j.workers if w.state == WorkerState.LEAVING
+                      for d in w.gpus if (w.host, d) not in owners_back)
         actions += _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings, now,
-                                  leaving_now, sum(len(d) for d in free.values()))
+                                  leaving_now, sum(len(d) for d in free.values()), coming)
         return Plan(tuple(actions))
     while True:
         best = None
@@ -271,7 +278,7 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
 
 
 def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings, now, leaving_now,
-                   unheld: int) -> list[Action]:
+                   unheld: int, coming: int = 0) -> list[Action]:
     """The throughput policy's moves (gpuflex.policy.allocation) as Grow, Shrink and Note."""
     views = [dataclasses.replace(j, workers=tuple(w for w in j.members if w.wid not in leaving_now.get(j.id, ())))
              for j in growers]
@@ -282,16 +289,17 @@ def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings,
         [allocation.elastic(j) for j in views],
         [allocation.Waiting(j.id, j.user, j.min_workers * max(j.gpus_per_worker, 1), j.priority) for j in waiting],
         sum(len(d) for d in idle.values()), held=held, pool=unheld + sum(held.values()), room=room,
-        rules=allocation.rules_of(settings), now=now)
+        rules=allocation.rules_of(settings), now=now, coming=coming)
     out: list[Action] = [Note(d.job, d.reason) for d in alloc.stays]
     for d in alloc.changes:
         j = next(v for v in views if v.id == d.job)
-        out.append(Note(j.id, d.reason))
         if d.new < d.old:   # the newest workers leave, never the last one holding the state
+            out.append(Note(j.id, d.reason))
             order = sorted(j.workers, key=lambda w: (w.state == WorkerState.RUNNING, -w.wid))   # newcomers first
             wids = tuple(w.wid for w in order)[:d.old - d.new]
             out.append(Shrink(j.id, tuple(sorted(wids)), d.reason))
             continue
+        grows = []
         for _ in range(d.new - d.old):
             offer = _without(idle, j.shunned)
             host = _pick_host(offer, j.gpus_per_worker, hosts_of[j.id])
@@ -300,8 +308,24 @@ def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings,
             devices = tuple(offer[host][:j.gpus_per_worker])
             _take(free, idle, host, devices)
             hosts_of[j.id].add(host)
-            out.append(Grow(j.id, host, devices))
+            grows.append(Grow(j.id, host, devices))
+        out.append(Note(j.id, placed_reason(d, len(grows), max(j.gpus_per_worker, 1))))
+        out += grows
     return out
+
+
+def placed_reason(d: allocation.Decision, placed: int, per_worker: int) -> str:
+    """A grow decision's reason as carried out: the policy counts idle devices, not where
+    they are, so only `placed` of the planned workers may find a host with `per_worker`
+    idle GPUs (or the devices a shrink of this tick frees are not idle until it is done).
+    The event says the size the job is actually grown to, and why the rest was not."""
+    planned = d.new - d.old
+    if placed >= planned:
+        return d.reason
+    head = f"job {d.job} {d.old}->{d.old + placed}" if placed else f"job {d.job} stays at {d.old}"
+    why = d.reason.split(": ", 1)[1] if ": " in d.reason else d.reason
+    return (f"{head} ({d.old}->{d.new} planned; {planned - placed} worker(s) not placed: no host has "
+            f"{per_worker} idle GPU(s) it may take this tick): {why}")
 
 
 def _pick_host(idle: Mapping[str, list[int]], need: int, used: Iterable[str]) -> str | None:

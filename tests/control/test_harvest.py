@@ -84,3 +84,25 @@ def test_the_fair_policy_keeps_todays_behaviour_and_records_no_allocation(tmp_pa
         assert svc.job(waiting).state is JobState.QUEUED and allocation_events(svc, big) == []
     finally:
         svc.close()
+
+
+def test_a_job_with_too_few_measurements_is_left_at_its_size_and_its_event_says_why(tmp_path):
+    world, svc = simulated(tmp_path, "throughput")
+    try:
+        big = submit(svc, tmp_path, "ann")
+        with svc.sessions() as s:
+            token = svc.get(s, big).token
+        world.jobs[token].desired = sorted(world.workers(token))
+        svc.refresh()
+        svc.refresh()
+        measured(svc, big, Model(1.0, 0.2), 4)               # one size only: no model
+        waiting = submit(svc, tmp_path, "bob")               # bob is below his share, yet
+        harvest.run_tick(svc)
+        assert len([w for w in svc.job(big).workers if w.state is W.RUNNING]) == 4
+        assert svc.job(waiting).state is JobState.QUEUED
+        (e,) = allocation_events(svc, big)
+        assert e.message == (f"job {big} stays at 4: too few measurements: 2 world sizes needed "
+                             "(measured at 4 worker(s) only)")
+        assert e.data["resized"] is False
+    finally:
+        svc.close()

@@ -9,6 +9,7 @@ from gpuflex.policy.throughput import Model
 LINEAR = Model(1.0, 0.0)            # compute-bound: n workers, n times as fast
 FLAT = Model(0.2, 0.15)             # communication-bound: a second worker already loses
 WEAK = Model(1.0, 0.2)              # 3 workers no faster than 2
+MILD = Model(1.0, 0.05)             # best at 5, and 6 within noise of it
 RULES = Rules(horizon_s=900, stall_s=5, min_gain=0.05, hold_s=300)
 
 
@@ -94,3 +95,41 @@ def test_a_restart_job_grows_but_is_never_shrunk():
 def test_the_same_inputs_give_the_same_decisions():
     jobs = [job(i, 2, LINEAR if i % 2 else FLAT) for i in range(6)]
     assert run(jobs, [Waiting(9, "z", 2)], free=3) == run(jobs, [Waiting(9, "z", 2)], free=3)
+
+
+def test_a_user_below_their_share_takes_a_worker_from_one_above_it_and_the_move_is_not_undone():
+    # pool 8, two users: a share of 4 each; alice holds 6, bob 2 and nothing is idle
+    alice, bob = job(1, 6, MILD, user="alice"), job(2, 2, LINEAR, user="bob")
+    a = run([alice, bob], free=0, pool=8)
+    assert a.sizes == {1: 4, 2: 4}                     # each at their share, no further
+    reasons = {d.job: d.reason for d in a.changes}
+    assert reasons[1].startswith("job 1 6->4: one fewer worker loses") and "bob is below their share" in reasons[1]
+    assert reasons[2].startswith("job 2 2->4: one more worker adds") and "bob is below their share" in reasons[2]
+    # the next tick, from the new sizes: nobody moves back
+    again = run([job(1, 4, MILD, user="alice"), job(2, 4, LINEAR, user="bob")], free=0, pool=8)
+    assert again.sizes == {1: 4, 2: 4} and again.changes == ()
+
+
+def test_evening_out_shares_takes_nothing_a_job_would_not_gain_from_nor_below_min_nor_from_a_higher_priority():
+    # bob's job is past its optimum: a worker taken from alice would be wasted
+    assert run([job(1, 6, MILD, user="alice"), job(2, 1, FLAT, user="bob")], free=0, pool=8).sizes == {1: 6, 2: 1}
+    # alice's job is at its MIN
+    assert run([job(1, 6, MILD, lo=6, user="alice"), job(2, 2, LINEAR, user="bob")], free=0, pool=8).sizes == {1: 6, 2: 2}
+    # alice's job has the higher priority
+    assert run([job(1, 6, MILD, user="alice", priority=1), job(2, 2, LINEAR, user="bob")],
+               free=0, pool=8).sizes == {1: 6, 2: 2}
+    # alice's job was resized lately (hysteresis)
+    assert run([job(1, 6, MILD, user="alice", resized_at=900.0), job(2, 2, LINEAR, user="bob")],
+               free=0, pool=8).sizes == {1: 6, 2: 2}
+
+
+def test_evening_out_shares_counts_idle_devices_and_those_on_their_way_before_it_shrinks_anyone():
+    # 9 devices, a share of 3 each: bob is 2 below; dave too, but one more worker would slow his job
+    jobs = [job(1, 6, MILD, user="alice"), job(2, 1, LINEAR, user="bob"), job(3, 1, FLAT, user="dave")]
+    held = {"alice": 6, "bob": 1, "dave": 1}
+    assert allocate(jobs, (), 0, held=held, pool=8, rules=RULES, now=1000.0).sizes == {1: 5, 2: 2, 3: 1}
+    # with a 9th device on its way to being idle, alice gives one worker, not two
+    assert allocate(jobs, (), 0, held=held, pool=9, rules=RULES, now=1000.0, coming=1).sizes == {1: 5, 2: 2, 3: 1}
+    assert allocate(jobs, (), 0, held=held, pool=9, rules=RULES, now=1000.0).sizes == {1: 4, 2: 3, 3: 1}
+    # idle: bob is grown onto it, and alice still gives only one
+    assert allocate(jobs, (), 1, held=held, pool=9, rules=RULES, now=1000.0).sizes == {1: 5, 2: 3, 3: 1}

@@ -62,3 +62,36 @@ def test_a_job_resized_lately_is_left_alone():
     recent = job(1, [w(0, "a:0")], linear, resized_at=NOW - 10)
     p = plan([recent], [g("a:0"), g("a:1")], S, NOW)
     assert not p.of(Grow) and "resized less than 300 s ago" in p.of(Note)[0].reason
+
+
+def test_a_grow_placed_only_in_part_says_the_size_it_reached_and_why_not_the_rest():
+    linear = Model(1.0, 0.0)
+    # 3 idle GPUs counted, but b's two are this job's released stragglers: it may take a:1 only
+    shy = job(1, [w(0, "a:0")], linear, shunned=frozenset({("b", 0), ("b", 1)}))
+    p = plan([shy], [g("a:0"), g("a:1"), g("b:0"), g("b:1")], S, NOW)
+    assert [(a.host, a.devices) for a in p.of(Grow)] == [("a", (1,))]
+    (note,) = p.of(Note)
+    assert note.reason.startswith("job 1 1->2 (1->4 planned; 2 worker(s) not placed: no host has 1 idle GPU(s)")
+    assert note.reason.endswith("): one more worker adds 100%; one more worker adds 50%; one more worker adds 33%")
+
+
+def test_a_grow_placed_not_at_all_says_the_job_stays():
+    linear = Model(1.0, 0.0)
+    # two idle GPUs, one per host: a worker of 2 GPUs fits on neither
+    pair = job(1, [w(0, "a:0,1")], linear, gpus_per_worker=2)
+    p = plan([pair], [g("a:0"), g("a:1"), g("a:2"), g("b:0")], S, NOW)
+    assert not p.of(Grow)
+    (note,) = p.of(Note)
+    assert note.reason.startswith("job 1 stays at 1 (1->2 planned; 1 worker(s) not placed: no host has 2 idle GPU(s)")
+
+
+def test_evening_out_shares_counts_a_gpu_on_its_way_before_it_shrinks_anyone():
+    mild, linear, flat = Model(1.0, 0.05), Model(1.0, 0.0), Model(0.2, 0.15)
+    # 9 GPUs, 3 users, a share of 3 each: bob (1) is 2 below, dave (1) too but cannot use more
+    ann = job(1, [w(i, f"a:{i}") for i in range(6)], mild, sizes=(5, 6), hi=8, user="ann")
+    bob = job(2, [w(0, "b:0")], linear, hi=8, user="bob")
+    dave = job(3, [w(0, "b:1")], flat, user="dave")
+    held = [g(f"a:{i}") for i in range(6)] + [g("b:0"), g("b:1")]
+    # b:2 idle, not long enough yet: it is on its way to bob, so ann gives one worker, not two
+    (s,) = plan([ann, bob, dave], held + [g("b:2", streak=1)], S, NOW).of(Shrink)
+    assert s.job == 1 and len(s.wids) == 1 and "bob is below their share" in s.reason
