@@ -79,11 +79,12 @@ chromium:
 		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "chromium or chromium-driver not found and not root: the browser test will be skipped"; fi
 
-# TEST_WORKERS=3: on 3 pytest workers (pytest-xdist), a file's tests on one worker, the
-# heaviest files first (tests/tiers.py). Not yet the default: on 2 cores a few end-to-end
-# tests whose job can end before the event they wait for fail under the load
-# (docs/testing.md). 0: in this process, one test at a time (also for -s or pdb).
-TEST_WORKERS ?= 0
+# TEST_WORKERS: the pytest workers (pytest-xdist) the suite runs on, a file's tests on one
+# worker, the heaviest files first (tests/tiers.py). Two on the 2-core machine: the end-to-end
+# tests hold their jobs' pace until the event they wait for (docs/testing.md), so the load
+# of a second file beside them slows them but does not fail them. 0: in this process, one
+# test at a time (also for -s or pdb).
+TEST_WORKERS ?= 2
 test: venv sshd iptables postgresql podman prometheus chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 

@@ -150,8 +150,8 @@ def _fixture_keys(item: pytest.Item) -> set[str]:
     return keys
 
 
-# Seconds each of the heaviest files took in a serial full run (docs/testing.md). `make
-# test TEST_WORKERS=3` runs the files on several pytest workers (pytest-xdist, `--dist
+# Seconds each of the heaviest files took in a serial full run (docs/testing.md; the last two,
+# new, alone on a loaded machine). `make test` runs the files on several pytest workers (pytest-xdist, `--dist
 # loadfile`: a file's tests, and its module fixtures, stay on one worker) in the order
 # collected; these go first, so the run does not end waiting on one long file that started last.
 HEAVY_FILES = {
@@ -161,6 +161,7 @@ HEAVY_FILES = {
     "cli/test_bad_input.py": 90, "e2e/ssh/test_fsdp_ssh.py": 80, "e2e/test_gang_jobs.py": 76,
     "e2e/test_hetero_split.py": 75, "e2e/test_postgres.py": 75, "e2e/test_orphans.py": 65,
     "e2e/test_formation_deadline.py": 61, "cli/test_cli.py": 59, "control/test_crashes.py": 59,
+    "e2e/test_bitwise_jobs.py": 266, "e2e/ssh/test_partition_ssh.py": 255,
 }
 
 
