@@ -88,9 +88,10 @@ TEST_WORKERS ?= 2
 test: venv sshd iptables postgresql podman prometheus chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
-# The tests that start no process or server: the markers are tests/tiers.py's.
+# The tests that start no process or server: the markers are tests/tiers.py's. On the same
+# TEST_WORKERS, each test sent to whichever worker is free.
 test-fast: venv
-	$(PY) -m pytest -q -m "not (e2e or ssh or postgres or slow)" $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) -m "not (e2e or ssh or postgres or slow)" $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) examples/demo.py
