@@ -19,7 +19,7 @@ import torch
 from tests import REPO
 from tests.conftest import wait_for
 from tests.e2e.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, ej,  # noqa: F401
-                                         live_members, scale, step_of)
+                                         live_members, scale, step_of, world_sizes)
 from tests.e2e.test_hetero_split import favours_the_fast
 
 pytestmark = pytest.mark.e2e   # a job of real workers and a coordinator
@@ -55,8 +55,7 @@ def test_bitwise_job_resized_killed_and_re_split_has_the_bits_of_the_standalone_
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
-    sizes = [ws for _, _, ws in r["step_log"]]
-    order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
+    order = world_sizes(r)
     assert order[-4:] == [3, 2, 1, 2], order
 
     ref_path = tmp_path / "ref.json"
@@ -94,8 +93,7 @@ def test_the_transformer_lm_unchanged_in_bitwise_mode_resized_and_killed_has_the
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
-    sizes = [ws for _, _, ws in r["step_log"]]
-    order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
+    order = world_sizes(r)
     assert order[-4:] == [3, 2, 1, 2], order
     assert [s for s, _, _ in r["step_log"]] == list(range(100)) and step_of(after) < 100
 

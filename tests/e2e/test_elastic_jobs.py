@@ -64,6 +64,12 @@ def assert_matches_reference(report: dict, ref: dict) -> None:
     assert steps == list(range(ref["steps"])), "a step was lost or repeated in the log"
 
 
+def world_sizes(report: dict) -> list[int]:
+    """The world sizes in the order the steps ran them, repeats collapsed."""
+    sizes = [ws for _, _, ws in report["step_log"]]
+    return [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
+
+
 def elastic_cli(home: Path, jobs: str = "") -> GpuflexCLI:
     """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints; `jobs`: more
     [jobs] lines."""
@@ -128,7 +134,7 @@ def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, hom
     assert not torch.equal(torch.tensor(r["params"]), torch.tensor(reference(tmp_path_factory, 16)["params"]))
     sizes = [ws for _, _, ws in r["step_log"]]
     assert {1, 3, 2, 4} <= set(sizes)
-    order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
+    order = world_sizes(r)
     assert order[-4:] == [1, 3, 2, 4]
     events = ej.json("events", str(job["id"]))
     scales = [e for e in events if e["kind"] == "scale"]

@@ -47,7 +47,7 @@ from gpuflex.elastic.data.sampler import ElasticSampler
 from gpuflex.elastic.sharding.sharded_run import Sharding
 from gpuflex.hosts.relay import unix_request
 from tests.e2e.test_elastic_jobs import (ej, elastic_cli, live_members, scale, step_of,  # noqa: F401 (ej: the fixture)
-                                          wait_for)
+                                          wait_for, world_sizes)
 from tests.conftest import cleanup_jobs, db_rows, exits_without_teardown
 from tests.elastic.run.test_runtime import DEADLINE_S, ROOT, Job, assert_every_sample_once, free_port
 
@@ -304,8 +304,7 @@ def test_on_the_local_pool_1_3_2_4_in_place_ends_as_the_unsharded_run(ej, home, 
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
-    sizes = [ws for _, _, ws in r["step_log"]]
-    assert [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws] == [1, 3, 2, 4]
+    assert world_sizes(r) == [1, 3, 2, 4]
     assert_every_sample_once(r, N, 4 * STEPS, B)
     assert not [e for e in ej.json("events", str(job["id"])) if e["kind"] == "rollback"]
     close(r["params"], reference(tmp_path, "--no-shard", *epochs))
@@ -327,8 +326,7 @@ def test_untracked_the_vote_rides_the_step_barrier_through_a_grow_and_checkpoint
     assert done["state"] == "succeeded" and done["restarts"] == 0, done
     r = json.loads(report.read_text())
     assert r["samples"] == {}
-    sizes = [ws for _, _, ws in r["step_log"]]
-    assert [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws] == [2, 3]
+    assert world_sizes(r) == [2, 3]
     assert [s for s, _, _ in r["step_log"]] == list(range(2 * STEPS))
     logs = ej.ok("logs", str(job["id"])).stdout
     assert "resharded 2 -> 3 shards" in logs and "rolling back" not in logs

@@ -23,7 +23,7 @@ import torch
 from tests import REPO
 from tests.conftest import GpuflexCLI, cleanup_jobs
 from tests.sshbed import bed_cli, ssh_hosts  # noqa: F401
-from tests.e2e.test_elastic_jobs import DEADLINE_S, scale, step_of, wait_for
+from tests.e2e.test_elastic_jobs import DEADLINE_S, scale, step_of, wait_for, world_sizes
 
 pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
 
@@ -68,12 +68,6 @@ def local_pool(home):
 def ssh_pool(ssh_hosts, home):   # noqa: F811
     """The three sshd hosts (two fake GPUs each) of tests/sshbed.py."""
     yield from bed_cli(ssh_hosts, home, JOBS_TOML)
-
-
-def world_sizes(report: dict) -> list[int]:
-    """The world sizes in the order the steps ran them, repeats collapsed."""
-    sizes = [ws for _, _, ws in report["step_log"]]
-    return [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
 
 
 def restarts_and_rollbacks(cli: GpuflexCLI, job_id: int) -> list[dict]:

@@ -27,7 +27,7 @@ import pytest
 from tests.sshbed import ssh_hosts  # noqa: F401 (a fixture)
 from tests.e2e.ssh.test_ssh_jobs import sj  # noqa: F401 (a fixture)
 from tests.e2e.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, example_argv, live_members,
-                                         reference, scale, step_of, wait_for)
+                                         reference, scale, step_of, wait_for, world_sizes)
 
 PARTITION_S = 30   # the partition: longer than heartbeat_timeout_s (3) and pg_timeout_s
 
@@ -155,5 +155,4 @@ def test_a_host_partitioned_for_30_s_is_left_out_the_job_goes_on_exact_and_the_h
     assert done["state"] == "succeeded" and done["restarts"] == 0, done
     r = json.loads(report.read_text())
     assert_matches_reference(r, reference(tmp_path_factory, 16))
-    sizes = [ws for _, _, ws in r["step_log"]]
-    assert [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws][-3:] == [5, 4, 5]
+    assert world_sizes(r)[-3:] == [5, 4, 5]

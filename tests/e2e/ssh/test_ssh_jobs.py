@@ -20,7 +20,7 @@ from gpuflex.hosts.hostops import group_alive
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows
 from tests.sshbed import _stop, host_toml, restart_sshd, ssh_hosts  # noqa: F401
 from tests.e2e.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, example_argv, live_members,
-                                     reference, scale, step_of, wait_for)
+                                     reference, scale, step_of, wait_for, world_sizes)
 
 
 @pytest.fixture
@@ -62,8 +62,7 @@ def test_example_across_three_hosts_resized_2_5_3(sj, tmp_path_factory, home):
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
     assert_matches_reference(r, reference(tmp_path_factory, 24))
-    sizes = [ws for _, _, ws in r["step_log"]]
-    order = [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws]
+    order = world_sizes(r)
     assert order[-3:] == [2, 5, 3]
     logs = sj.ok("logs", str(job["id"]), "--worker", "0").stdout
     assert "generation" in logs
@@ -143,5 +142,4 @@ def test_a_rebooted_host_loses_its_workers_the_job_goes_on_and_the_host_is_used_
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
     assert_matches_reference(r, reference(tmp_path_factory, 16))
-    sizes = [ws for _, _, ws in r["step_log"]]
-    assert [ws for i, ws in enumerate(sizes) if i == 0 or sizes[i - 1] != ws][-3:] == [5, 5 - len(doomed), 5]
+    assert world_sizes(r)[-3:] == [5, 5 - len(doomed), 5]
