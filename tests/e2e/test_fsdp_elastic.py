@@ -85,13 +85,19 @@ def plain_env() -> dict[str, str]:
     return dict(env, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
 
+_refs: dict[tuple[str, ...], list[float]] = {}
+
+
 def reference(tmp: Path, *extra: str) -> list[float]:
-    """A standalone run of the example (one process): its report's parameters."""
-    out = tmp / f"ref{'-'.join(extra)}.json"
-    subprocess.run([sys.executable, str(EXAMPLE), *ARGS, *extra, "--report", str(out)], check=True,
-                   timeout=DEADLINE_S, env=plain_env(),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return json.loads(out.read_text())["params"]
+    """A standalone run of the example (one process): its report's parameters; run once per
+    `extra` for the module (several tests compare with the same run)."""
+    if extra not in _refs:
+        out = tmp / f"ref{'-'.join(extra)}.json"
+        subprocess.run([sys.executable, str(EXAMPLE), *ARGS, *extra, "--report", str(out)], check=True,
+                       timeout=DEADLINE_S, env=plain_env(),
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _refs[extra] = json.loads(out.read_text())["params"]
+    return _refs[extra]
 
 
 def close(a: list[float], b: list[float]) -> None:
@@ -330,8 +336,8 @@ def test_untracked_the_vote_rides_the_step_barrier_through_a_grow_and_checkpoint
     assert [s for s, _, _ in r["step_log"]] == list(range(2 * STEPS))
     logs = ej.ok("logs", str(job["id"])).stdout
     assert "resharded 2 -> 3 shards" in logs and "rolling back" not in logs
-    steps = [int(d.name.removeprefix("step-")) for d in home.rglob("dcp/step-*") if d.is_dir()]
-    assert any(s < 2 * STEPS for s in steps), f"no checkpoint before the last step: {steps}"   # asked for in a vote
+    steps = dcp_steps(home)
+    assert any(0 < s < 2 * STEPS for s in steps), f"no checkpoint before the last step: {steps}"   # asked for in a vote
     close(r["params"], reference(tmp_path, "--no-shard", *epochs))
 
 
@@ -367,16 +373,28 @@ def test_rank_0_busy_past_the_pg_timeout_before_the_next_forward_and_the_last_ch
     close(r["params"], reference(tmp_path, "--no-shard"))
 
 
+def dcp_steps(home: Path) -> list[int]:
+    """The steps of the job's whole distributed checkpoints (renamed in once every rank wrote;
+    one being written is step-N.tmp), [0] while there is none."""
+    return [int(m.group(1)) for d in home.rglob("dcp/step-*")
+            if d.is_dir() and (m := re.fullmatch(r"step-(\d+)", d.name))] or [0]
+
+
 def resumed_steps(logs: str) -> list[int]:
     """The steps the job's restarts resumed at, from the workers' log lines."""
     return [int(part.split()[0]) for part in logs.split("resumed from checkpoint at step ")[1:]]
 
 
-def test_a_member_killed_restarts_the_job_from_its_distributed_checkpoint(ej, home, tmp_path):
-    """kill -9 of a member of a 3-worker sharded job (2 may go on): the survivors end with
-    SHARDS_LOST_EXIT, the job is requeued (cause shards-lost, not counted against --retries),
-    restarts from its last DCP checkpoint at whatever size it gets, replays the steps since,
-    and ends as the unsharded run, every sample once."""
+def test_a_member_killed_then_the_store_lost_each_restart_the_job_from_its_distributed_checkpoint(
+        ej, home, tmp_path):
+    """One job, two faults (one job run for both: the suite's time).
+
+    kill -9 of a member of a 3-worker sharded job (2 may go on): the survivors end with
+    SHARDS_LOST_EXIT, the job is requeued (cause shards-lost, not counted against --retries)
+    and restarts from its last DCP checkpoint at whatever size it gets, replaying the steps
+    since. Then, in the restarted run, the job store killed: every member exits
+    STORE_LOST_EXIT and the job restarts again from its DCP checkpoint (not from step 0).
+    It ends as the unsharded run, every sample once."""
     report = home / "r.json"
     epochs = ["--epochs", "4"]   # 64 steps; 1 s checkpoints (the ej config)
     job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--report", str(report)],
@@ -384,37 +402,31 @@ def test_a_member_killed_restarts_the_job_from_its_distributed_checkpoint(ej, ho
     running = wait_for(ej, job["id"], lambda j: step_of(j) >= 12 and j["world_size"] == 3, "steps at world size 3")
     victim = live_members(running)[1]
     os.kill(victim["pid"], 9)
+    def resumed_so_far() -> list[int]:
+        return resumed_steps(ej.inside("logs", str(job["id"])))
+
+    wait_for(ej, job["id"], lambda j: j["restarts"] == 1 and j["state"] == "running" and resumed_so_far(),
+             "the restart after the kill")
+    (first_resumed,) = resumed_so_far()
+    assert 0 < first_resumed <= step_of(running) + 10, (first_resumed, step_of(running))
+    # a checkpoint past the one it resumed from is the restarted run's (a resume takes the last whole one)
+    restarted = wait_for(ej, job["id"], lambda j: max(dcp_steps(home)) > first_resumed,
+                         "a checkpoint of the restarted run")
+    assert restarted["restarts"] == 1, restarted
+    (store_pgid,) = db_rows(home / "g.db", "SELECT store_pgid FROM jobs WHERE id = ?", (job["id"],))[0]
+    os.killpg(store_pgid, 9)
     done = ej.wait_final(job["id"], DEADLINE_S)
-    assert done["state"] == "succeeded" and done["restarts"] == 1, done
+    assert done["state"] == "succeeded" and done["restarts"] == 2, done
     first_run = done["workers"][:3]
     assert sorted(w["exit_code"] for w in first_run) == [-9, SHARDS_LOST_EXIT, SHARDS_LOST_EXIT], first_run
     requeues = [e for e in ej.json("events", str(job["id"])) if (e["data"] or {}).get("cause") == "shards-lost"]
     assert requeues and f"worker {victim['wid']}" in requeues[0]["message"], requeues
+    lost_store_run = [w for w in done["workers"][3:] if w["wid"] in {m["wid"] for m in live_members(restarted)}]
+    assert lost_store_run and {w["exit_code"] for w in lost_store_run} == {STORE_LOST_EXIT}, done["workers"]
     logs = ej.ok("logs", str(job["id"])).stdout
-    (resumed,) = resumed_steps(logs)
-    assert 0 < resumed <= step_of(running) + 10, (resumed, step_of(running))
-    assert "shards restored from" in logs and "/dcp/step-" in logs
-    r = json.loads(report.read_text())
-    assert_every_sample_once(r, N, 2 * STEPS, B)
-    close(r["params"], reference(tmp_path, "--no-shard", *epochs))
-
-
-def test_a_lost_store_restarts_the_sharded_job_from_its_distributed_checkpoint(ej, home, tmp_path):
-    """The job store killed: every member exits STORE_LOST_EXIT, the job restarts from its
-    DCP checkpoint (not from step 0) and ends as the unsharded run."""
-    report = home / "r.json"
-    epochs = ["--epochs", "4"]
-    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--report", str(report)],
-                    "--workers", "2", "--elastic", "inplace")
-    wait_for(ej, job["id"], lambda j: step_of(j) >= 12 and j["world_size"] == 2, "steps past the first checkpoints")
-    (store_pgid,) = db_rows(home / "g.db", "SELECT store_pgid FROM jobs WHERE id = ?", (job["id"],))[0]
-    os.killpg(store_pgid, 9)
-    done = ej.wait_final(job["id"], DEADLINE_S)
-    assert done["state"] == "succeeded" and done["restarts"] == 1, done
-    assert [w["exit_code"] for w in done["workers"][:2]] == [STORE_LOST_EXIT] * 2, done["workers"]
-    logs = ej.ok("logs", str(job["id"])).stdout
-    (resumed,) = resumed_steps(logs)
-    assert resumed > 0 and "shards restored from" in logs
+    resumed = resumed_steps(logs)
+    assert len(resumed) == 2 and resumed[0] == first_resumed and resumed[1] > first_resumed, resumed
+    assert logs.count("shards restored from") >= 2 and "/dcp/step-" in logs
     r = json.loads(report.read_text())
     assert_every_sample_once(r, N, 2 * STEPS, B)
     close(r["params"], reference(tmp_path, "--no-shard", *epochs))
