@@ -12,7 +12,7 @@ TORCH_PIN := $(VENV)/torch-pin.txt
 # apt-get update once (not once per missing package): a fresh machine has no package lists
 APT_UPDATE := test -e $(VENV)/.apt-updated || { apt-get update -qq && touch $(VENV)/.apt-updated; }
 
-.PHONY: demo test test-fast venv sshd iptables postgresql podman prometheus chromium bench clean
+.PHONY: demo test test-fast venv bytecode sshd iptables postgresql podman prometheus chromium bench clean
 
 venv: $(VENV)/.installed
 
@@ -22,6 +22,16 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) -c $(TORCH_PIN) torch
 	$(PIP) -c $(TORCH_PIN) -e ".[test,postgres]"
 	touch $@
+
+# Our own sources byte-compiled before the tests, the demo and the benchmarks run: pip
+# compiles what it installs, but not an editable checkout, and where PYTHONDONTWRITEBYTECODE
+# is set (CI's machines, this project's dev machines) Python never writes the .pyc files
+# itself, so every process (each command, coordinator and worker) compiled the gpuflex
+# modules it imports again: ~0.25 s of CPU for the whole package. A .pyc whose source
+# changed since is not used (Python checks the source's time stamp), so one left stale
+# costs only what not having it costs.
+bytecode: venv
+	$(PY) -m compileall -q -j 0 gpuflex examples benchmarks tests migrations
 
 # The SSH tests need OpenSSH's sshd; install it where it is missing and we are root (as on CI).
 sshd:
@@ -85,20 +95,20 @@ chromium:
 # serially, and one end-to-end test failed under that load (docs/testing.md). 0: in this
 # process, one test at a time (also for -s or pdb).
 TEST_WORKERS ?= 0
-test: venv sshd iptables postgresql podman prometheus chromium
+test: venv bytecode sshd iptables postgresql podman prometheus chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The tests that start no process or server: the markers are tests/tiers.py's. On two pytest
 # workers (FAST_WORKERS), each test sent to whichever worker is free: 104 s against 170 s in
 # one process on the idle 2-core machine; none of them waits on a job's pace.
 FAST_WORKERS ?= 2
-test-fast: venv
+test-fast: venv bytecode
 	$(PY) -m pytest -q -n $(FAST_WORKERS) -m "not (e2e or ssh or postgres or slow)" $(PYTEST_ARGS)
 
-demo: venv
+demo: venv bytecode
 	$(PY) examples/demo.py
 
-bench: venv sshd postgresql
+bench: venv bytecode sshd postgresql
 	$(PY) benchmarks/scale_pause.py
 	$(PY) benchmarks/steady_overhead.py
 	$(PY) benchmarks/probe_hosts.py
