@@ -1,9 +1,11 @@
 """The split plan: which member trains how many samples of each step (issue 12), measured,
 agreed and committed.
 
-Measurement. Each rank times its own compute of a step (from the batch handed to the
-script to the end of its local backward, less the time spent at the step barrier: not the
-wait in the gradient collective) and keeps seconds per sample as an EWMA (`Meter`).
+Measurement. Each rank times its own compute of a step (from its first training forward,
+else from the batch handed to the script, to the end of its local backward, less the time
+spent at the step barrier: not the wait in the gradient collective, nor rank 0's
+evaluation before the forward; run/context.py) and keeps seconds per sample as an EWMA
+(`Meter`).
 
 Agreement. At the top of a step, in the first step of each generation and every
 EXCHANGE_EVERY steps, the members pass the step barrier and all-reduce one small float64

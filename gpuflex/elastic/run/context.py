@@ -89,8 +89,9 @@ class RunContext:
     # ---- the step being trained
     batch: Batch | None = None
     step_started: float | None = None   # time.time() at its start; None once its boundary began
-    t_step: float = 0.0    # its start (perf_counter)
-    waited: float = 0.0    # its time at the step barriers
+    t_step: float = 0.0    # its start (perf_counter): the batch handed out, then its first training forward
+    waited: float = 0.0    # its time at the step barriers since then
+    computing: bool = False   # its first training forward has begun
     crossed: tuple[Any, ...] = ()   # (generation, step, phase) of the last barrier crossed
     last_loss: torch.Tensor | None = None
     store_lost: StoreLost | None = None   # seen inside a step, raised at its boundary
@@ -129,6 +130,25 @@ class RunContext:
                                                               vote)
         self.waited += time.perf_counter() - t
         return ok
+
+    def begin_step(self) -> None:
+        """A step's batch handed to the script: its compute is timed from here until its
+        first training forward says otherwise (`began_forward`)."""
+        self.t_step, self.waited, self.computing = time.perf_counter(), 0.0, False
+
+    def began_forward(self, module: torch.nn.Module, args: Any) -> None:
+        """The model's forward pre-hook. The step's first forward with gradients on and the
+        model in training mode restarts the step's clock: what the script does between the
+        batch and that forward (rank 0's evaluation under no_grad, a metric's all-reduce)
+        is not this rank's compute of the step, and counted as such it made rank 0 look
+        slow and the speed split starve it (issue 28 item 3). A script whose forward never
+        reaches this module (no hook fired) is timed from the batch, as before."""
+        if not self.computing and module.training and torch.is_grad_enabled():
+            self.t_step, self.waited, self.computing = time.perf_counter(), 0.0, True
+
+    def compute_s(self) -> float:
+        """This rank's compute of the step so far: from `t_step`, less the barriers."""
+        return time.perf_counter() - self.t_step - self.waited
 
     def joined(self, formed: Formed | None) -> None:
         """A formation ended: in a new generation, or (None) stopped while waiting for one."""

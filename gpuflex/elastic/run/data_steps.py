@@ -13,7 +13,6 @@ checkpoint, and `full_parameters`. The sharded one (sharded_steps.py) answers th
 
 from __future__ import annotations
 
-import time
 
 import torch
 
@@ -70,7 +69,7 @@ class DataParallelSteps:
             weight = micro.weight if micro is not None else share(batch)
             backward(loss * weight if weight != 1.0 else loss, ctx.group.backend)
         if batch is not None:   # this rank's compute of the step: to the end of its backward, less barriers
-            ctx.split.meter.add(time.perf_counter() - ctx.t_step - ctx.waited, len(batch.indices))
+            ctx.split.meter.add(ctx.compute_s(), len(batch.indices))
         ctx.last_loss = loss.detach()
         if failpoints.ARMED and world > 1: failpoints.hit("steady.collective", **ctx.where())
         if world > 1 and not overlap and ctx.cross("backward"):   # then reduce
@@ -105,7 +104,7 @@ class DataParallelSteps:
         if not last:
             return
         if batch is not None:
-            ctx.split.meter.add(time.perf_counter() - ctx.t_step - ctx.waited, len(batch.indices))
+            ctx.split.meter.add(ctx.compute_s(), len(batch.indices))
         ctx.last_loss = loss.detach()
         world = ctx.world_size
         units = -(-batch.global_size // ctx.unit) if batch is not None else len(self.units.units)

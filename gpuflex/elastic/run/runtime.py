@@ -120,6 +120,7 @@ class ElasticRun:
             checkpoint_interval_s=float(checkpoint_interval_s or env.checkpoint_interval_s),
             warm_up_steps=passes, track_samples=track_samples, unit=units)
         ctx.micro.unit, ctx.micro.seed = units, seed   # bitwise: run.accumulate yields the units
+        model.register_forward_pre_hook(ctx.began_forward)   # a step's compute starts at its forward
         sampler.unit = units or 1                      # ... and the shares are cut at their boundaries
         self.strategy = ShardedSteps(ctx) if sharding is not None else DataParallelSteps(ctx)
         if sharding is not None:
@@ -265,7 +266,7 @@ class ElasticRun:
                 ctx.batch = batch
                 agreement.begin_step(batch)
                 ctx.step_started = time.time()
-                ctx.t_step, ctx.waited = time.perf_counter(), 0.0
+                ctx.begin_step()
                 if failpoints.ARMED and ctx.formed_at is not None and ctx.formed_kind == "resize":
                     failpoints.hit("resize.first_step", **ctx.where())
                 yield batch

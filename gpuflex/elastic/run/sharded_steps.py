@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any
 
 import torch
@@ -72,7 +71,7 @@ class ShardedSteps:
         weight = micro.weight if micro is not None else share(batch)
         backward(loss * weight, ctx.group.backend)
         if batch is not None:
-            ctx.split.meter.add(time.perf_counter() - ctx.t_step - ctx.waited, len(batch.indices))
+            ctx.split.meter.add(ctx.compute_s(), len(batch.indices))
         ctx.last_loss = loss.detach()
 
     def prepare(self) -> None:

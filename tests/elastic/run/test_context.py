@@ -4,11 +4,15 @@ store, no processes. tests/elastic/run/test_runtime.py has them at several sizes
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from gpuflex.elastic.membership.joining import Formed
 from gpuflex.elastic.membership.rendezvous import StoreLost
+from gpuflex.elastic.run import context
 from gpuflex.elastic.run.boundary import Boundary
 from gpuflex.elastic.run.context import RunContext
 from gpuflex.elastic.run.runtime import ElasticRun
@@ -68,3 +72,41 @@ def test_a_split_gives_no_member_an_empty_batch_unless_the_script_says_it_takes_
     takes_empty = ElasticRun(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), num_samples=12,
                              global_batch_size=4, steps=1, empty_batches=True)
     assert takes_empty.ctx.split.empty_ok is True and takes_empty.ctx.split.least == 2
+
+
+def test_a_steps_compute_is_timed_from_its_first_training_forward_not_from_the_batch(monkeypatch):
+    """Issue 28 item 3: rank 0's evaluation between the batch and the step's forward (its
+    own forwards under no_grad in eval mode, then a wait) is not the step's compute. A
+    clock the test moves: 50 s of "evaluation" and one eval forward, then a training
+    forward of 1 s, per step of 4 samples: the speed split's meter holds 1/4 s a sample."""
+    clock = [1000.0]
+    monkeypatch.setattr(context, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=time.time))
+    run, model, data = standalone(steps=3)
+
+    def one_second(module, args, out):
+        clock[0] += 1.0
+
+    model.register_forward_hook(one_second)   # every forward of the model takes 1 s on this clock
+    for x, y in run.loader(data):
+        model.eval()
+        with torch.no_grad():
+            model(x)        # rank 0's evaluation: not a training forward
+        model.train()
+        clock[0] += 50.0    # and the rest of it
+        run.backward(torch.nn.functional.mse_loss(model(x), y))
+    assert run.step == 3
+    assert run.ctx.split.meter.sec == 1.0 / 4
+
+
+def test_a_step_whose_forward_never_reaches_the_model_is_timed_from_its_batch(monkeypatch):
+    """No training forward of the model in the step (the hook never fired): the step is
+    timed from the batch handed out, as before."""
+    clock = [1000.0]
+    monkeypatch.setattr(context, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=time.time))
+    run, model, data = standalone(steps=1)
+    for x, y in run.loader(data):
+        clock[0] += 8.0
+        with torch.no_grad():
+            pred = model(x)
+        run.backward(torch.nn.functional.mse_loss(pred.requires_grad_(), y))
+    assert run.ctx.split.meter.sec == 8.0 / 4
