@@ -12,7 +12,7 @@ TORCH_PIN := $(VENV)/torch-pin.txt
 # apt-get update once (not once per missing package): a fresh machine has no package lists
 APT_UPDATE := test -e $(VENV)/.apt-updated || { apt-get update -qq && touch $(VENV)/.apt-updated; }
 
-.PHONY: demo test test-fast venv bytecode sshd iptables postgresql podman prometheus chromium bench clean
+.PHONY: demo test test-fast venv bytecode sshd iptables cc postgresql podman prometheus chromium bench clean
 
 venv: $(VENV)/.installed
 
@@ -49,6 +49,16 @@ iptables:
 		echo "installing iptables for the partition test"; \
 		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables >/dev/null; \
 	else echo "iptables not found and not root: the partition test will be skipped"; fi
+
+# The clock-skew test (tests/e2e/ssh/test_clock_skew_ssh.py) builds tests/fakes/clockshift.c,
+# a host's wall clock set off, with the C compiler; install Debian's gcc where it is missing
+# and we are root.
+cc:
+	@if command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing gcc for the clock-skew test"; \
+		$(APT_UPDATE) && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc libc6-dev >/dev/null; \
+	else echo "no C compiler and not root: the clock-skew test will be skipped"; fi
 
 # The PostgreSQL tests start a throw-away cluster of Debian's postgresql (tests/pgbed.py);
 # install it where it is missing and we are root (as on CI).
@@ -95,7 +105,7 @@ chromium:
 # serially, and one end-to-end test failed under that load (docs/testing.md). 0: in this
 # process, one test at a time (also for -s or pdb).
 TEST_WORKERS ?= 0
-test: venv bytecode sshd iptables postgresql podman prometheus chromium
+test: venv bytecode sshd iptables cc postgresql podman prometheus chromium
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 # The tests that start no process or server: the markers are tests/tiers.py's. On two pytest

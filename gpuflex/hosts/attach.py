@@ -7,8 +7,9 @@ is a worker's, and does on the host what `gpuflex run` does for a local session
 SPEC (JSON): {"argv": [...], "cwd": "..."}. It enters cwd, forks the command blocked
 (its own PTY, or its own process group, whose id is its pid), and prints one line,
 `MARK {"pid": N}` (or `MARK {"error": "..."}`), then waits for one line on stdin, the
-go: {"env": {...}, "exit_path": "...", "deadline": ..., "grace_s": ...}, sent once the
-session is recorded with that group. An end of input instead of the go ends the
+go: {"env": {...}, "exit_path": "...", "deadline": ..., "time_left_s": ..., "grace_s": ...},
+sent once the session is recorded with that group; the limit is kept on this host's clock
+from time_left_s (supervisor.local_deadline). An end of input instead of the go ends the
 command unrun (the session was refused). With a PTY its terminal is put in raw mode
 before the handshake, so the go line is neither echoed nor edited.
 
@@ -28,9 +29,11 @@ import json
 import os
 import sys
 import termios
+import time
 import tty
 
 from gpuflex.hosts import terminal
+from gpuflex.hosts.supervisor import local_deadline
 
 MARK = "GPUFLEX-ATTACH "
 MAX_GO = 1 << 20   # the go line: the command's environment, a few KiB
@@ -74,7 +77,7 @@ def main(argv: list[str]) -> int:
     go = json.loads(line)
     terminal.go(held, go["env"])
     parent = os.getppid()
-    rc, timed_out = terminal.attend(held, go["deadline"], float(go["grace_s"]),
+    rc, timed_out = terminal.attend(held, local_deadline(go, time.time()), float(go["grace_s"]),
                                     orphaned=lambda: os.getppid() != parent)
     terminal.write_exit(go["exit_path"], rc, timed_out)
     return rc

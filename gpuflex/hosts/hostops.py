@@ -121,14 +121,16 @@ def read_exit(exit_path: str) -> dict[str, Any] | None:
 
 
 def status(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """For each {pgid, exit_path}: {"alive": bool, "exit": exit record or None}."""
+    """For each {pgid, exit_path}: {"alive": bool, "exit": exit record or None, "now": this
+    host's time.time() when read}. `now` lets the caller put the record's `ended_at` (this
+    host's clock) on its own (gpuflex.hosts.transport.exit_on_our_clock)."""
     out = []
     for item in items:
         # alive first: the supervisor (the group's leader) writes the record before it exits,
         # so a group seen gone has its record by now; read first, a record written between
         # the two looks like a worker gone without one (lost)
         alive = bool(item.get("pgid")) and group_alive(int(item["pgid"]))
-        out.append({"alive": alive, "exit": read_exit(item["exit_path"])})
+        out.append({"alive": alive, "exit": read_exit(item["exit_path"]), "now": time.time()})
     return out
 
 

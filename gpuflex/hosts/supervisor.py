@@ -44,11 +44,14 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
     spec: argv (a leading `~` in argv[0] is this host's home), cwd, env (added to this
     environment; with clean_env, to HOST_IDENTITY only), log (stdout+stderr appended),
     exit_path (JSON exit record written when the worker ends), private_dirs,
-    socket_dir, deadline and grace_s (see gpuflex.hosts.transport.SpawnSpec). gpuflex's own directories are
+    socket_dir, time_left_s (or an older gpuflex's deadline: local_deadline) and grace_s (see
+    gpuflex.hosts.transport.SpawnSpec). gpuflex's own directories are
     0700 and its files 0600 (gpuflex.hosts.private), set explicitly: the worker's umask,
     which its own outputs follow, is left alone. Raises NotPrivate (an OSError) when one
     of them is another user's or a symlink.
     """
+    # first thing: the time this command took to get here is the run's, not the limit's
+    spec = {**spec, "deadline": local_deadline(spec, time.time())}
     log_path = os.path.expanduser(spec["log"])
     exit_path = os.path.expanduser(spec["exit_path"])
     for d in [os.path.dirname(log_path), os.path.dirname(exit_path), *(spec.get("private_dirs") or ())]:
@@ -75,6 +78,15 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
     if "error" in data:
         raise SpawnError(data["error"])
     return data
+
+
+def local_deadline(spec: dict[str, Any], now: float) -> float | None:
+    """The run's deadline on this host's clock (epoch seconds; None: none). The control host
+    sends the seconds left (`time_left_s`), which no difference between the two clocks can
+    move; an epoch `deadline` alone (a spec from an older gpuflex) is taken as it is."""
+    if spec.get("time_left_s") is not None:
+        return now + float(spec["time_left_s"])
+    return None if spec.get("deadline") is None else float(spec["deadline"])
 
 
 def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int) -> None:

@@ -23,6 +23,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from typing import Any, Callable
 
 from gpuflex.config import HostConfig
@@ -53,8 +54,10 @@ class SpawnSpec:
     rather than that of whoever runs the command that starts them. A program path
     (`argv[0]`) and `cwd` starting with `~` are the host user's.
 
-    `deadline` (epoch seconds; None: none) is the run's time limit, kept by the
-    supervisor itself, since no daemon watches the hosts: at the deadline it sends
+    `deadline` (epoch seconds on this, the control host's, clock; None: none) is the run's
+    time limit, kept by the supervisor itself, since no daemon watches the hosts. The host
+    is sent the seconds left (`spawn_request`), not the epoch: a host clock minutes off
+    would otherwise end the run minutes early or late. At the deadline the supervisor sends
     SIGTERM to the worker's group, waits `grace_s`, SIGKILLs what is left, and its exit
     record says `"time_limit": true`.
 
@@ -90,6 +93,30 @@ class ProcStatus:
     @property
     def returncode(self) -> int | None:
         return None if self.exit is None else int(self.exit["returncode"])
+
+
+def spawn_request(spec: SpawnSpec, now: float) -> dict[str, Any]:
+    """What hostops spawn is sent: the spec, with the seconds left to its deadline at `now`
+    (this host's clock) beside the epoch, which the host's supervisor turns into a deadline
+    on its own clock (supervisor.local_deadline). A deadline already past leaves 0."""
+    request = dataclasses.asdict(spec)
+    if spec.deadline is not None:
+        request["time_left_s"] = max(0.0, spec.deadline - now)
+    return request
+
+
+def exit_on_our_clock(record: dict[str, Any] | None, host_now: Any, received: float) -> dict[str, Any] | None:
+    """An exit record whose `ended_at` (the host's clock) is moved onto this host's clock by
+    the difference between the two, measured by the same reply: the host's time when it
+    answered (`host_now`) against ours when the answer came (`received`). The error is the
+    reply's transit, which can only make the end look later, never earlier. A reply without
+    `host_now` (an older gpuflex on the host) is taken as it is."""
+    if record is None or not isinstance(host_now, (int, float)) or isinstance(host_now, bool):
+        return record
+    ended = record.get("ended_at")
+    if not isinstance(ended, (int, float)) or isinstance(ended, bool):
+        return record
+    return {**record, "ended_at": ended + (received - float(host_now)), "host_ended_at": ended}
 
 
 class Transport(abc.ABC):
@@ -130,13 +157,16 @@ class Transport(abc.ABC):
         return reply["ok"]
 
     def spawn(self, spec: SpawnSpec) -> Spawned:
-        data = self.hostop("spawn", dataclasses.asdict(spec))
+        data = self.hostop("spawn", spawn_request(spec, time.time()))
         return Spawned(pid=int(data["pid"]), pgid=int(data["pgid"]))
 
     def status(self, items: list[tuple[int | None, str]]) -> list[ProcStatus]:
-        """Liveness and exit record of (pgid, exit_path) pairs."""
+        """Liveness and exit record of (pgid, exit_path) pairs; an exit record's `ended_at`
+        on this (the control host's) clock (exit_on_our_clock)."""
         data = self.hostop("status", {"items": [{"pgid": p, "exit_path": e} for p, e in items]})
-        return [ProcStatus(alive=d["alive"], exit=d["exit"]) for d in data]
+        received = time.time()
+        return [ProcStatus(alive=d["alive"], exit=exit_on_our_clock(d["exit"], d.get("now"), received))
+                for d in data]
 
     def signal(self, pgids: list[int], signum: int) -> list[bool]:
         return self.hostop("signal", {"pgids": pgids, "signal": int(signum)})

@@ -10,8 +10,9 @@ import pytest
 
 from gpuflex.config import HostConfig
 from gpuflex.errors import TransportError
-from gpuflex.hosts.transport import (CommandResult, LocalTransport, Transport, make_transport,
-                                     register_transport)
+from gpuflex.hosts.supervisor import local_deadline
+from gpuflex.hosts.transport import (CommandResult, LocalTransport, SpawnSpec, Transport, exit_on_our_clock,
+                                     make_transport, register_transport, spawn_request)
 
 
 class EchoTransport(Transport):
@@ -122,3 +123,50 @@ def test_the_host_side_and_the_coordinator_name_process_group_marks_alike():
     from gpuflex.elastic.protocol import run_dir
     from gpuflex.hosts import supervisor
     assert supervisor.GROUP_MARK == run_dir.GROUP_MARK
+
+
+# ---- a host whose clock differs from ours (issue 28: a host clock 10 minutes off) --------
+def test_a_host_is_sent_the_seconds_left_which_its_supervisor_puts_on_its_own_clock():
+    spec = SpawnSpec(argv=["x"], cwd="~", env={}, log="l", exit_path="e", deadline=1000.0)
+    request = spawn_request(spec, now=970.0)
+    assert request["time_left_s"] == 30.0 and request["deadline"] == 1000.0
+    # the same 30 s on a host 10 minutes ahead and on one 10 minutes behind
+    assert local_deadline(request, now=970.0 + 600) == 1600.0
+    assert local_deadline(request, now=970.0 - 600) == 400.0
+
+
+def test_a_deadline_already_past_leaves_no_time_and_none_stays_none():
+    late = SpawnSpec(argv=["x"], cwd="~", env={}, log="l", exit_path="e", deadline=1000.0)
+    assert spawn_request(late, now=1010.0)["time_left_s"] == 0.0
+    none = SpawnSpec(argv=["x"], cwd="~", env={}, log="l", exit_path="e")
+    assert "time_left_s" not in spawn_request(none, now=1010.0)
+    assert local_deadline(spawn_request(none, now=1010.0), now=5.0) is None
+
+
+def test_a_spec_with_only_an_epoch_deadline_is_kept_as_it_was():
+    assert local_deadline({"deadline": 1234.5}, now=99.0) == 1234.5
+
+
+def test_an_exit_record_is_put_on_our_clock_by_the_difference_the_same_reply_measured():
+    ahead = exit_on_our_clock({"returncode": 0, "ended_at": 1600.0}, host_now=1650.0, received=1050.5)
+    assert ahead == {"returncode": 0, "ended_at": 1000.5, "host_ended_at": 1600.0}
+    behind = exit_on_our_clock({"returncode": -15, "ended_at": 400.0, "time_limit": True}, 450.0, 1050.0)
+    assert behind["ended_at"] == 1000.0 and behind["time_limit"] is True
+
+
+@pytest.mark.parametrize("record, host_now", [
+    (None, 10.0),                                   # no record yet
+    ({"returncode": 0, "ended_at": 5.0}, None),     # an older host's reply: no "now"
+    ({"returncode": 0, "ended_at": 5.0}, True),     # not a number
+    ({"returncode": 0}, 10.0),                      # a record without ended_at
+])
+def test_what_cannot_be_converted_is_returned_as_it_is(record, host_now):
+    assert exit_on_our_clock(record, host_now, 99.0) == record
+
+
+def test_the_local_status_reply_carries_this_hosts_time(tmp_path):
+    exit_path = tmp_path / "x.exit"
+    exit_path.write_text('{"returncode": 3, "ended_at": 100.0}')
+    (st,) = LocalTransport(HostConfig(name="local")).status([(None, str(exit_path))])
+    # the same clock: moved by the reply's transit only, which here is microseconds
+    assert st.returncode == 3 and st.exit["host_ended_at"] == 100.0 and 100.0 <= st.exit["ended_at"] < 100.1
