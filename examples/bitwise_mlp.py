@@ -52,10 +52,11 @@ def main():
     for epoch in run.epochs():
         for xb, yb in loader:
             noise = 0.01 * torch.randn(run.batch.global_size, D_IN)[run.batch.slice]  # one draw per global batch
-            device_work(args, len(xb))
             opt.zero_grad()
             for xu, yu, nu in run.accumulate(xb, yb, noise):   # unit by unit, each under its own RNG stream
-                run.backward(F.mse_loss(model(xu + nu), yu))
+                loss = F.mse_loss(model(xu + nu), yu)
+                device_work(args, len(xu))   # the unit's simulated device time, after its forward
+                run.backward(loss)
             opt.step()
             sched.step()
             if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):

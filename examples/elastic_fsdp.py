@@ -124,8 +124,8 @@ def main():
         for xb, yb in loader:
             for mx, my in run.accumulate(xb, yb, micro_batch_size=args.micro_batch_size):
                 logits = model(mx)
+                device_work(args, len(mx))   # simulated device time, after the forward: in the step's compute
                 run.backward(F.cross_entropy(logits.reshape(-1, VOCAB), my.reshape(-1)))
-            device_work(args, len(xb))
             opt.step()
             opt.zero_grad()
             sched.step()

@@ -4,9 +4,10 @@
 processes, on top of its real compute, so its step grows with its share as on a device.
 `--slow-slots SLOT=FACTOR,...`: a worker holding one of those slots (GPUFLEX_SLOTS, or on
 a GPU host its own GPUs from CUDA_VISIBLE_DEVICES) spends FACTOR times as long per sample.
-The time is spent in the script's step, before its backward, outside the runtime (this
-module is the example's, never imported by gpuflex.elastic): the runtime sees the slowness
-only as the compute time it measures. It lives in the package so that a script run through
+The time is spent in the script's step, after its forward and before its backward,
+outside the runtime (this module is the example's, never imported by gpuflex.elastic): the
+runtime sees the slowness only as the compute time it measures, which runs from the step's
+first training forward (work before it, such as rank 0's evaluation, is not the step's). It lives in the package so that a script run through
 a wrapper (runpy, as the fault tests do) imports it too.
 """
 
