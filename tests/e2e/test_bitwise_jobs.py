@@ -1,8 +1,8 @@
 """Issue 31 end to end: the elastic MLP in bitwise mode (examples/bitwise_mlp.py) on the
 local pool, grown to 3 workers, re-split by speed (the worker on slot 0 three times slower),
-a fast member killed with SIGKILL, shrunk to 1 and grown to 2, ends with the very bits of a
-standalone run of the same script: parameters and momentum, torch.equal, every sample of
-every epoch once. (tests/e2e/test_elastic_jobs.py's first test shows that the default mode,
+a fast member killed with SIGKILL, shrunk to 1, grown to 2 and restarted from its checkpoint
+(its store killed), ends with the very bits of a standalone run of the same script:
+parameters and momentum, torch.equal, every sample of every epoch once. (tests/e2e/test_elastic_jobs.py's first test shows that the default mode,
 under resizes, does not keep the bits; tests/elastic/data/test_exact.py shows why.)"""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests import REPO
-from tests.conftest import wait_for
+from tests.conftest import db_rows, wait_for
 from tests.e2e.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, ej,  # noqa: F401
                                          live_members, scale, step_of, world_sizes)
 from tests.e2e.test_hetero_split import favours_the_fast
@@ -49,14 +49,21 @@ def test_bitwise_job_resized_killed_and_re_split_has_the_bits_of_the_standalone_
     alone = wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(after) + 5 and j["world_size"] == 1,
                      "steps at world size 1")
     scale(ej, job["id"], 2)
-    wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(alone) + 5 and j["world_size"] == 2,
-             "steps at world size 2")
+    two = wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(alone) + 5 and j["world_size"] == 2,
+                   "steps at world size 2")
+    # then a restart from the checkpoint: the job's store killed, every member exits and the
+    # job comes back from its last checkpoint at whatever size the pool gives it
+    (store_pgid,) = db_rows(home / "g.db", "SELECT store_pgid FROM jobs WHERE id = ?", (job["id"],))[0]
+    os.killpg(store_pgid, signal.SIGKILL)
+    wait_for(ej, job["id"], lambda j: j["restarts"] == 1 and j["state"] == "running" and step_of(j) > step_of(two),
+             "steps after the restart from the checkpoint")
     hold.unlink()
     done = ej.wait_final(job["id"], DEADLINE_S)
-    assert done["state"] == "succeeded", done
+    assert done["state"] == "succeeded" and done["restarts"] == 1, done
+    assert "resumed from checkpoint at step" in ej.ok("logs", str(job["id"])).stdout
     r = json.loads(report.read_text())
     order = world_sizes(r)
-    assert order[-4:] == [3, 2, 1, 2], order
+    assert any(order[i:i + 4] == [3, 2, 1, 2] for i in range(len(order))), order
 
     ref_path = tmp_path / "ref.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
