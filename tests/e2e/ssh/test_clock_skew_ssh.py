@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from tests import REPO
-from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows
+from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for
 from tests.sshbed import SshBed, SshdHost, default_gpus, host_toml, restart_sshd, ssh_hosts  # noqa: F401
 
 SHIM = REPO / "tests" / "fakes" / "clockshift.c"
@@ -115,17 +115,6 @@ def live(job: dict) -> list[dict]:
     return [w for w in job["workers"] if w["state"] in ("starting", "running", "leaving")]
 
 
-def wait_job(cli: GpuflexCLI, job_id: int, pred, what: str, deadline_s: float = 180) -> dict:
-    end = time.monotonic() + deadline_s
-    while True:
-        job = cli.json("status", str(job_id))
-        if pred(job):
-            return job
-        if job["state"] in ("succeeded", "failed", "cancelled", "timeout") or time.monotonic() > end:
-            pytest.fail(f"job {job_id}: gave up waiting for {what}: {json.dumps(job)[:3000]}")
-        time.sleep(0.5)
-
-
 def test_hosts_10_minutes_ahead_and_behind_keep_the_time_limit_the_reclaim_and_the_records(
         skewed, ssh_hosts, home):
     (sj, shim), bed = skewed, ssh_hosts
@@ -136,7 +125,7 @@ def test_hosts_10_minutes_ahead_and_behind_keep_the_time_limit_the_reclaim_and_t
     job = sj.submit([sys.executable, EXAMPLE, "--hidden", "16", "--epochs", "100000", "--step-sleep", "0.05"],
                     "--harvest", "--workers", "2:3", "--time", f"{TIME_LIMIT_S}s", "--env", f"LD_PRELOAD={shim}")
     assert sorted(w["host"] for w in live(job)) == ["gpu02", "gpu03", "gpu03"], job
-    running = wait_job(sj, job["id"], lambda j: j["state"] == "running" and j["world_size"] == 3
+    running = wait_for(sj, job["id"], lambda j: j["state"] == "running" and j["world_size"] == 3
                        and (j.get("step") or 0) >= 1, "three workers training")
     for w in live(running):   # the workers too read their host's clock: the shim, and their host's HOME
         environ = Path(f"/proc/{w['pid']}/environ").read_bytes().split(b"\0")
@@ -157,7 +146,7 @@ def test_hosts_10_minutes_ahead_and_behind_keep_the_time_limit_the_reclaim_and_t
         print(f"reclaim of gpu03:1: {reclaim['method']} in {reclaim['latency_s']} s (deadline {RECLAIM_S} s)")
         assert (reclaim["host"], reclaim["gpu"], reclaim["ok"]) == ("gpu03", 1, True), tick
         assert reclaim["latency_s"] <= reclaim["deadline_s"] == RECLAIM_S
-        shrunk = wait_job(sj, job["id"], lambda j: j["state"] == "running" and j["world_size"] == 2
+        shrunk = wait_for(sj, job["id"], lambda j: j["state"] == "running" and j["world_size"] == 2
                           and len(live(j)) == 2, "the shrink to two workers")
         assert sorted(w["host"] for w in live(shrunk)) == ["gpu02", "gpu03"]
         gone = ends(home, bed, job["id"])[taken["wid"]]
