@@ -142,7 +142,11 @@ class RunContext:
         batch and that forward (rank 0's evaluation under no_grad, a metric's all-reduce)
         is not this rank's compute of the step, and counted as such it made rank 0 look
         slow and the speed split starve it (issue 28 item 3). A script whose forward never
-        reaches this module (no hook fired) is timed from the batch, as before."""
+        reaches this module (no hook fired) is timed from the batch, as before, and so is
+        a forward torch.compile traces through this hook: it returns at once there, so a
+        fullgraph compile does not break on it."""
+        if torch.compiler.is_compiling():
+            return
         if not self.computing and module.training and torch.is_grad_enabled():
             self.t_step, self.waited, self.computing = time.perf_counter(), 0.0, True
 
