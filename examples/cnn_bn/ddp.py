@@ -56,16 +56,17 @@ def maybe_raise(args, step, rank):
         raise RuntimeError(f"injected failure at step {step} on rank {rank}")
 
 
-def write_report(path, rank, model, args, steps, loss, step_log, samples):
+def write_report(path, rank, model, opt, args, steps, loss, step_log, samples):
     """Every rank writes PATH.rank<r> (its state's checksums); rank 0 also writes PATH."""
     params_sha, params = flat(model.parameters())
     buffers_sha, buffers = flat(b for b in model.buffers() if b.is_floating_point())
+    opt_sha = flat(s["momentum_buffer"] for s in opt.state.values())[0]   # SGD's momentum
     with open(f"{path}.rank{rank}", "w") as f:
-        json.dump({"params_sha256": params_sha, "buffers_sha256": buffers_sha}, f)
+        json.dump({"params_sha256": params_sha, "buffers_sha256": buffers_sha, "optimizer_sha256": opt_sha}, f)
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"steps": steps, "epochs": args.epochs, "global_batch_size": args.global_batch_size,
-                       "loss": loss, "params_sha256": params_sha, "params": params,
+                       "loss": loss, "params_sha256": params_sha, "params": params, "optimizer_sha256": opt_sha,
                        "buffers_sha256": buffers_sha, "buffers": buffers, "step_log": step_log,
                        "samples": {str(e): v for e, v in samples.items()}}, f)
 
@@ -113,7 +114,7 @@ def main():
         if rank == 0:
             print(f"epoch {epoch}: loss {logged:.4f}", flush=True)
     if args.report:
-        write_report(args.report, rank, model.module, args, step, logged, [], {})
+        write_report(args.report, rank, model.module, opt, args, step, logged, [], {})
     dist.destroy_process_group()
 
 

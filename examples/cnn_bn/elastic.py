@@ -3,6 +3,8 @@
 BatchNorm normalizes each rank's share with that share's statistics, so the math depends on
 the split: a resized run is close to a standalone one, not equal (docs/converting.md gives
 the tolerance). The running statistics follow DDP's rule: rank 0's are broadcast each step.
+With GPUFLEX_EXACT=bitwise (GPUFLEX_UNIT: samples per unit, default the global batch / 8)
+each unit normalizes with its own statistics, and a resized run has the standalone's bits.
 
     python examples/cnn_bn/elastic.py --epochs 2 --report /tmp/ref.json      # standalone
     gpuflex submit --workers 2:3 -- python examples/cnn_bn/elastic.py --step-sleep 0.05
@@ -60,16 +62,17 @@ def maybe_raise(args, step, rank):
         raise RuntimeError(f"injected failure at step {step} on rank {rank}")
 
 
-def write_report(path, rank, model, args, steps, loss, step_log, samples):
+def write_report(path, rank, model, opt, args, steps, loss, step_log, samples):
     """Every rank writes PATH.rank<r> (its state's checksums); rank 0 also writes PATH."""
     params_sha, params = flat(model.parameters())
     buffers_sha, buffers = flat(b for b in model.buffers() if b.is_floating_point())
+    opt_sha = flat(s["momentum_buffer"] for s in opt.state.values())[0]   # SGD's momentum
     with open(f"{path}.rank{rank}", "w") as f:
-        json.dump({"params_sha256": params_sha, "buffers_sha256": buffers_sha}, f)
+        json.dump({"params_sha256": params_sha, "buffers_sha256": buffers_sha, "optimizer_sha256": opt_sha}, f)
     if rank == 0:
         with open(path, "w") as f:
             json.dump({"steps": steps, "epochs": args.epochs, "global_batch_size": args.global_batch_size,
-                       "loss": loss, "params_sha256": params_sha, "params": params,
+                       "loss": loss, "params_sha256": params_sha, "params": params, "optimizer_sha256": opt_sha,
                        "buffers_sha256": buffers_sha, "buffers": buffers, "step_log": step_log,
                        "samples": {str(e): v for e, v in samples.items()}}, f)
 
@@ -101,9 +104,10 @@ def main():
         model.train()
         for x, y in loader:
             maybe_raise(args, run.step, run.rank)
-            loss = F.cross_entropy(model(x), y)
             opt.zero_grad()
-            run.backward(loss)
+            for xb, yb in run.accumulate(x, y):   # the share; its units under GPUFLEX_EXACT=bitwise
+                loss = F.cross_entropy(model(xb), yb)
+                run.backward(loss)
             opt.step()
             sched.step()
             logged = run.global_mean(loss)
@@ -112,7 +116,7 @@ def main():
         if run.is_primary:
             print(f"epoch {epoch}: loss {logged:.4f}", flush=True)
     if args.report:
-        write_report(args.report, run.rank, model, args, run.step, logged, run.step_log, run.samples)
+        write_report(args.report, run.rank, model, opt, args, run.step, logged, run.step_log, run.samples)
 
 
 if __name__ == "__main__":

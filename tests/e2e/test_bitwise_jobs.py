@@ -2,7 +2,10 @@
 local pool, grown to 3 workers, re-split by speed (the worker on slot 0 three times slower),
 a fast member killed with SIGKILL, shrunk to 1, grown to 2 and restarted from its checkpoint
 (its store killed), ends with the very bits of a standalone run of the same script:
-parameters and momentum, torch.equal, every sample of every epoch once. (tests/e2e/test_elastic_jobs.py's first test shows that the default mode,
+parameters and momentum, torch.equal, every sample of every epoch once; the transformer LM
+and the BatchNorm CNN (its running statistics too), submitted with GPUFLEX_EXACT=bitwise,
+resized and killed, likewise.
+(tests/e2e/test_elastic_jobs.py's first test shows that the default mode,
 under resizes, does not keep the bits; tests/elastic/data/test_exact.py shows why.)"""
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +117,53 @@ def test_the_transformer_lm_unchanged_in_bitwise_mode_resized_and_killed_has_the
     assert r["params_sha256"] == ref["params_sha256"] and r["evals"] == ref["evals"]
     assert r["best_val_loss"] == ref["best_val_loss"]
     assert r["loss"] == pytest.approx(ref["loss"], rel=1e-6)   # run.global_mean: a float sum, not exact
+
+
+CNN = str(REPO / "examples" / "cnn_bn" / "elastic.py")
+# BatchNorm and dropout, with GPUFLEX_EXACT=bitwise: 960 images in global batches of 48, units
+# of 6 (each normalised with its own statistics, data/exact_bn.py); 20 steps an epoch, 120 steps
+CNN_ARGS = ["--samples", "960", "--global-batch-size", "48", "--epochs", "6", "--dropout", "0.1", "--seed", "2"]
+
+
+def test_the_batchnorm_cnn_in_bitwise_mode_resized_and_killed_has_the_standalone_bits(ej, tmp_path, home):
+    report, hold = home / "cnn.json", home / "hold"
+    hold.touch()   # paced while the test resizes it, then at full speed
+    job = ej.submit([sys.executable, CNN, *CNN_ARGS, "--step-sleep", "0.3", "--sleep-while", str(hold),
+                     "--report", str(report)], "--workers", "1:3", "--env", "GPUFLEX_EXACT=bitwise")
+    scale(ej, job["id"], 3)
+    three = wait_for(ej, job["id"], lambda j: step_of(j) >= 3 and j["world_size"] == 3, "steps at world size 3")
+    victim = live_members(three)[-1]
+    os.kill(victim["pid"], signal.SIGKILL)
+    after = wait_for(ej, job["id"], lambda j: j["generation"] > three["generation"] and j["state"] == "running"
+                     and j["world_size"] == 2 and step_of(j) > step_of(three), "recovery without the victim")
+    scale(ej, job["id"], 1)
+    alone = wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(after) + 3 and j["world_size"] == 1,
+                     "steps at world size 1")
+    scale(ej, job["id"], 2)
+    wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(alone) + 3 and j["world_size"] == 2,
+             "steps at world size 2")
+    hold.unlink()
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    assert done["state"] == "succeeded", done
+    r = json.loads(report.read_text())
+    order = world_sizes(r)
+    assert order[-4:] == [3, 2, 1, 2], order
+    assert [s for s, _, _ in r["step_log"]] == list(range(120)), "a step was lost or repeated"
+    assert sorted(r["samples"], key=int) == [str(e) for e in range(6)]
+    for epoch, ids in r["samples"].items():
+        assert sorted(ids) == list(range(960)), f"epoch {epoch}: not every sample exactly once"
+    members = [json.loads(Path(f"{report}.rank{k}").read_text()) for k in range(2)]   # the last two members
+    for key in ("params_sha256", "optimizer_sha256", "buffers_sha256"):
+        assert {m[key] for m in members} == {r[key]}, key
+
+    ref_path = tmp_path / "cnn_ref.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}
+    subprocess.run([sys.executable, CNN, *CNN_ARGS, "--report", str(ref_path)], check=True, timeout=300,
+                   env={**env, "GPUFLEX_EXACT": "bitwise"})
+    ref = json.loads(ref_path.read_text())
+    assert r["steps"] == ref["steps"] == 120
+    assert torch.equal(torch.tensor(r["params"]), torch.tensor(ref["params"]))
+    assert torch.equal(torch.tensor(r["buffers"]), torch.tensor(ref["buffers"]))   # BatchNorm's running statistics
+    assert r["params_sha256"] == ref["params_sha256"] and r["optimizer_sha256"] == ref["optimizer_sha256"]
+    assert r["buffers_sha256"] == ref["buffers_sha256"]
+    assert {w["wid"]: w for w in done["workers"]}[victim["wid"]]["exit_code"] == -9

@@ -22,6 +22,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
+from gpuflex.elastic import torch_compat
+from gpuflex.elastic.data import exact_bn
 from gpuflex.elastic.protocol.env import EXACT, EXACT_THREADS, UNIT
 
 MODES = ("allclose", "bitwise")
@@ -63,7 +65,7 @@ def unit_size(global_batch_size: int, num_samples: int, unit: int | None,
     return unit   # an epoch's last, partial batch ends in a short unit where `unit` does not divide it
 
 
-def refuse(*, shard: object, scaler: object, batch_norm: bool, buffers: str) -> None:
+def refuse(*, shard: object, scaler: object, buffers: str) -> None:
     """What bitwise mode does not cover yet, refused at construction with one line."""
     if shard is not None:
         raise ValueError("exact='bitwise' with shard= is not supported: FSDP's reduce-scatter sums in "
@@ -71,24 +73,24 @@ def refuse(*, shard: object, scaler: object, batch_norm: bool, buffers: str) -> 
     if scaler is not None:
         raise ValueError("exact='bitwise' with a loss scaler (scaler=) is not supported: drop the scaler "
                          "(float32 or bfloat16 autocast need none)")
-    if batch_norm:
-        raise ValueError("exact='bitwise' with BatchNorm is not supported: its running statistics would "
-                         "depend on which units each member ran")
     if buffers != "broadcast":
         raise ValueError(f"exact='bitwise' with buffers={buffers!r} is not supported: averaged buffers "
                          "depend on the split; use buffers='broadcast'")
 
 
-def bitwise_units(batch_norm: bool, num_samples: int, global_batch_size: int, exact: str | None,
+def bitwise_units(model: torch.nn.Module, num_samples: int, global_batch_size: int, exact: str | None,
                   unit: int | None, *, shard: object, scaler: object, buffers: str) -> int:
     """ElasticRun's exact= and unit=: 0 in the default mode; in bitwise mode the unit's
-    samples, once what it does not cover is refused and the threads are pinned."""
+    samples, once what it does not cover is refused and the threads are pinned (a model
+    with BatchNorm: its running statistics are merged exactly, data/exact_bn.py)."""
     if exact_mode(exact) != "bitwise":
         if unit is not None:
             raise ValueError("unit= is for exact='bitwise' (the default mode has no units)")
         return 0
-    refuse(shard=shard, scaler=scaler, batch_norm=batch_norm, buffers=buffers)
+    refuse(shard=shard, scaler=scaler, buffers=buffers)
     units = unit_size(global_batch_size, num_samples, unit)
+    if any(torch_compat.is_batch_norm(m) for m in model.modules()):
+        exact_bn.refuse(model, units, num_samples, global_batch_size)
     pin_threads()
     return units
 
@@ -179,10 +181,11 @@ class UnitGrads:
             p.grad = torch.full_like(p, float("nan"))
         self.units = []
 
-    def reduce(self, group, global_units: int, vote: torch.Tensor | None) -> torch.Tensor | None:
+    def reduce(self, group, global_units: int, tail: torch.Tensor | None) -> torch.Tensor | None:
         """Sum this step's units over the members (`group`, None alone): the MAX all-reduce
-        of the largest |gradient|, the scale from it, the int64 sums all-reduced with the
-        boundary's `vote` (int64) at their end. Returns the summed vote (None without one);
+        of the largest |gradient|, the scale from it, the int64 sums all-reduced with `tail`
+        at their end (int64: the units' BatchNorm statistics, data/exact_bn.py, and the
+        boundary's vote). Returns the summed tail (None without one);
         raises RuntimeError where a collective failed (the caller drops the gradients)."""
         n = self.size()
         peak = torch.tensor([self.local_max()], dtype=torch.float64)
@@ -191,17 +194,17 @@ class UnitGrads:
         peak_value = float(peak[0])
         if not math.isfinite(peak_value):
             self.set_nan()
-            if vote is not None and group is not None:
-                vote = self._all_reduce(group, vote, dist.ReduceOp.SUM)
-            return vote
+            if tail is not None and group is not None:
+                tail = self._all_reduce(group, tail, dist.ReduceOp.SUM)
+            return tail
         k = scale_exponent(peak_value, global_units)
         total = self.local_sum(k, n)
-        if vote is not None:
-            total = torch.cat([total, vote.to(device=total.device, dtype=torch.int64)])
+        if tail is not None:
+            total = torch.cat([total, tail.to(device=total.device, dtype=torch.int64)])
         if group is not None:
             total = self._all_reduce(group, total, dist.ReduceOp.SUM)
         self.set_grads(total[:n], k)
-        return total[n:].cpu() if vote is not None else None
+        return total[n:].cpu() if tail is not None else None
 
     @staticmethod
     def _all_reduce(group, t: torch.Tensor, op) -> torch.Tensor:

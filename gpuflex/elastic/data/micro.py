@@ -34,6 +34,7 @@ class Micro:
 
     weight: float
     last: bool
+    unit: int = 0   # bitwise mode: the unit's place in the step's global batch
 
 
 def micro_bounds(n: int, micro_batch_size: int | None, steps: int | None) -> list[tuple[int, int]]:
@@ -127,7 +128,8 @@ class Accumulation:
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         try:
             for k, (a, b) in enumerate(bounds):
-                self.current = Micro(weight=(b - a) / total if total else 0.0, last=k == len(bounds) - 1)
+                self.current = Micro(weight=(b - a) / total if total else 0.0, last=k == len(bounds) - 1,
+                                     unit=(offset + a) // u)
                 with torch.random.fork_rng(devices=devices):
                     torch.manual_seed(unit_seed(self.seed, step, (offset + a) // u))
                     yield tuple(t[a:b] for t in tensors)

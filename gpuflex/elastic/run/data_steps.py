@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from gpuflex.elastic.data.exact import UnitGrads
+from gpuflex.elastic.data.exact_bn import BatchNormUnits
 from gpuflex.elastic.data.gradients import GradPlan, drop_grads
-from gpuflex.elastic.data.micro import share
+from gpuflex.elastic.data.micro import has_batch_norm, share
 from gpuflex.elastic.membership.collectives import backward
 from gpuflex.elastic.membership.rendezvous import StoreLost
 from gpuflex.elastic.protocol import failpoints
@@ -41,6 +42,8 @@ class DataParallelSteps:
         self.grad_plan: GradPlan | None = None   # made at start-up under gpuflex, else at the first reduce
         self.overlap = False   # the process's first backward is not overlapped (it may compile)
         self.units: UnitGrads | None = None   # bitwise mode: this step's units (data/exact.py)
+        # bitwise mode with BatchNorm: the units' statistics, merged exactly (data/exact_bn.py)
+        self.bn = BatchNormUnits(ctx.model) if ctx.unit and has_batch_norm(ctx.model) else None
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of this rank's *mean* loss over its share, weighted by the share's part
@@ -95,12 +98,18 @@ class DataParallelSteps:
                              "run.accumulate(x, y): run.backward(loss_fn(model(xb), yb))")
         weight, last = (share(batch), True) if micro is None else (micro.weight, micro.last)
         if ctx.warming_up:
+            if self.bn is not None:
+                self.bn.drop()
             return warm_up_backward(ctx, loss)
         if self.units is None:
             self.units = UnitGrads([p for p in ctx.model.parameters() if p.requires_grad])
         if batch is None or len(batch.indices) > 0:   # a member with no samples adds no unit
             (loss * weight).backward()
             self.units.take()
+            if self.bn is not None:   # the unit's place in the global batch: its row of statistics
+                self.bn.take(micro.unit if micro is not None else
+                             batch.offset // ctx.unit if batch is not None else len(self.units.units) - 1,
+                             (ctx.generation, ctx.state.step))
         if not last:
             return
         if batch is not None:
@@ -108,13 +117,16 @@ class DataParallelSteps:
         ctx.last_loss = loss.detach()
         world = ctx.world_size
         units = -(-batch.global_size // ctx.unit) if batch is not None else len(self.units.units)
+        # int64 after the gradients: the units' BatchNorm statistics, then the boundary's vote
+        stats = self.bn.pack(units) if self.bn is not None else torch.zeros(0, dtype=torch.int64)
         try:
             if world > 1:
                 if failpoints.ARMED: failpoints.hit("steady.collective", **ctx.where())
                 if not ctx.cross("backward") or ctx.group.failure is not None:
                     raise RuntimeError("the step barrier failed")
+            vote = ctx.agreement.build(done_step=True) if world > 1 else torch.zeros(0, dtype=torch.int64)
             summed = self.units.reduce(ctx.group if world > 1 else None, units,
-                                       ctx.agreement.build(done_step=True) if world > 1 else None)
+                                       torch.cat([stats, vote.to(torch.int64)]))
         except StoreLost as e:   # raised at the boundary, where the runtime exits cleanly
             self.units.units = []
             drop_grads(ctx.model)
@@ -124,8 +136,11 @@ class DataParallelSteps:
             self.units.units = []
             drop_grads(ctx.model)
             return
-        if summed is not None:
-            ctx.agreement.summed(summed)
+        summed = summed.cpu()
+        if self.bn is not None:   # every member folds in every unit's statistics alike
+            self.bn.apply(summed[:len(stats)], units)
+        if world > 1:
+            ctx.agreement.summed(summed[len(stats):])
 
     def make_grad_plan(self) -> GradPlan:
         ctx = self.ctx

@@ -88,7 +88,7 @@ class ElasticRun:
                  checkpoint_dir: str | None = None, checkpoint_interval_s: float | None = None,
                  split: str | None = None, shard: Any = None, empty_batches: bool = False,
                  exact: str | None = None, unit: int | None = None) -> None:
-        units = bitwise_units(has_batch_norm(model), num_samples, global_batch_size, exact, unit, shard=shard, scaler=scaler,
+        units = bitwise_units(model, num_samples, global_batch_size, exact, unit, shard=shard, scaler=scaler,
                               buffers=buffers)   # 0: the default mode; checked before anything starts
         device = pick_device()
         sharding = None   # shard=: FSDP2 over each generation; optimizer (and scheduler) are factories

@@ -203,8 +203,6 @@ def make_run(model=None, **kw) -> ElasticRun:
     ({"exact": "bits"}, "exact must be one of allclose, bitwise, got 'bits'"),
     ({"exact": "bitwise", "unit": 3}, "global_batch_size 8 does not divide into units of 3"),
     ({"unit": 2}, "unit= is for exact='bitwise'"),
-    ({"exact": "bitwise", "model": torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))},
-     "exact='bitwise' with BatchNorm is not supported"),
     ({"exact": "bitwise", "scaler": object()}, "loss scaler"),
     ({"exact": "bitwise", "shard": object()}, "with shard= is not supported"),
     ({"exact": "bitwise", "buffers": "average"}, "buffers='average' is not supported"),
