@@ -117,12 +117,12 @@ class DataParallelSteps:
             summed = self.units.reduce(ctx.group if world > 1 else None, units,
                                        ctx.agreement.build(done_step=True) if world > 1 else None)
         except StoreLost as e:   # raised at the boundary, where the runtime exits cleanly
-            self.units.units = []
+            self.units.clear()
             drop_grads(ctx.model)
             ctx.store_lost = e
             return
         except RuntimeError:   # noted by the group: the boundary undoes the step
-            self.units.units = []
+            self.units.clear()
             drop_grads(ctx.model)
             return
         if summed is not None:
