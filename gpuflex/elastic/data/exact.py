@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gpuflex.elastic.protocol.env import EXACT, EXACT_THREADS, UNIT
+from gpuflex.elastic.torch_compat import foreach_copy_, foreach_scale_round_
 
 MODES = ("allclose", "bitwise")
 DEFAULT_UNITS = 8      # unit= defaults to the global batch / 8 (so up to 8 members get work)
@@ -182,7 +183,7 @@ class UnitGrads:
     def size(self) -> int:
         return sum(p.numel() for p in self.params)
 
-    def _buffers(self, n: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kept(self, n: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.params[0].device if self.params else None
         if self._total is None or self._total.numel() != n + extra or self._total.device != torch.device(device or "cpu"):
             self._total = torch.empty(n + extra, dtype=torch.int64, device=device)
@@ -200,7 +201,7 @@ class UnitGrads:
         """The int64 sum of this member's quantized units in the first n entries of the kept
         buffer (`extra` entries after them left for the vote). The units' gradients are
         overwritten on the way (they are this object's own)."""
-        total, scratch = self._buffers(n, extra)
+        total, scratch = self._kept(n, extra)
         total_views, scratch_views = self._views(total), self._views(scratch)
         if not self.units:
             total[:n].zero_()
@@ -277,8 +278,7 @@ def _quantize_into(out: list[torch.Tensor], grads: list[torch.Tensor], k: int) -
     fast = [i for i, g in enumerate(grads) if g.dtype in FAST_DTYPES and k in FAST_K]
     if fast:
         gs = [grads[i] for i in fast]
-        torch._foreach_mul_(gs, 2.0 ** k)
-        torch._foreach_round_(gs)
-        torch._foreach_copy_([out[i] for i in fast], gs)   # integer-valued floats: the cast is exact
+        foreach_scale_round_(gs, 2.0 ** k)
+        foreach_copy_([out[i] for i in fast], gs)   # integer-valued floats: the cast is exact
     for i in set(range(len(grads))) - set(fast):
         out[i].copy_(quantize(grads[i].reshape(out[i].shape), k))
