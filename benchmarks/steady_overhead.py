@@ -3,6 +3,9 @@ plain DDP under torchrun (benchmarks/torchrun_worker.py: the same model, data or
 and loss), same fixed world size (2, gloo on CPU). With --fsdp: a sharded job
 (examples/elastic_fsdp.py, `ElasticRun(shard=Block)`, an even split, one micro-batch per
 rank) against plain FSDP2 under torchrun (benchmarks/torchrun_fsdp_worker.py).
+Without --fsdp, a third job runs beside them unless --no-bitwise: the same model in bitwise
+mode (examples/bitwise_mlp.py, `exact="bitwise"`, units of the global batch / 8 samples),
+with its rate against the default mode's and DDP's (issue 31's cost of bitwise mode).
 
 The two runs are interleaved finely: both jobs are started, and then only one of them runs
 at a time, in alternating windows of about a second (the other job's processes are held
@@ -10,15 +13,18 @@ with SIGSTOP, its coordinator and store included). This machine's speed drifts b
 percent within a minute (another tenant, the hypervisor); whole runs one after the other
 see different machines, windows a second apart see the same one. Each window's rate is
 taken from the job's own step log (the first steps after a resume left out); each pair of
-adjacent windows gives one ratio, and the pairs alternate which job goes first.
+adjacent windows gives one ratio, and the pairs alternate which job goes first. With the
+bitwise job, each pair becomes a round of three windows, one a job, in an order that
+rotates through all six from round to round; a round's windows give its ratios.
 
-Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700,3535] [--pairs 20]
+Run: .venv/bin/python benchmarks/steady_overhead.py [--hidden 64,700,3535] [--pairs 20] [--no-bitwise]
      .venv/bin/python benchmarks/steady_overhead.py --fsdp [--hidden 64,256] [--window 8] [--checkpoint-s 600]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -45,8 +51,10 @@ EPOCHS = 100000  # both jobs run until the measurement is over, then they are st
 class Job:
     """One of the two jobs: its process groups, to hold and release, and its step log."""
 
-    def __init__(self, name: str, pgids: list[int]) -> None:
-        self.name, self.pgids = name, pgids
+    def __init__(self, name: str, pgids: list[int], stretch: float = 1.0) -> None:
+        """`stretch`: this job's windows are that many windows long (a slow job needs more
+        time for the steps a window's rate is taken from)."""
+        self.name, self.pgids, self.stretch = name, pgids, stretch
         self.windows: list[tuple[float, float]] = []
 
     def signal(self, sig: int) -> None:
@@ -55,7 +63,7 @@ class Job:
     def run_for(self, seconds: float) -> None:
         self.signal(signal.SIGCONT)
         start = time.time()
-        time.sleep(seconds)
+        time.sleep(seconds * self.stretch)
         self.signal(signal.SIGSTOP)
         self.windows.append((start, time.time()))
 
@@ -106,12 +114,19 @@ def start_ddp(tmp: Path, hidden: int, fsdp: bool) -> tuple[Job, subprocess.Popen
     return Job("DDP", process_groups(proc.pid)), proc, log
 
 
-def start_gpuflex(tmp: Path, hidden: int, fsdp: bool, checkpoint_s: float) -> tuple[Job, Gpuflex, str]:
+BITWISE_STRETCH = 2.0   # the bitwise job's windows: at 100 MB it runs ~2 steps/s, and a 3 s
+# window less the RESUMED steps left it under the 5 steps a window's rate needs
+
+
+def start_gpuflex(tmp: Path, hidden: int, fsdp: bool, checkpoint_s: float,
+                  bitwise: bool = False, unit: int | None = None) -> tuple[Job, Gpuflex, str]:
     # held for a second at a time: timeouts well above the windows
-    gf = Gpuflex(tmp / "gf", slots=WORLD, jobs="pg_timeout_s = 120\nheartbeat_timeout_s = 120\n",
-                 checkpoint_interval_s=checkpoint_s)
-    script = [str(ROOT / "examples" / "elastic_fsdp.py"), "--global-batch-size", str(FSDP_BATCH),
-              "--micro-batch-size", str(FSDP_BATCH // WORLD)] if fsdp else [str(EXAMPLE)]
+    gf = Gpuflex(tmp / ("gfb" if bitwise else "gf"), slots=WORLD,
+                 jobs="pg_timeout_s = 120\nheartbeat_timeout_s = 120\n", checkpoint_interval_s=checkpoint_s)
+    script = ([str(ROOT / "examples" / "elastic_fsdp.py"), "--global-batch-size", str(FSDP_BATCH),
+               "--micro-batch-size", str(FSDP_BATCH // WORLD)] if fsdp
+              else [str(ROOT / "examples" / "bitwise_mlp.py"), *(["--unit", str(unit)] if unit else [])] if bitwise
+              else [str(EXAMPLE)])
     job = str(json.loads(gf("submit", "--workers", str(WORLD), "--elastic", "inplace", "--split", "even",
                             "--json", "--env", "OMP_NUM_THREADS=1", "--", sys.executable, *script,
                             "--hidden", str(hidden), "--epochs", str(EPOCHS)))["id"])
@@ -120,20 +135,45 @@ def start_gpuflex(tmp: Path, hidden: int, fsdp: bool, checkpoint_s: float) -> tu
     except BaseException:   # the job would train on (100000 epochs) after the benchmark is gone
         gf("cancel", job)
         raise
-    return Job("gpuflex", gf.pgids(job)), gf, job
+    return Job("bitwise" if bitwise else "gpuflex", gf.pgids(job), BITWISE_STRETCH if bitwise else 1.0), gf, job
 
 
-def measure(hidden: int, pairs: int, window: float, fsdp: bool,
-            checkpoint_s: float) -> tuple[list[tuple[int, float]], list[tuple[int, float]]]:
+def step_log(gf: Gpuflex) -> list[list[float]]:
+    """The job's step log, from the checkpoint the example writes when it is cancelled."""
+    from gpuflex.elastic.state.checkpoints import load_checkpoint
+
+    ck = next((gf.dir / "work").rglob("checkpoint.pt"))
+    return load_checkpoint(str(ck))["logs"]["step_log"]
+
+
+def stop_gpuflex(job: Job | None, gf: Gpuflex | None, job_id: str | None) -> None:
+    if job is not None:
+        job.signal(signal.SIGCONT)
+        gf("cancel", job_id)   # the example checkpoints its step log on the way out
+        gf.wait_workers_gone(job_id)
+        gf.status(job_id)
+
+
+def measure(hidden: int, pairs: int, window: float, fsdp: bool, checkpoint_s: float,
+            bitwise: bool = False, unit: int | None = None) -> tuple[list[tuple[int, float]], ...]:
+    """(DDP's, gpuflex's[, bitwise's]) (steps, steps/s) of each window, one window a job a round."""
     with tempfile.TemporaryDirectory(prefix="gpuflex-bench-") as t:
         tmp = Path(t)
         ddp, proc, ddp_log = start_ddp(tmp, hidden, fsdp)
         ddp.signal(signal.SIGSTOP)
-        ours = gf = None
+        ours = gf = job = bits = gfb = job_b = None
         try:
             ours, gf, job = start_gpuflex(tmp, hidden, fsdp, checkpoint_s)
             ours.signal(signal.SIGSTOP)
+            if bitwise:
+                bits, gfb, job_b = start_gpuflex(tmp, hidden, fsdp, checkpoint_s, bitwise=True, unit=unit)
+                bits.signal(signal.SIGSTOP)
+                orders = list(itertools.permutations((ddp, ours, bits)))
             for i in range(pairs):
+                if bitwise:   # every order in turn: none of the jobs always follows the same one
+                    for one in orders[i % len(orders)]:
+                        one.run_for(window)
+                    continue
                 first, second = (ddp, ours) if i % 2 == 0 else (ours, ddp)
                 first.run_for(window)
                 second.run_for(window)
@@ -144,17 +184,13 @@ def measure(hidden: int, pairs: int, window: float, fsdp: bool,
             ddp.signal(signal.SIGCONT)
             ddp.signal(signal.SIGKILL)
             proc.wait()
-            if ours is not None:
-                ours.signal(signal.SIGCONT)
-                gf("cancel", job)   # the example checkpoints its step log on the way out
-                gf.wait_workers_gone(job)
-                gf.status(job)
+            try:
+                stop_gpuflex(ours, gf, job)
+            finally:
+                stop_gpuflex(bits, gfb, job_b)
         ddp_steps = [list(map(float, ln.split())) for ln in ddp_log.read_text().splitlines()]
-        from gpuflex.elastic.state.checkpoints import load_checkpoint
-
-        ck = next((tmp / "gf" / "work").rglob("checkpoint.pt"))
-        our_steps = load_checkpoint(str(ck))["logs"]["step_log"]
-        return ddp.rates(ddp_steps), ours.rates(our_steps)
+        out = ddp.rates(ddp_steps), ours.rates(step_log(gf))
+        return (*out, bits.rates(step_log(gfb))) if bitwise else out
 
 
 def rate(r: float) -> str:
@@ -170,20 +206,30 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=20, help="window pairs per size")
     ap.add_argument("--window", type=float, default=0.0,
                     help="seconds per window (default: 1 s, or ~25 steps at large sizes)")
+    ap.add_argument("--no-bitwise", action="store_true",
+                    help="leave the bitwise-mode job out (two jobs, window pairs, as before issue 31)")
+    ap.add_argument("--bitwise-unit", type=int, default=None,
+                    help="samples per unit of the bitwise job (default: the global batch of 64 / 8)")
     ap.add_argument("--checkpoint-s", type=float, default=NO_CHECKPOINT,
                     help="the gpuflex job's checkpoint_interval_s (default: none inside the measurement, as "
                     "the torchrun workers write none; 600 is the config's default)")
     args = ap.parse_args()
     base = "FSDP2" if args.fsdp else "DDP"
+    bitwise = not (args.fsdp or args.no_bitwise)   # bitwise mode refuses shard=
     ck = "none while measured" if args.checkpoint_s >= NO_CHECKPOINT else f"every {args.checkpoint_s:g} s"
     print(f"world size {WORLD}, gloo on CPU, {base} under torchrun against gpuflex"
           f"{' (ElasticRun(shard=))' if args.fsdp else ''}; the jobs take turns in windows, {args.pairs} pairs per size;"
           f" gpuflex's checkpoints: {ck}")
-    rows, size = [], lm_state_bytes if args.fsdp else state_bytes
+    if bitwise:
+        print(f"and gpuflex in bitwise mode (examples/bitwise_mlp.py, units of {args.bitwise_unit or 8} samples): "
+              f"rounds of three windows instead of pairs, the bitwise job's {BITWISE_STRETCH:g}x as long")
+    # the machine is shared: its load beside the figures (1, 5, 15 min averages)
+    print("load average at the start: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
+    rows, brows, size = [], [], lm_state_bytes if args.fsdp else state_bytes
     for hidden in [int(h) for h in (args.hidden or ("64,256" if args.fsdp else "64,700,3535")).split(",")]:
         # ~25 steps of the 100 MB model take ~3 s on 2 cores
         window = args.window or max(1.0, 3.0 * (hidden / 3535) ** 2)
-        d, o = measure(hidden, args.pairs, window, args.fsdp, args.checkpoint_s)
+        d, o, *b = measure(hidden, args.pairs, window, args.fsdp, args.checkpoint_s, bitwise, args.bitwise_unit)
         ratios = [ro / rd for (_, rd), (_, ro) in zip(d, o) if rd == rd and ro == ro]
         pooled_d = sum(n for n, _ in d) / sum(n / r for n, r in d if n)
         pooled_o = sum(n for n, _ in o) / sum(n / r for n, r in o if n)
@@ -192,12 +238,31 @@ def main() -> None:
         print(f"  {base:5} steps/s   " + " ".join(f"{rate(r):>6}" for _, r in d))
         print("  gpuflex steps/s " + " ".join(f"{rate(r):>6}" for _, r in o))
         print("  pair ratios     " + " ".join(f"{r:6.3f}" for r in ratios))
+        if b:
+            (b,) = b
+            if not any(n for n, _ in b):
+                raise SystemExit("the bitwise job made too few steps in every window to measure: give --window")
+            pooled_b = sum(n for n, _ in b) / sum(n / r for n, r in b if n)
+            vs_o = [rb / ro for (_, ro), (_, rb) in zip(o, b) if ro == ro and rb == rb]
+            vs_d = [rb / rd for (_, rd), (_, rb) in zip(d, b) if rd == rd and rb == rb]
+            print("  bitwise steps/s " + " ".join(f"{rate(r):>6}" for _, r in b))
+            print("  bitwise/gpuflex " + " ".join(f"{r:6.3f}" for r in vs_o))
+            print(f"  bitwise/{base:7s} " + " ".join(f"{r:6.3f}" for r in vs_d))
+            brows.append((hidden, pooled_d, pooled_o, pooled_b, statistics.median(vs_o), statistics.median(vs_d),
+                          sum(n for n, _ in b)))
+        print("  load average: " + " ".join(f"{v:.2f}" for v in os.getloadavg()))
         rows.append((hidden, pooled_d, pooled_o, statistics.median(ratios), q[0], q[2], len(ratios),
                      sum(n for n, _ in d), sum(n for n, _ in o)))
     print(f"\nhidden  state MB  {base:5} steps/s  gpuflex steps/s  pooled ratio  median pair ratio (IQR)     pairs  steps torchrun/gpuflex")
     for hidden, pd, po, med, q1, q3, n, sd, so in rows:
         print(f"{hidden:6d}  {size(hidden) / 1e6:8.1f}  {rate(pd):>13}  {rate(po):>15}  {po / pd:8.3f} "
               f"({100 * (po / pd - 1):+.1f}%)  {med:8.3f} ({q1:.3f}-{q3:.3f})  {n:5d}  {sd}/{so}")
+    if brows:   # pooled: all steps over all window time; medians: of the rounds' ratios
+        print(f"\nhidden  state MB  {base:5} steps/s  gpuflex steps/s  bitwise steps/s  bitwise/gpuflex pooled (median)"
+              f"  bitwise/{base} pooled (median)  bitwise steps")
+        for hidden, pd, po, pb, mo, md, sb in brows:
+            print(f"{hidden:6d}  {size(hidden) / 1e6:8.1f}  {rate(pd):>13}  {rate(po):>15}  {rate(pb):>15}  "
+                  f"{pb / po:6.3f} ({100 * (pb / po - 1):+.1f}%) ({mo:.3f})  {pb / pd:12.3f} ({md:.3f})  {sb:13d}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,15 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
     _field(torch, "_foreach_copy_", "torch._foreach_copy_", "copying many small tensors at once")(dst, src)
 
 
+def foreach_scale_round_(tensors: Sequence[torch.Tensor], factor: float) -> None:
+    """`t.mul_(factor).round_()` for every t in two calls: `torch._foreach_mul_` and
+    `torch._foreach_round_`. Bitwise mode quantizes each unit's gradients this way
+    (data/exact.py), one list per unit, where a loop over a model's parameters costs a few
+    microseconds a tensor and op. Checked on torch 2.13."""
+    _field(torch, "_foreach_mul_", "torch._foreach_mul_", "scaling many tensors at once")(tensors, factor)
+    _field(torch, "_foreach_round_", "torch._foreach_round_", "rounding many tensors at once")(tensors)
+
+
 def run_backward_without_context(loss: torch.Tensor) -> None:
     """`loss.backward()` for a scalar loss with a graph, straight into the autograd engine:
     `torch.autograd.Variable._execution_engine.run_backward`, as `torch.autograd.backward`

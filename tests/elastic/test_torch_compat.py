@@ -33,6 +33,16 @@ def test_foreach_copy_copies_each_tensor_and_fails_loudly_without_the_field(monk
         torch_compat.foreach_copy_(dst, src)
 
 
+def test_foreach_scale_round_scales_and_rounds_each_tensor_and_fails_loudly_without_the_fields(monkeypatch):
+    ts = [torch.tensor([0.25, -1.25, 3.0]), torch.tensor([[0.75]], dtype=torch.bfloat16)]
+    torch_compat.foreach_scale_round_(ts, 2.0)
+    assert [t.tolist() for t in ts] == [[0.0, -2.0, 6.0], [[2.0]]]   # halves to even
+    for field in ("_foreach_round_", "_foreach_mul_"):
+        monkeypatch.delattr(torch, field)
+        with loud(f"torch.{field}"):
+            torch_compat.foreach_scale_round_(ts, 2.0)
+
+
 def _net_and_loss() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 1))

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from gpuflex.elastic import torch_compat
 from gpuflex.elastic.data import exact_bn
 from gpuflex.elastic.protocol.env import EXACT, EXACT_THREADS, UNIT
+from gpuflex.elastic.torch_compat import foreach_copy_, foreach_scale_round_
 
 MODES = ("allclose", "bitwise")
 DEFAULT_UNITS = 8      # unit= defaults to the global batch / 8 (so up to 8 members get work)
@@ -139,47 +140,100 @@ def dequantize(total: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     return (total.to(torch.float64) * (2.0 ** -k)).to(dtype)
 
 
+# Grad dtypes whose exponent range holds every g x 2**k this module makes (|g x 2**k| < 2**62)
+# and 2**k itself for k in FAST_K: there the scaling is exact in the grad's own dtype, and
+# round() of an exactly scaled value is the same integer float64 would give (see _quantize_into)
+FAST_DTYPES = (torch.float32, torch.bfloat16)
+FAST_K = range(-126, 128)
+
+
 class UnitGrads:
-    """One step's units of this member: each unit's gradient, flattened, kept until the
-    step's last unit; then the scale is agreed and the integer sum made (`reduce`)."""
+    """One step's units of this member: each unit's gradients, kept (the tensors backward
+    made, not copies) until the step's last unit; then the scale is agreed and the integer
+    sum made (`reduce`). The int64 sum and its scratch are kept from step to step: at 100 MB
+    of state, fresh 100 MB buffers each step cost more in page faults than the adds."""
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = params
-        self.units: list[torch.Tensor] = []
+        self.units: list[list[torch.Tensor]] = []   # per unit, one gradient per parameter
+        self.peaks: list[torch.Tensor] = []          # per unit, its largest |gradient| (0-dim, float64)
+        self._total: torch.Tensor | None = None      # int64: the sum, then the vote at its end
+        self._scratch: torch.Tensor | None = None    # int64 of one unit; float64 on the way back
 
     def take(self) -> None:
-        """After one unit's backward: keep its gradient, and clear `.grad` for the next unit
+        """After one unit's backward: keep its gradients, and clear `.grad` for the next unit
         (whose backward must start from nothing, not add to this one)."""
-        flats = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
-        self.units.append(torch.cat(flats) if flats else torch.zeros(0))
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         for p in self.params:
             p.grad = None
+        # aminmax, not abs().max() or an inf-norm: one vectorized pass, no copy (~17x faster
+        # at 50 MB); NaN where any gradient is NaN
+        ends = [torch.aminmax(g.reshape(-1)) for g in grads if g.numel()]
+        peak = (torch.stack([e.to(torch.float64).abs() for mm in ends for e in mm]).max() if ends
+                else torch.zeros((), dtype=torch.float64))
+        self.units.append(grads)
+        self.peaks.append(peak)
+
+    def clear(self) -> None:
+        self.units, self.peaks = [], []
 
     def local_max(self) -> float:
-        return max((float(u.abs().max()) for u in self.units if u.numel()), default=0.0)
-
-    def local_sum(self, k: int, n: int) -> torch.Tensor:
-        total = torch.zeros(n, dtype=torch.int64, device=self.params[0].device if self.params else None)
-        for u in self.units:
-            total += quantize(u, k)
-        return total
+        """The largest |gradient| of this member's units: NaN where one is NaN, inf where
+        one is infinite (either way, not finite)."""
+        return float(torch.stack(self.peaks).max()) if self.peaks else 0.0
 
     def size(self) -> int:
         return sum(p.numel() for p in self.params)
 
-    def set_grads(self, total: torch.Tensor, k: int) -> None:
-        """The summed integers back into every parameter's `.grad`."""
-        off = 0
+    def _kept(self, n: int, extra: int) -> tuple[torch.Tensor, torch.Tensor]:
+        device = self.params[0].device if self.params else None
+        if self._total is None or self._total.numel() != n + extra or self._total.device != torch.device(device or "cpu"):
+            self._total = torch.empty(n + extra, dtype=torch.int64, device=device)
+            self._scratch = torch.empty(n, dtype=torch.int64, device=device)
+        return self._total, self._scratch
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, off = [], 0
         for p in self.params:
-            p.grad = dequantize(total[off:off + p.numel()], k, p.dtype).view_as(p).to(p.device)
+            out.append(flat[off:off + p.numel()].view(p.shape))
             off += p.numel()
-        self.units = []
+        return out
+
+    def local_sum(self, k: int, n: int, extra: int = 0) -> torch.Tensor:
+        """The int64 sum of this member's quantized units in the first n entries of the kept
+        buffer (`extra` entries after them left for the vote). The units' gradients are
+        overwritten on the way (they are this object's own)."""
+        total, scratch = self._kept(n, extra)
+        total_views, scratch_views = self._views(total), self._views(scratch)
+        if not self.units:
+            total[:n].zero_()
+        for i, grads in enumerate(self.units):
+            _quantize_into(total_views if i == 0 else scratch_views, grads, k)
+            if i:
+                total[:n].add_(scratch)
+        return total
+
+    def set_grads(self, total: torch.Tensor, k: int) -> None:
+        """The summed integers back into every parameter's `.grad`: float64 (one rounding),
+        scaled by 2**-k (exact), then the grad's dtype (a second rounding), as `dequantize`.
+        The first unit's tensors become the gradients where they fit."""
+        n = self.size()
+        wide = self._scratch.view(torch.float64) if self._scratch is not None and self._scratch.numel() == n \
+            else torch.empty(n, dtype=torch.float64, device=total.device)
+        wide.copy_(total[:n]).mul_(2.0 ** -k)
+        reuse = self.units[0] if self.units else [None] * len(self.params)
+        for p, w, g in zip(self.params, self._views(wide), reuse):
+            if g is not None and g.dtype == p.dtype and g.shape == p.shape and g.device == p.device:
+                p.grad = g.copy_(w)
+            else:
+                p.grad = w.to(p.dtype).to(p.device).clone()
+        self.clear()
 
     def set_nan(self) -> None:
         """A non-finite gradient somewhere: every gradient is NaN, on every member alike."""
         for p in self.params:
             p.grad = torch.full_like(p, float("nan"))
-        self.units = []
+        self.clear()
 
     def reduce(self, group, global_units: int, tail: torch.Tensor | None) -> torch.Tensor | None:
         """Sum this step's units over the members (`group`, None alone): the MAX all-reduce
@@ -188,7 +242,10 @@ class UnitGrads:
         boundary's vote). Returns the summed tail (None without one);
         raises RuntimeError where a collective failed (the caller drops the gradients)."""
         n = self.size()
-        peak = torch.tensor([self.local_max()], dtype=torch.float64)
+        local = self.local_max()
+        # NaN sent as inf: a MAX that meets a NaN may keep or drop it depending on the order
+        # it compares in (gloo's does), and every member must see the same non-finite peak
+        peak = torch.tensor([local if local == local else math.inf], dtype=torch.float64)
         if group is not None:
             peak = self._all_reduce(group, peak, dist.ReduceOp.MAX)
         peak_value = float(peak[0])
@@ -198,13 +255,14 @@ class UnitGrads:
                 tail = self._all_reduce(group, tail, dist.ReduceOp.SUM)
             return tail
         k = scale_exponent(peak_value, global_units)
-        total = self.local_sum(k, n)
+        extra = tail.numel() if tail is not None else 0
+        total = self.local_sum(k, n, extra)
         if tail is not None:
-            total = torch.cat([total, tail.to(device=total.device, dtype=torch.int64)])
+            total[n:].copy_(tail.reshape(-1))   # int64: the BatchNorm statistics' bits and the vote
         if group is not None:
             total = self._all_reduce(group, total, dist.ReduceOp.SUM)
-        self.set_grads(total[:n], k)
-        return total[n:].cpu() if tail is not None else None
+        self.set_grads(total, k)
+        return total[n:].cpu().clone() if tail is not None else None
 
     @staticmethod
     def _all_reduce(group, t: torch.Tensor, op) -> torch.Tensor:
@@ -212,3 +270,18 @@ class UnitGrads:
         if not group.call(dist.all_reduce, dev, op=op, group=group.pg):
             raise RuntimeError("a collective of the bitwise gradient sum failed")
         return dev
+
+
+def _quantize_into(out: list[torch.Tensor], grads: list[torch.Tensor], k: int) -> None:
+    """`quantize` of each gradient into the int64 views `out`, the same integers. Where the
+    dtype and k allow, in place in the gradient's dtype: g x 2**k is exact there (a power of
+    two, the result below 2**62 and so far from overflow; a product small enough to lose
+    bits is below 2**-126 and rounds to 0 either way), and round() of an exact value is the
+    float64 one. Else through float64, as `quantize`."""
+    fast = [i for i, g in enumerate(grads) if g.dtype in FAST_DTYPES and k in FAST_K]
+    if fast:
+        gs = [grads[i] for i in fast]
+        foreach_scale_round_(gs, 2.0 ** k)
+        foreach_copy_([out[i] for i in fast], gs)   # integer-valued floats: the cast is exact
+    for i in set(range(len(grads))) - set(fast):
+        out[i].copy_(quantize(grads[i].reshape(out[i].shape), k))

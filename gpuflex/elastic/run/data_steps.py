@@ -128,12 +128,12 @@ class DataParallelSteps:
             summed = self.units.reduce(ctx.group if world > 1 else None, units,
                                        torch.cat([stats, vote.to(torch.int64)]))
         except StoreLost as e:   # raised at the boundary, where the runtime exits cleanly
-            self.units.units = []
+            self.units.clear()
             drop_grads(ctx.model)
             ctx.store_lost = e
             return
         except RuntimeError:   # noted by the group: the boundary undoes the step
-            self.units.units = []
+            self.units.clear()
             drop_grads(ctx.model)
             return
         summed = summed.cpu()

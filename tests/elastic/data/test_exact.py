@@ -145,6 +145,48 @@ def test_a_non_finite_gradient_makes_every_gradient_nan_alike():
     p.grad = torch.tensor([1.0, float("inf"), 0.0])
     acc.take()
     assert acc.reduce(None, 1, None) is None and torch.isnan(p.grad).all()
+    p.grad = torch.tensor([1.0, 2.0, 0.0])     # a NaN in a later unit is not lost behind a finite one
+    acc.take()
+    p.grad = torch.tensor([1.0, float("nan"), 0.0])
+    acc.take()
+    assert acc.local_max() != acc.local_max() and acc.reduce(None, 2, None) is None and torch.isnan(p.grad).all()
+
+
+def reference_sum(units: list[list[torch.Tensor]], global_units: int, dtypes) -> list[torch.Tensor]:
+    """The sum as the module's docstring defines it, one unit at a time through float64:
+    the bits the in-place path (UnitGrads.reduce) must reproduce."""
+    flats = [torch.cat([g.reshape(-1).to(torch.float64) for g in grads]) for grads in units]
+    k = exact.scale_exponent(max(float(f.abs().max()) for f in flats), global_units)
+    total = sum(exact.quantize(f, k) for f in flats)
+    out, off = [], 0
+    for g, dtype in zip(units[0], dtypes):
+        out.append(exact.dequantize(total[off:off + g.numel()], k, dtype).view(g.shape))
+        off += g.numel()
+    return out
+
+
+@pytest.mark.parametrize("dtype,magnitude", [
+    (torch.float32, 1.0), (torch.float32, 3e4),
+    (torch.bfloat16, 0.5),
+    (torch.float32, 1e-25),   # k beyond float32's exponents: the float64 path
+    (torch.float16, 1.0),     # too few exponent bits for g x 2**k: the float64 path
+])
+def test_the_in_place_quantization_has_the_bits_of_the_float64_definition(dtype, magnitude):
+    g = torch.Generator().manual_seed(7)
+    shapes = [(5, 3), (3,), (2, 2, 2)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    units = [[(torch.randn(s, generator=g) * magnitude * 10.0 ** torch.randint(-6, 1, s, generator=g)).to(dtype)
+              for s in shapes] for _ in range(3)]
+    units[1][0][0, 0] = 0.0
+    want = reference_sum(units, 5, [dtype] * len(shapes))
+    acc = exact.UnitGrads(params)
+    for _ in range(2):      # twice: the kept buffers reused
+        for grads in units:
+            for p, u in zip(params, grads):
+                p.grad = u.clone()
+            acc.take()
+        assert acc.reduce(None, 5, None) is None
+        assert all(p.grad.dtype == dtype and torch.equal(p.grad, w) for p, w in zip(params, want))
 
 
 def test_modes_and_units_are_read_from_the_arguments_then_the_environment():
