@@ -33,6 +33,20 @@ ARGS = ["--hidden", "32", "--global-batch-size", "64", "--seed", "3"]
 EPOCHS = 8   # 256 steps of 8 units of 8 samples
 
 
+def killed_then_1_then_2(cli, job_id: int, before: dict, victim: dict, steps: int) -> dict:
+    """SIGKILL `victim`, a member of the generation of 3 `before` saw; the recovery without it
+    at 2, then shrunk to 1 and grown to 2, `steps` steps at each size. Returns the last status."""
+    os.kill(victim["pid"], signal.SIGKILL)
+    after = wait_for(cli, job_id, lambda j: j["generation"] > before["generation"] and j["state"] == "running"
+                     and j["world_size"] == 2 and step_of(j) > step_of(before), "recovery without the victim")
+    scale(cli, job_id, 1)
+    alone = wait_for(cli, job_id, lambda j: step_of(j) >= step_of(after) + steps and j["world_size"] == 1,
+                     "steps at world size 1")
+    scale(cli, job_id, 2)
+    return wait_for(cli, job_id, lambda j: step_of(j) >= step_of(alone) + steps and j["world_size"] == 2,
+                    "steps at world size 2")
+
+
 def test_bitwise_job_resized_killed_and_re_split_has_the_bits_of_the_standalone_run(ej, tmp_path, home):
     report, hold = home / "r.json", home / "hold"
     hold.touch()   # paced while the test resizes it, then at full speed
@@ -46,15 +60,7 @@ def test_bitwise_job_resized_killed_and_re_split_has_the_bits_of_the_standalone_
     fast = [w for w in live_members(planned)
             if planned["progress"]["workers"][str(w["wid"])]["relative"] > 0.6]
     victim = fast[-1]
-    os.kill(victim["pid"], signal.SIGKILL)
-    after = wait_for(ej, job["id"], lambda j: j["generation"] > planned["generation"] and j["state"] == "running"
-                     and j["world_size"] == 2 and step_of(j) > step_of(planned), "recovery without the victim")
-    scale(ej, job["id"], 1)
-    alone = wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(after) + 5 and j["world_size"] == 1,
-                     "steps at world size 1")
-    scale(ej, job["id"], 2)
-    two = wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(alone) + 5 and j["world_size"] == 2,
-                   "steps at world size 2")
+    two = killed_then_1_then_2(ej, job["id"], planned, victim, steps=5)
     # then a restart from the checkpoint: the job's store killed, every member exits and the
     # job comes back from its last checkpoint at whatever size the pool gives it
     (store_pgid,) = db_rows(home / "g.db", "SELECT store_pgid FROM jobs WHERE id = ?", (job["id"],))[0]
@@ -133,15 +139,7 @@ def test_the_batchnorm_cnn_in_bitwise_mode_resized_and_killed_has_the_standalone
     scale(ej, job["id"], 3)
     three = wait_for(ej, job["id"], lambda j: step_of(j) >= 3 and j["world_size"] == 3, "steps at world size 3")
     victim = live_members(three)[-1]
-    os.kill(victim["pid"], signal.SIGKILL)
-    after = wait_for(ej, job["id"], lambda j: j["generation"] > three["generation"] and j["state"] == "running"
-                     and j["world_size"] == 2 and step_of(j) > step_of(three), "recovery without the victim")
-    scale(ej, job["id"], 1)
-    alone = wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(after) + 3 and j["world_size"] == 1,
-                     "steps at world size 1")
-    scale(ej, job["id"], 2)
-    wait_for(ej, job["id"], lambda j: step_of(j) >= step_of(alone) + 3 and j["world_size"] == 2,
-             "steps at world size 2")
+    killed_then_1_then_2(ej, job["id"], three, victim, steps=3)
     hold.unlink()
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
