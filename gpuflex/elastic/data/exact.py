@@ -22,7 +22,6 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from gpuflex.elastic import torch_compat
 from gpuflex.elastic.data import exact_bn
 from gpuflex.elastic.protocol.env import EXACT, EXACT_THREADS, UNIT
 from gpuflex.elastic.torch_compat import foreach_copy_, foreach_scale_round_
@@ -90,7 +89,7 @@ def bitwise_units(model: torch.nn.Module, num_samples: int, global_batch_size: i
         return 0
     refuse(shard=shard, scaler=scaler, buffers=buffers)
     units = unit_size(global_batch_size, num_samples, unit)
-    if any(torch_compat.is_batch_norm(m) for m in model.modules()):
+    if exact_bn.has_batch_norm(model):
         exact_bn.refuse(model, units, num_samples, global_batch_size)
     pin_threads()
     return units
@@ -239,7 +238,7 @@ class UnitGrads:
         """Sum this step's units over the members (`group`, None alone): the MAX all-reduce
         of the largest |gradient|, the scale from it, the int64 sums all-reduced with `tail`
         at their end (int64: the units' BatchNorm statistics, data/exact_bn.py, and the
-        boundary's vote). Returns the summed tail (None without one);
+        boundary's vote). Returns the summed tail, on the CPU (None without one);
         raises RuntimeError where a collective failed (the caller drops the gradients)."""
         n = self.size()
         local = self.local_max()
@@ -252,7 +251,7 @@ class UnitGrads:
         if not math.isfinite(peak_value):
             self.set_nan()
             if tail is not None and group is not None:
-                tail = self._all_reduce(group, tail, dist.ReduceOp.SUM)
+                tail = self._all_reduce(group, tail, dist.ReduceOp.SUM).cpu()
             return tail
         k = scale_exponent(peak_value, global_units)
         extra = tail.numel() if tail is not None else 0

@@ -34,6 +34,12 @@ from torch import nn
 from gpuflex.elastic import torch_compat
 
 
+def has_batch_norm(model: nn.Module) -> bool:
+    """Whether `model` normalizes with its batch's statistics in train mode (BatchNorm of any
+    dimension, SyncBatchNorm): such a model cannot train on a single sample."""
+    return any(torch_compat.is_batch_norm(m) for m in model.modules())
+
+
 def refuse(model: nn.Module, unit: int, num_samples: int, global_batch_size: int) -> None:
     """What bitwise mode cannot make exact with BatchNorm, refused at start with one line."""
     for m in model.modules():

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from gpuflex.elastic import torch_compat
 from gpuflex.elastic.membership.collectives import Collectives
 from gpuflex.elastic.data.exact import unit_seed
+from gpuflex.elastic.data.exact_bn import has_batch_norm  # noqa: F401 (micro's importers)
 from gpuflex.elastic.data.sampler import Batch, split as even_split, split_by
 
 log = logging.getLogger(__name__)
@@ -164,12 +165,6 @@ def warm_up_steps(model: torch.nn.Module, warm_up: int | None) -> int:
             raise ValueError(f"warm_up must be >= 0, got {warm_up}")
         return warm_up
     return 1 if torch_compat.is_compiled_module(model) else 0
-
-
-def has_batch_norm(model: torch.nn.Module) -> bool:
-    """Whether `model` normalizes with its batch's statistics in train mode (BatchNorm of any
-    dimension, SyncBatchNorm): such a model cannot train on a single sample."""
-    return any(torch_compat.is_batch_norm(m) for m in model.modules())
 
 
 def global_mean(group: Collectives, value: float | torch.Tensor, weight: float, local_only: bool = False) -> float:

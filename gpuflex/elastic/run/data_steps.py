@@ -13,13 +13,12 @@ checkpoint, and `full_parameters`. The sharded one (sharded_steps.py) answers th
 
 from __future__ import annotations
 
-
 import torch
 
 from gpuflex.elastic.data.exact import UnitGrads
-from gpuflex.elastic.data.exact_bn import BatchNormUnits
+from gpuflex.elastic.data.exact_bn import BatchNormUnits, has_batch_norm
 from gpuflex.elastic.data.gradients import GradPlan, drop_grads
-from gpuflex.elastic.data.micro import has_batch_norm, share
+from gpuflex.elastic.data.micro import share
 from gpuflex.elastic.membership.collectives import backward
 from gpuflex.elastic.membership.rendezvous import StoreLost
 from gpuflex.elastic.protocol import failpoints
@@ -136,7 +135,6 @@ class DataParallelSteps:
             self.units.clear()
             drop_grads(ctx.model)
             return
-        summed = summed.cpu()
         if self.bn is not None:   # every member folds in every unit's statistics alike
             self.bn.apply(summed[:len(stats)], units)
         if world > 1:
