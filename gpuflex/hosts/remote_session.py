@@ -25,7 +25,7 @@ import paramiko
 
 from gpuflex.errors import TransportError
 from gpuflex.hosts.attach import MARK
-from gpuflex.hosts.transport import shell_join
+from gpuflex.hosts.transport import shell_join, time_left_s
 
 _READ = 1 << 16
 LINGER_S = 2.0
@@ -86,9 +86,9 @@ def _handshake(chan: paramiko.Channel, deadline: float) -> dict:
 
 def go(held: RemoteHeld, env: dict[str, str], exit_path: str, deadline: float | None, grace_s: float) -> None:
     # the seconds left beside the epoch: the host keeps the limit on its own clock (attach.py)
-    left = None if deadline is None else max(0.0, deadline - time.time())
     held.chan.sendall((json.dumps({"env": env, "exit_path": exit_path, "deadline": deadline,
-                                   "time_left_s": left, "grace_s": grace_s}) + "\n").encode())
+                                   "time_left_s": time_left_s(deadline, time.time()),
+                                   "grace_s": grace_s}) + "\n").encode())
 
 
 def abort(held: RemoteHeld) -> None:

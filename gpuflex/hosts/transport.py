@@ -95,13 +95,19 @@ class ProcStatus:
         return None if self.exit is None else int(self.exit["returncode"])
 
 
+def time_left_s(deadline: float | None, now: float) -> float | None:
+    """The seconds from `now` to `deadline` (both this host's clock; None: no deadline), what
+    a host is sent so that it keeps the limit on its own clock (supervisor.local_deadline). A
+    deadline already past leaves 0."""
+    return None if deadline is None else max(0.0, deadline - now)
+
+
 def spawn_request(spec: SpawnSpec, now: float) -> dict[str, Any]:
     """What hostops spawn is sent: the spec, with the seconds left to its deadline at `now`
-    (this host's clock) beside the epoch, which the host's supervisor turns into a deadline
-    on its own clock (supervisor.local_deadline). A deadline already past leaves 0."""
+    beside the epoch (`time_left_s`)."""
     request = dataclasses.asdict(spec)
     if spec.deadline is not None:
-        request["time_left_s"] = max(0.0, spec.deadline - now)
+        request["time_left_s"] = time_left_s(spec.deadline, now)
     return request
 
 
