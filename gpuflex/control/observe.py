@@ -25,7 +25,7 @@ from gpuflex.elastic.protocol.wire import CoordinatorStatus, parse_status, statu
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy import split as split_policy
 from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, LEFT_OUT_KIND, RETRY_CAUSES,
-                                      WAITING_KIND, JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
+                                      STOP_CAUSE, WAITING_KIND, JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
 from gpuflex.states import WorkerState
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ def facts(job: Job) -> JobFacts:
         checkpoint_failures_recorded=queries.max_count_by_wid(session, job.id, CHECKPOINT_FAILED_KIND, since),
         retries=job.retries or 0, restarts=job.restarts or 0,
         crash_restarts=sum(queries.events_with_cause(session, job.id, "state", c) for c in RETRY_CAUSES),
+        stop_restarts=queries.events_with_cause(session, job.id, "state", STOP_CAUSE),
         elastic=job.elastic,
         left_out_recorded=_ints([(left_out.data if left_out else {}).get("n")], default=0)[0],
         store_host=job.store_host, deadline=L.run_deadline(job), resize_asked_at=resize_asked_at(job),

@@ -49,8 +49,8 @@ from typing import Any, Iterable, Mapping
 from gpuflex.elastic.protocol.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
 from gpuflex.elastic.protocol.wire import CoordinatorStatus, LeftOut
 from gpuflex.policy.outcomes import (  # noqa: F401 (the policy's inputs and actions, re-exported)
-    CRASH_CAUSE, CRASH_KIND, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, TRACEBACK_LINES, Action, Adopt,
-    Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,
+    CRASH_CAUSE, CRASH_KIND, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, STOP_CAUSE, TRACEBACK_LINES, Action,
+    Adopt, Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,
     after_crash, first_crash, gang_failure, instant, is_crash_exit, is_int, one_line, outcome)
 from gpuflex.states import JobState, WorkerState
 
@@ -153,7 +153,8 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
             actions.append(Requeue(f"fell to {world_size} worker(s), below its minimum of "
                                    f"{job.min_workers}; restarting from its checkpoint when it fits", "below-min"))
         return actions
-    actions.append(outcome(job, list(workers.values()), generation))
+    stopped = coord.stopped if coord is not None and not coord.finished else None
+    actions.append(outcome(job, list(workers.values()), generation, stopped))
     return actions
 
 

@@ -25,8 +25,12 @@ here judge the workers' ends:
   FAILED when one exited ABORTED_EXIT. In an in-place job whose last members ended by a
   fault (a signal, no exit record: kill -9 of its only worker, a lost host) and none exited
   0: Requeue (cause "fault", not counted against --retries: it resumes from its
-  checkpoint, as a restart job's gang does). Else SUCCEEDED when they all exited 0, FAILED
-  with the first bad exit code otherwise. A restarted job's Finish carries its restarts:
+  checkpoint, as a restart job's gang does). Members that all exited 0 because a stop was
+  agreed before the end of training (the coordinator's `stopped`: a worker got a SIGTERM that
+  no cancel, time limit or requeue of gpuflex's sent, e.g. a host shutting down or someone's
+  `kill`) did not finish it: Requeue (cause "stopped", not counted against --retries) up to
+  STOP_RESTARTS times, then FAILED with 128 + SIGTERM. Else SUCCEEDED when they all exited 0,
+  FAILED with the first bad exit code otherwise. A restarted job's Finish carries its restarts:
   its final event says "succeeded after N restart(s)".
 """
 
@@ -48,6 +52,9 @@ GANG_FAILED_KIND = "worker-failed"   # the event of a gang's worker that ended b
 GANG_CAUSE = "gang"      # a gang relaunched after a worker failed: counted against --retries
 FAULT_CAUSE = "fault"    # a restart job relaunched after a fault: not counted
 SHARDS_LOST_CAUSE = "shards-lost"   # a sharded job restarted from its distributed checkpoint: not counted
+STOP_CAUSE = "stopped"   # a job stopped from outside gpuflex before the end of training, restarted
+STOP_RESTARTS = 3        # ... at most this many times; then it fails
+STOP_EXIT = 128 + 15     # its exit code then: as a process ended by SIGTERM
 RETRY_CAUSES = (CRASH_CAUSE, GANG_CAUSE)
 LOST_EXIT = 128 + 9      # a gang worker gone without an exit record: as if SIGKILLed
 TRACEBACK_LINES = 10     # the lines of a crash's traceback kept in the job's exit reason
@@ -87,6 +94,7 @@ class JobFacts:
     retries: int = 0           # restarts allowed after a crash or a gang's failure (submit --retries)
     restarts: int = 0          # restarts so far, for any cause
     crash_restarts: int = 0    # of which counted against --retries (RETRY_CAUSES)
+    stop_restarts: int = 0     # of which after a stop from outside gpuflex (STOP_CAUSE)
     # who this run's last "waiting" event says waits: (wid, waited-for wids, phase)
     waiting: frozenset[tuple[int, tuple[int, ...], str]] = frozenset()
     elastic: str | None = INPLACE   # jobs.elastic: "inplace", "restart", or None (a fixed gang)
@@ -258,10 +266,13 @@ def after_crash(job: JobFacts, crash: Crash) -> Requeue | Finish:
     return Finish(JobState.FAILED, crash.exit_code or 1, crash.reason, job.restarts)
 
 
-def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int) -> Requeue | Finish:
+def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int,
+            stopped: Mapping[str, Any] | None = None) -> Requeue | Finish:
     """How a job whose workers have all ended comes out: judged by the members of its last
     generation in the current run (workers of an earlier run are history); a crash of any
-    worker of this run fails it (or restarts it, see `after_crash`)."""
+    worker of this run fails it (or restarts it, see `after_crash`). `stopped`: the
+    coordinator's record of a stop agreed before the end of training (None: none, or the
+    training finished)."""
     current = _current(job, workers)
     last = [w for w in current if w.generation == generation]
     if any(w.exit_code == STORE_LOST_EXIT for w in last):
@@ -288,7 +299,24 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int) -> Reque
         rc = failed[0].exit_code if failed[0].exit_code is not None else -9
         return Finish(JobState.FAILED, rc,
                       f"worker {failed[0].wid} {failed[0].state} (exit code {failed[0].exit_code})", job.restarts)
+    if stopped is not None:
+        return after_stop(job, stopped)
     return Finish(JobState.SUCCEEDED, 0, "all workers exited 0", job.restarts)
+
+
+def after_stop(job: JobFacts, stopped: Mapping[str, Any]) -> Requeue | Finish:
+    """Members that exited 0 after a stop nobody in gpuflex asked for (a cancel, a time limit
+    and a requeue end the run themselves, before this is judged): not a success."""
+    nums = {k: stopped.get(k) if is_int(stopped.get(k)) else "?" for k in ("wid", "step", "of")}
+    by = one_line(stopped.get("by"), 40) or "a stop request"
+    what = (f"worker {nums['wid']} got {by} at step {nums['step']} of {nums['of']} that no cancel, time limit "
+            "or requeue sent (a host shutting down, or someone's kill), and the job stopped before the end of "
+            "its training")
+    if job.stop_restarts < STOP_RESTARTS:
+        return Requeue(f"{what}; restarting from its checkpoint ({job.stop_restarts + 1} of {STOP_RESTARTS}; "
+                       f"'gpuflex cancel {job.id}' ends a job)", STOP_CAUSE)
+    return Finish(JobState.FAILED, STOP_EXIT, f"{what}, {STOP_RESTARTS + 1} times: not restarted again",
+                  job.restarts)
 
 
 def gang_failure(job: JobFacts, workers: Iterable[WorkerFacts], records: Iterable[Mapping[str, Any]] | None,

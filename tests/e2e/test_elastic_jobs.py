@@ -149,7 +149,7 @@ def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, hom
     assert all(w["exit_code"] == 0 for w in leavers)
 
 
-def test_kill_9_of_rank_0_and_of_a_worker_mid_resize_then_of_the_store(ej, tmp_path_factory, home):
+def test_kill_9_of_rank_0_and_of_a_worker_mid_resize_then_of_the_store_then_a_sigterm(ej, tmp_path_factory, home):
     report, hold = home / "r.json", home / "hold"
     hold.touch()   # paced until the restart: the job outlasts its three faults however loaded the machine
     # the two larger weights' all-reduces in place, launched from their hooks during backward
@@ -182,10 +182,21 @@ def test_kill_9_of_rank_0_and_of_a_worker_mid_resize_then_of_the_store(ej, tmp_p
     os.killpg(store_pgid, signal.SIGKILL)
     restarted = wait_for(ej, job["id"], lambda j: j["restarts"] == 1 and j["state"] == "running", "the restart")
     assert {worker_of(restarted, wid)["exit_code"] for wid in members} == {STORE_LOST_EXIT}, restarted["workers"]
+
+    # then a SIGTERM to one member from outside gpuflex (what a host shutting down sends): the
+    # members agree to stop and all exit 0, and the job is not "succeeded" with its training
+    # unfinished but restarted from the checkpoint the stop wrote
+    training = wait_for(ej, job["id"], lambda j: j["restarts"] == 1 and j["state"] == "running"
+                        and live_members(j) and step_of(j) >= step_of(restarted) + 5, "training after the restart")
+    os.kill(live_members(training)[-1]["pid"], signal.SIGTERM)
+    again = wait_for(ej, job["id"], lambda j: j["restarts"] == 2, "the restart after the SIGTERM")
+    (stop,) = [e for e in ej.json("events", str(job["id"])) if e["kind"] == "state" and e["data"].get("cause") == "stopped"]
+    assert f"worker {live_members(training)[-1]['wid']} got a SIGTERM at step " in stop["message"], stop
+    assert {w["exit_code"] for w in again["workers"] if w["wid"] in {m["wid"] for m in live_members(training)}} == {0}
     hold.unlink()
 
     done = ej.wait_final(job["id"], DEADLINE_S)
-    assert done["state"] == "succeeded" and done["restarts"] == 1, done
+    assert done["state"] == "succeeded" and done["restarts"] == 2, done
     assert_matches_reference(json.loads(report.read_text()), reference(tmp_path_factory, 10))
     faults = [e for e in ej.json("events", str(job["id"])) if e["kind"] == "fault"]
     assert len(faults) >= 2

@@ -25,7 +25,7 @@ def test_signals_checkpoint_and_poke_are_taken_once_and_stop_stays():
     assert (s.stop_requested(), s.take_checkpoint(), s.take_poke()) == (False, False, False)
     s.request_checkpoint()
     s.poke()
-    s.request_stop()
+    s.request_stop("a SIGTERM")
     assert s.take_checkpoint() is True and s.take_checkpoint() is False
     assert s.take_poke() is True and s.take_poke() is False
     assert s.stop_requested() and s.stop_requested()
@@ -56,7 +56,7 @@ def test_the_summed_vectors_of_two_ranks_give_the_whole_global_batch():
     for rank in (0, 1):
         agree, signals, _ = agreement(True, switch=3 if rank == 0 else 0)
         if rank == 1:
-            signals.request_stop()
+            signals.request_stop("a SIGTERM")
         agree.begin_step(sampler.batch(2, rank, 2))
         vecs.append(agree.build(done_step=True))
     switch, stop, ckpt, ids = agree.parse(vecs[0] + vecs[1])

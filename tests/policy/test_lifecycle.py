@@ -489,6 +489,15 @@ def test_kill_9_of_an_in_place_jobs_only_worker_requeues_it_from_its_checkpoint_
                                   "restarting from its checkpoint", "fault")
 
 
+@pytest.mark.parametrize("finished,kind", [(False, Requeue), (True, Finish)])
+def test_members_that_exited_0_after_an_outside_stop_are_requeued_unless_the_training_finished(finished, kind):
+    facts = job(w(0), w(1))
+    stopped = {"wid": 1, "by": "a SIGTERM", "step": 3, "of": 90}
+    last = decide(facts, observed({0: gone(0), 1: gone(0)},
+                                  coordinator={**coord(1, [0, 1]), "finished": finished, "stopped": stopped}))[-1]
+    assert isinstance(last, kind) and (kind is Finish) == (last == Finish(J.SUCCEEDED, 0, "all workers exited 0"))
+
+
 def test_an_in_place_job_whose_other_member_finished_is_not_requeued_for_a_late_kill():
     ended = [w(0, state=W.EXITED, rc=0), w(1, state=W.FAILED, rc=-9)]
     assert outcome(job(*ended), ended, generation=1) == Finish(J.FAILED, -9, "worker 1 failed (exit code -9)")

@@ -8,7 +8,8 @@ import pytest
 
 from gpuflex.elastic.protocol.keys import ABORTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.policy.outcomes import (CRASH_CAUSE, CRASH_KIND, FAULT_CAUSE, GANG_CAUSE, GANG_FAILED_KIND, LOST_EXIT,
-                                     RESTART, SHARDS_LOST_CAUSE, TRACEBACK_LINES, Crash, Finish, JobFacts, Requeue,
+                                     RESTART, SHARDS_LOST_CAUSE, STOP_CAUSE, STOP_EXIT, STOP_RESTARTS,
+                                     TRACEBACK_LINES, Crash, Finish, JobFacts, Requeue,
                                      WorkerFacts, gang_exit, gang_failure, instant, is_crash_exit, is_fault, outcome,
                                      printable_lines)
 from gpuflex.states import JobState, WorkerState as W
@@ -46,6 +47,28 @@ def test_a_fault_is_a_signal_or_a_lost_worker_not_an_exit_code():
 def test_all_members_exiting_0_succeed():
     assert outcome(job(restarts=2), [worker(0, W.EXITED, 0), worker(1, W.EXITED, 0)], 2) == \
         Finish(JobState.SUCCEEDED, 0, "all workers exited 0", 2)
+
+
+STOPPED = {"wid": 1, "by": "a SIGTERM", "step": 30, "of": 320}
+
+
+def test_members_exiting_0_after_a_stop_nobody_in_gpuflex_asked_for_are_restarted_then_failed():
+    exited = [worker(0, W.EXITED, 0), worker(1, W.EXITED, 0)]
+    first = outcome(job(id=4), exited, 2, STOPPED)
+    assert first == Requeue(
+        "worker 1 got a SIGTERM at step 30 of 320 that no cancel, time limit or requeue sent (a host shutting "
+        "down, or someone's kill), and the job stopped before the end of its training; restarting from its "
+        "checkpoint (1 of 3; 'gpuflex cancel 4' ends a job)", STOP_CAUSE)
+    last = outcome(job(stop_restarts=STOP_RESTARTS, restarts=5), exited, 2, STOPPED)
+    assert isinstance(last, Finish) and (last.state, last.exit_code, last.restarts) == (JobState.FAILED, STOP_EXIT, 5)
+    assert last.reason.endswith("4 times: not restarted again")
+    # a crash, or a member lost, still decides first
+    assert outcome(job(), [worker(0, W.FAILED, 1), worker(1, W.EXITED, 0)], 2, STOPPED).state is JobState.FAILED
+
+
+def test_a_stop_record_is_formatted_without_trusting_its_fields():
+    odd = outcome(job(), [worker(0, W.EXITED, 0)], 2, {"wid": "1; rm", "by": "x\n" * 100, "step": None})
+    assert isinstance(odd, Requeue) and f"worker ? got {'x' * 40} at step ? of ? that" in odd.reason
 
 
 def test_earlier_generations_and_runs_are_history():

@@ -116,6 +116,7 @@ class Generations:
         self.released: set[int] = set()
         self.ever_members: set[int] = set()
         self.finished = False
+        self.stopped: dict[str, Any] | None = None   # keys.STOPPED: a stop agreed before the end
         self.abort: dict[str, str] | None = None
         self.held: dict[str, Any] | None = None
         self.unreachable: dict[str, Any] | None = None
@@ -221,6 +222,8 @@ class Generations:
         if self.has(keys.PROGRESS):
             self.progress = self.progress_view.read(self.store.get(keys.PROGRESS))
         self._read_request()
+        if moved and self.stopped is None and self.has(keys.STOPPED):
+            self.stopped = stop_record(self.get_json(keys.STOPPED))
         if self.valid(keys.FINISHED):
             self.finished = True
         if self.finished or self.abort is not None:
@@ -332,12 +335,13 @@ class Generations:
         `crashed`, `waiting`, `known` (every id ever wanted), `rejected` (ids left out for
         good) and `left_out` (newcomers left out of a resize: {n, wid, reason, phase,
         generation, at}, n counting them) lists,
-        `forming` (null or {generation, since, waiting_for, phase}) are always present."""
+        `forming` (null or {generation, since, waiting_for, phase}) and `stopped` (null or
+        {wid, by, step, of}: stop_record) are always present."""
         cur = self.history[-1] if self.history else None
         settled = bool(cur and cur["verified"] and cur["ok"] and sorted(self.members) == self.desired
                        and self.abort is None and self.held is None)
         return {"generation": self.generation, "members": self.members, "desired": self.desired,
-                "settled": settled, "finished": self.finished, "progress": self.progress,
+                "settled": settled, "finished": self.finished, "stopped": self.stopped, "progress": self.progress,
                 "forged": self.forged.summary(), "min_workers": self.min_workers,
                 "abort": self.abort, "held": self.held, "unreachable": self.unreachable,
                 "forming": None if self.finished or self.abort or self.held else self.formation.record(),
@@ -355,3 +359,19 @@ class Generations:
         self.unreachable = None
         self._busy = True
         return self.desired
+
+
+STOP_ASKERS = ("a SIGTERM", "its control socket's stop")   # what the runtime writes as `by`
+
+
+def stop_record(value: Any) -> dict[str, Any] | None:
+    """keys.STOPPED's value checked (a verified record, still not trusted to be well-formed):
+    {wid, by, step, of} with `by` one of STOP_ASKERS, so no text of the store's reaches an
+    event; None when it is not that."""
+    if not isinstance(value, dict):
+        return None
+    nums = [value.get(k) for k in ("wid", "step", "of")]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 2 ** 53 for n in nums):
+        return None
+    by = value.get("by")
+    return {"wid": nums[0], "by": by if by in STOP_ASKERS else "a stop request", "step": nums[1], "of": nums[2]}

@@ -36,7 +36,7 @@ def start_control(path: str | None, signals: StepSignals, status: Callable[[], d
         return {"requested": True}
 
     def stop(_msg: dict[str, Any]) -> dict[str, Any]:
-        signals.request_stop()
+        signals.request_stop("its control socket's stop")
         return {"stopping": True}
 
     return ControlServer(path, {"status": on_status, "resize": resize, "checkpoint": checkpoint, "stop": stop})

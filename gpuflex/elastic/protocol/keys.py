@@ -46,6 +46,12 @@ progress         unsigned JSON {step, epoch, samples_per_s, loss, time} from ran
                  a second: shown by `gpuflex status`, never acted on
 finished         signed: rank 0 reached the end of training (forged, it would stop the
                  coordinator's decisions and send waiting newcomers away)
+stopped          signed JSON {wid, by, step, of}: the members agreed to stop before the end of
+                 training because worker wid was asked to (`by`: a SIGTERM or its control
+                 socket's stop), written by that worker; when no cancel or time limit of
+                 gpuflex's ended the run, the control side restarts the job from its
+                 checkpoint instead of calling a run that exited 0 early a success (forged,
+                 it would restart a job whose script ended its loop early)
 crashed/{wid}    signed JSON {error, traceback: [last lines], phase}: the worker's training
                  code raised; written by the worker just before it exits (a bug, not a fault:
                  the coordinator forms no generation without it, the control side fails or
@@ -202,5 +208,6 @@ REQUEST_SEQ = "request_seq"
 PROGRESS = "progress"
 SHARD_BYTES = "shards/bytes"
 FINISHED = "finished"
+STOPPED = "stopped"
 EVENTS = "events"
 ABORT = "abort"

@@ -15,10 +15,14 @@ class StepSignals:
 
     def __init__(self) -> None:
         self._stop = threading.Event()
+        self.stop_by: str | None = None   # what asked this worker to stop (the first request)
         self._checkpoint = threading.Event()
         self._poke = threading.Event()   # look at the store's latest generation now
 
-    def request_stop(self) -> None:
+    def request_stop(self, by: str) -> None:
+        """`by`: what asked ("SIGTERM", "the control socket"), for the job's reason."""
+        if self.stop_by is None:
+            self.stop_by = by
         self._stop.set()
 
     def request_checkpoint(self) -> None:

@@ -62,6 +62,7 @@ class CoordinatorStatus:
     left_out: tuple[LeftOut, ...] = ()
     settled: bool = False
     finished: bool = False
+    stopped: Mapping[str, Any] | None = None   # {wid, by, step, of}: a stop agreed before the end
     min_workers: int | None = None
     generations_total: int | None = None
     history: tuple[Mapping[str, Any], ...] = ()
@@ -93,7 +94,8 @@ def parse_status(reply: Any) -> CoordinatorStatus:
         history=_records(reply, "history"),
         crashed=_records(reply, "crashed"),
         waiting=_records(reply, "waiting"),
-        **{k: _record(reply, k) for k in ("progress", "forged", "abort", "held", "unreachable", "forming")})
+        **{k: _record(reply, k) for k in ("progress", "forged", "abort", "held", "unreachable", "forming",
+                                          "stopped")})
 
 
 def resize_request(members: list[int]) -> dict[str, Any]:

@@ -135,7 +135,7 @@ class ElasticRun:
         self.backward, self.accumulate = self.strategy.backward, self.calls.accumulate
         self.all_reduce, self.global_mean = self.calls.all_reduce, self.calls.global_mean
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: ctx.signals.request_stop())
+            signal.signal(signal.SIGTERM, lambda *_: ctx.signals.request_stop("a SIGTERM"))
 
     # ---- public attributes: the context's ------------------------------------------------------
     @property

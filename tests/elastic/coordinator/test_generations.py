@@ -232,6 +232,31 @@ def test_a_finished_job_publishes_nothing_more():
     assert job.gens.status()["finished"] is True and job.latest() == 1
 
 
+def test_a_stop_agreed_before_the_end_is_in_status_and_its_text_is_not_the_stores():
+    job = Job([0, 1]).settled([0, 1])
+    job.write(keys.STOPPED, json.dumps({"wid": 1, "by": "a SIGTERM", "step": 30, "of": 320}))
+    job.gens.tick()
+    assert job.gens.status()["stopped"] == {"wid": 1, "by": "a SIGTERM", "step": 30, "of": 320}
+    other = Job([0, 1]).settled([0, 1])
+    other.write(keys.STOPPED, json.dumps({"wid": 1, "by": "\x1b[2J rm -rf /" * 50, "step": 3, "of": 9}))
+    other.gens.tick()
+    assert other.gens.status()["stopped"]["by"] == "a stop request"
+
+
+@pytest.mark.parametrize("raw", ['{"wid": "1", "by": "a SIGTERM", "step": 3, "of": 9}', '[1, 2]', '"x"',
+                                 '{"wid": 1, "by": "a SIGTERM", "step": true, "of": 9}'])
+def test_a_malformed_or_unsigned_stop_record_is_not_reported(raw):
+    job = Job([0, 1]).settled([0, 1])
+    job.write(keys.STOPPED, raw)
+    job.gens.tick()
+    assert job.gens.status()["stopped"] is None
+    unsigned = Job([0, 1]).settled([0, 1])
+    unsigned.store.set(keys.STOPPED, json.dumps({"wid": 1, "by": "a SIGTERM", "step": 3, "of": 9}))
+    unsigned.store.add(keys.EVENTS, 1)
+    unsigned.gens.tick()
+    assert unsigned.gens.status()["stopped"] is None
+
+
 def test_status_is_settled_only_when_verified_with_timings_and_as_desired():
     job = Job([0, 1])
     job.ready(0, 1)
@@ -529,9 +554,9 @@ def test_status_history_is_bounded():
 def test_every_new_status_key_is_present_when_there_is_nothing_to_say():
     status = Job([0, 1], min_workers=2).gens.status()
     assert {k: status[k] for k in ("abort", "held", "unreachable", "crashed", "waiting",
-                                   "min_workers", "generations_total", "left_out")} == {
+                                   "min_workers", "generations_total", "left_out", "stopped")} == {
         "abort": None, "held": None, "unreachable": None, "crashed": [], "waiting": [],
-        "min_workers": 2, "generations_total": 0, "left_out": []}
+        "min_workers": 2, "generations_total": 0, "left_out": [], "stopped": None}
 
 
 def test_members_waiting_for_busy_members_are_shown_until_they_stop_waiting():
