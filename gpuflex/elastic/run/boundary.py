@@ -88,7 +88,7 @@ class Boundary:
             ctx.stopped = True
             if failpoints.ARMED: failpoints.hit("cancel.stop", **ctx.where())
             self.checkpoint()
-            self.say_stopped()
+            ctx.say_stopped()
             return False
         if state.step >= ctx.sampler.total_steps:
             self.checkpoint()
@@ -103,21 +103,6 @@ class Boundary:
             ctx.joined(ctx.formation.switch(switch_to, agreed_at=now, agree_s=agreement.last_s))
             return ctx.more()
         return True
-
-    def say_stopped(self) -> None:
-        """A stop was agreed before the end of training: the worker that was asked to stop
-        says so in the store (keys.STOPPED), so that the control side, when no cancel or time
-        limit of its own ended the run, restarts the job instead of calling a run whose
-        workers exited 0 early a success. A lost store changes nothing here: the stop goes on."""
-        ctx = self.ctx
-        by = ctx.signals.stop_by
-        if by is None or ctx.rdzv is None or ctx.state.step >= ctx.sampler.total_steps:
-            return
-        record = {"wid": ctx.wid, "by": by, "step": ctx.state.step, "of": ctx.sampler.total_steps}
-        try:
-            ctx.rdzv.set(keys.STOPPED, json.dumps(record))
-        except StoreLost:
-            pass
 
     def plan_split(self) -> None:
         """At the top of a step, when due (a new generation's first step, every few steps):

@@ -15,6 +15,7 @@ step costs what it cost when the parts were one class.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import sys
@@ -158,10 +159,25 @@ class RunContext:
         """A formation ended: in a new generation, or (None) stopped while waiting for one."""
         if formed is None:
             self.stopped = True
+            if self.generation > 0:   # a member's stop while it waited for the next generation
+                self.say_stopped()
             return
         self.rank, self.world_size, self.generation = formed.rank, formed.world_size, formed.generation
         self.formed_at, self.formed_kind = formed.at, formed.kind
         self.pending_timings = formed.timings
+
+    def say_stopped(self) -> None:
+        """A stop agreed (or, waiting for a generation, asked) before the end of training: the
+        worker that was asked to stop says so in the store (keys.STOPPED), so that the control
+        side, when no cancel or time limit of its own ended the run, restarts the job instead
+        of calling a run whose workers exited 0 early a success. A lost store changes nothing
+        here: the stop goes on."""
+        by = self.signals.stop_by
+        if by is None or self.rdzv is None or self.state.step >= self.sampler.total_steps:
+            return
+        record = {"wid": self.wid, "by": by, "step": self.state.step, "of": self.sampler.total_steps}
+        with contextlib.suppress(StoreLost):
+            self.rdzv.set(keys.STOPPED, json.dumps(record))
 
     def status(self) -> dict[str, Any]:
         """The worker's status record (its control socket's answer, rank 0's progress record)."""

@@ -4,6 +4,7 @@ store, no processes. tests/elastic/run/test_runtime.py has them at several sizes
 
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -12,6 +13,7 @@ import torch
 
 from gpuflex.elastic.membership.joining import Formed
 from gpuflex.elastic.membership.rendezvous import StoreLost
+from gpuflex.elastic.protocol import keys
 from gpuflex.elastic.run import context
 from gpuflex.elastic.run.boundary import Boundary
 from gpuflex.elastic.run.context import RunContext
@@ -37,6 +39,35 @@ def test_a_formation_sets_the_place_and_none_stops_the_run():
     assert ctx.pending_timings == {"copy": 0.1}
     ctx.joined(None)
     assert ctx.stopped and not ctx.more()
+
+
+class Written:
+    """A store that keeps what the worker sets (or is lost)."""
+
+    def __init__(self, lost: bool = False) -> None:
+        self.records, self.lost = {}, lost
+
+    def set(self, key: str, value: str) -> None:
+        if self.lost:
+            raise StoreLost("gone")
+        self.records[key] = json.loads(value)
+
+
+def test_a_member_asked_to_stop_says_so_unless_it_finished_or_was_not_asked():
+    run, _, _ = standalone(steps=2)
+    ctx = run.ctx
+    ctx.rdzv, ctx.generation = Written(), 3
+    ctx.say_stopped()
+    assert ctx.rdzv.records == {}   # not asked: another member's stop
+    ctx.signals.request_stop("a SIGTERM")
+    ctx.joined(None)   # stopped while it waited for the next generation
+    assert ctx.rdzv.records == {keys.STOPPED: {"wid": ctx.wid, "by": "a SIGTERM", "step": 0,
+                                               "of": ctx.sampler.total_steps}}
+    ctx.rdzv, ctx.state.step = Written(), ctx.sampler.total_steps
+    ctx.say_stopped()
+    assert ctx.rdzv.records == {}   # the training was over
+    ctx.rdzv, ctx.state.step = Written(lost=True), 0
+    ctx.say_stopped()   # a lost store: the stop goes on
 
 
 def test_the_status_record_names_the_place_and_the_step():
