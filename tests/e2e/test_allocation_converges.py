@@ -82,6 +82,20 @@ def status(cfg: Path, job_id: int) -> dict:
     return json.loads(r.stdout)
 
 
+def listed(cfg: Path) -> list[dict]:
+    r = invoke(cfg, "status", "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+def points_in_db(home: Path, job_id: int) -> list[Point]:
+    """The job's measured points as its "throughput" events hold them (a point of 0
+    readings is a first reading left out)."""
+    rows = db_rows(home / "g.db", "SELECT data FROM events WHERE job_id = ? AND kind = 'throughput'", (job_id,))
+    data = [json.loads(d) for (d,) in rows]
+    return [Point(d["world"], d["hosts"], d["samples_per_s"], d["readings"]) for d in data if d["readings"] >= 1]
+
+
 def size_of(job: dict) -> int:
     return sum(1 for w in job["workers"] if w["state"] in ("starting", "running"))
 
@@ -120,14 +134,15 @@ def test_the_throughput_policy_converges_to_the_model_s_allocation_and_stays(poo
         out = tick(cfg)
         # a resize the job cannot take yet (its last one not done) fails and is tried again
         resized = [a for a in out["actions"] if a["action"] in ("grow", "shrink")]
-        jobs = {i: status(cfg, i) for i in ids}
-        assert all(j["state"] in ("running", "scaling") for j in jobs.values()), jobs
-        history.append({i: size_of(j) for i, j in jobs.items()})
-        measured = all(j["scaling"]["model"] is not None for j in jobs.values())
-        settled = all(j["state"] == "running" and size_of(j) == j["world_size"] for j in jobs.values())
+        jobs = {j["id"]: j for j in listed(cfg)}   # one refresh for the three, not one each
+        assert all(jobs[i]["state"] in ("running", "scaling") for i in ids), jobs
+        history.append({i: size_of(jobs[i]) for i in ids})
+        measured = all(fit(points_in_db(home, i)) is not None for i in ids)
+        settled = all(jobs[i]["state"] == "running" and size_of(jobs[i]) == jobs[i]["world_size"] for i in ids)
         quiet = quiet + 1 if measured and settled and not resized else 0
         time.sleep(1.0)
     final = history[-1]
+    jobs = {i: status(cfg, i) for i in ids}
     print(f"converged in {len(history)} ticks, {time.monotonic() - started:.0f} s; sizes by tick {history}")
     for j in jobs.values():
         print(f"job {j['id']}: points {[(p['world'], round(p['samples_per_s'])) for p in j['scaling']['points']]}")
