@@ -150,7 +150,7 @@ def _fixture_keys(item: pytest.Item) -> set[str]:
     return keys
 
 
-# Seconds each of the heaviest files took in a serial full run (docs/testing.md; the last two,
+# Seconds each of the heaviest files took in a serial full run (docs/testing.md; the last three,
 # new, alone on a loaded machine). `make test` runs the files on several pytest workers (pytest-xdist, `--dist
 # loadfile`: a file's tests, and its module fixtures, stay on one worker) in the order
 # collected; these go first, so the run does not end waiting on one long file that started last.
@@ -162,6 +162,7 @@ HEAVY_FILES = {
     "e2e/test_hetero_split.py": 75, "e2e/test_postgres.py": 75, "e2e/test_orphans.py": 65,
     "e2e/test_formation_deadline.py": 61, "cli/test_cli.py": 59, "control/test_crashes.py": 59,
     "e2e/test_bitwise_jobs.py": 266, "e2e/ssh/test_partition_ssh.py": 255,
+    "e2e/test_allocation_converges.py": 80,
 }
 
 

@@ -10,6 +10,13 @@ of the sizes before and after a resize, would blur the point. A reading is count
 (the record's own `time` is kept), and folds into its point's mean, the event's data:
 {world, hosts, samples_per_s, readings, generation, time}. No new table: the points are
 the job's history and go with it.
+
+The first reading of each generation is left out (kept as the point's generation, with
+no samples/s when the point is new: 0 readings, not a point yet): it is taken within a
+second or two of the generation's start, where the steps are a start's or a newcomer's
+first ones (seen 2x slower on a loaded machine), and one such reading alone would decide
+the job's size. Rank 0's rate is over the steps at the world size now only
+(gpuflex.elastic.membership.worker_control.Progress), never the resize's pause.
 """
 
 from __future__ import annotations
@@ -54,13 +61,17 @@ def note(ops: Ops, job: Job, status: CoordinatorStatus | None) -> bool:
     world, hosts, rate, when = got
     events = queries.events_of_jobs(ops.session, [job.id], [KIND]).get(job.id, [])
     same = next((e for e in events if (e.data or {}).get("world") == world and e.data.get("hosts") == hosts), None)
-    if same is None:
-        journal.record(ops.session, job, KIND, _message(world, hosts, rate, 1), world=world, hosts=hosts,
-                       samples_per_s=rate, readings=1, generation=status.generation, time=when)
-        return True
+    if same is None:   # this size's first reading: left out (see the module docstring), its generation kept
+        journal.record(ops.session, job, KIND, _message(world, hosts, 0.0, 0), world=world, hosts=hosts,
+                       samples_per_s=0.0, readings=0, generation=status.generation, time=when)
+        return False
     d = dict(same.data)
     if _number(d.get("time")) and when <= d["time"]:
         return False   # the same record read again
+    if d.get("generation") != status.generation:   # back at this size: again the first reading left out
+        d.update(generation=status.generation, time=when)
+        same.data = d
+        return False
     n = int(d.get("readings") or 0)
     mean = (float(d.get("samples_per_s") or 0.0) * n + rate) / (n + 1)
     d.update(samples_per_s=mean, readings=n + 1, generation=status.generation, time=when)

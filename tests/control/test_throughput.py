@@ -37,6 +37,10 @@ def report(world: World, token: str, rate: float, when: float, **over) -> None:
 def test_readings_fold_into_one_point_per_size_each_counted_once(sim, tmp_path):
     world, svc = sim
     job_id, token = submit(world, svc, tmp_path)
+    report(world, token, 40.0, 999.0)    # the generation's first reading: its first steps, left out
+    svc.refresh()
+    with svc.sessions() as s:
+        assert throughput.points(s, job_id) == []
     report(world, token, 100.0, 1000.0)
     svc.refresh()
     svc.refresh()                        # the same record read again: not a second reading
@@ -46,6 +50,20 @@ def test_readings_fold_into_one_point_per_size_each_counted_once(sim, tmp_path):
         assert throughput.points(s, job_id) == [Point(4, 2, 150.0, 2)]
     events = [e for e in svc.job(job_id).events if e.kind == "throughput"]
     assert len(events) == 1 and "150.0 samples/s at 4 worker(s) on 2 host(s) (2 reading(s))" in events[0].message
+
+
+def test_the_first_reading_of_a_later_generation_at_the_same_size_is_left_out_too(sim, tmp_path):
+    world, svc = sim
+    job_id, token = submit(world, svc, tmp_path)
+    for rate, when in ((40.0, 999.0), (100.0, 1000.0)):
+        report(world, token, rate, when)
+        svc.refresh()
+    world.jobs[token].generation += 1     # a recovery at the same size: its steps start again
+    for rate, when in ((30.0, 1001.0), (120.0, 1002.0)):
+        report(world, token, rate, when)
+        svc.refresh()
+    with svc.sessions() as s:
+        assert throughput.points(s, job_id) == [Point(4, 2, 110.0, 2)]
 
 
 @pytest.mark.parametrize("over", [
@@ -67,8 +85,9 @@ def test_a_reading_that_is_not_of_the_generation_now_or_not_a_rate_is_left_out(s
 def test_the_scaling_view_says_too_few_measurements_with_one_size(sim, tmp_path):
     world, svc = sim
     job_id, token = submit(world, svc, tmp_path)
-    report(world, token, 100.0, 1000.0)
-    svc.refresh()
+    for when in (999.0, 1000.0):         # the first left out
+        report(world, token, 100.0, when)
+        svc.refresh()
     view = throughput.scaling(svc.sessions, job_id, 1, 4, 4, 2)
     assert view["model"] is None and view["points"][0]["world"] == 4
     text = throughput.scaling_text(view)

@@ -110,6 +110,13 @@ def test_progress_posts_rank_0s_status_with_its_rate_about_once_a_second():
     progress.report(log, store)                          # within the interval: nothing
     assert progress.rate == pytest.approx(128.0)
     assert [json.loads(p) for p in store.posted] == [{"rate": 128.0}]
+    # after a resize to 3: only the steps at 3 count, none before it nor its pause
+    log += [[5, 14.0, 3]]
+    progress.report(log, store, force=True)
+    assert progress.rate == 0.0                          # one step at 3: no rate yet
+    log += [[6, 14.25, 3], [7, 14.5, 3]]
+    progress.report(log, store, force=True)
+    assert progress.rate == pytest.approx(256.0)
 
 
 @exits_without_teardown

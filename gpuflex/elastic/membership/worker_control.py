@@ -59,9 +59,13 @@ class Progress:
         now = time.monotonic()
         if now - self._last < PROGRESS_INTERVAL_S and not force:
             return
-        n = min(len(step_log), 20)
-        if n >= 2:
-            dt_ = step_log[-1][1] - step_log[-n][1]
-            self.rate = (n - 1) * self.batch_size / dt_ if dt_ > 0 else 0.0
+        # the last 20 steps at the world size now: a window reaching back past a resize
+        # would mix the sizes and the resize's pause into the rate the throughput policy
+        # keeps for this size (gpuflex.control.throughput); 0 until two steps are at it
+        n = 0
+        while n < min(len(step_log), 20) and step_log[-1 - n][2] == step_log[-1][2]:
+            n += 1
+        dt_ = step_log[-1][1] - step_log[-n][1] if n >= 2 else 0.0
+        self.rate = (n - 1) * self.batch_size / dt_ if dt_ > 0 else 0.0
         self._last = now
         rdzv.post_progress(json.dumps(self.status()))
