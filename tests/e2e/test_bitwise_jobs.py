@@ -3,8 +3,9 @@ local pool, grown to 3 workers, re-split by speed (the worker on slot 0 three ti
 a fast member killed with SIGKILL, shrunk to 1, grown to 2 and restarted from its checkpoint
 (its store killed), ends with the very bits of a standalone run of the same script:
 parameters and momentum, torch.equal, every sample of every epoch once; the transformer LM
-and the BatchNorm CNN (its running statistics too), submitted with GPUFLEX_EXACT=bitwise,
-resized and killed, likewise.
+and the BatchNorm CNN (its running statistics too), unchanged scripts submitted with
+GPUFLEX_EXACT=bitwise, likewise: re-split by speed while one member is slowed from outside
+(tests/duty_cycle.py), then killed and resized.
 (tests/e2e/test_elastic_jobs.py's first test shows that the default mode,
 under resizes, does not keep the bits; tests/elastic/data/test_exact.py shows why.)"""
 
@@ -15,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ import torch
 
 from tests import REPO
 from tests.conftest import db_rows, wait_for
+from tests.duty_cycle import duty_cycled
 from tests.e2e.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, ej,  # noqa: F401
                                          live_members, scale, step_of, world_sizes)
 from tests.e2e.test_hetero_split import favours_the_fast
@@ -45,6 +48,34 @@ def killed_then_1_then_2(cli, job_id: int, before: dict, victim: dict, steps: in
     scale(cli, job_id, 2)
     return wait_for(cli, job_id, lambda j: step_of(j) >= step_of(alone) + steps and j["world_size"] == 2,
                     "steps at world size 2")
+
+
+def slowest(job: dict) -> int:
+    """The worker id the job's progress record measures as the slowest."""
+    workers = job["progress"]["workers"]
+    return int(min(workers, key=lambda w: workers[w]["relative"]))
+
+
+def re_split_by_a_slowed_member(cli, job_id: int, three: dict, unit: int, batch: int) -> dict:
+    """A member of the generation of 3 `three` saw made about three times slower from
+    outside (tests/duty_cycle.py: SIGSTOP and SIGCONT in turns, as a GPU shared with another
+    process would), the script unchanged, until the job's plan gives it the smallest share and two
+    steps have run on that plan (a re-plan on the noise of a loaded machine that favours
+    another is waited out); then it runs at full speed again. The slowed member is rank
+    1: not rank 0, nor the last rank, which the tests kill. Returns the status showing the plan."""
+    slow = live_members(three)[1]
+    t0 = time.monotonic()
+    with duty_cycled(slow["pid"]):
+        planned = wait_for(cli, job_id, lambda j: favours_the_fast(j.get("progress")) and slowest(j) == slow["wid"],
+                           f"a re-plan by speed giving the slowed worker {slow['wid']} the smallest share")
+        start = [r for r in planned["progress"]["replans"] if r["reason"] == "speeds"][-1]["step"]
+        wait_for(cli, job_id, lambda j: step_of(j) >= start + 2, "steps on the plan by speed")
+    workers = planned["progress"]["workers"]
+    print(f"re-split from step {start} after {time.monotonic() - t0:.1f} s of slowing wid {slow['wid']}:",
+          {w: (v["share"], v["relative"]) for w, v in workers.items()})
+    shares = [w["share"] for w in workers.values()]
+    assert all(n % unit == 0 for n in shares) and sum(shares) == batch   # whole units
+    return planned
 
 
 def test_bitwise_job_resized_killed_and_re_split_has_the_bits_of_the_standalone_run(ej, tmp_path, home):
@@ -94,16 +125,17 @@ LM_ARGS = ["--steps", "100", "--global-batch-size", "24", "--micro-batch-size", 
            "--dropout", "0.1", "--seed", "1"]
 
 
-def test_the_transformer_lm_unchanged_in_bitwise_mode_resized_and_killed_has_the_standalone_bits(
+def test_the_transformer_lm_unchanged_in_bitwise_mode_resized_re_split_and_killed_has_the_standalone_bits(
         ej, tmp_path, home):
     report = home / "lm.json"
     job = ej.submit([sys.executable, LM, *LM_ARGS, "--step-sleep", "0.6", "--report", str(report)],
                     "--workers", "1:3", "--env", "GPUFLEX_EXACT=bitwise")
     scale(ej, job["id"], 3)
-    three = wait_for(ej, job["id"], lambda j: step_of(j) >= 3 and j["world_size"] == 3, "steps at world size 3")
+    three = wait_for(ej, job["id"], lambda j: j["world_size"] == 3 and len(live_members(j)) == 3, "world size 3")
+    planned = re_split_by_a_slowed_member(ej, job["id"], three, unit=3, batch=24)
     victim = live_members(three)[-1]
     os.kill(victim["pid"], signal.SIGKILL)
-    after = wait_for(ej, job["id"], lambda j: j["generation"] > three["generation"] and j["state"] == "running"
+    after = wait_for(ej, job["id"], lambda j: j["generation"] > planned["generation"] and j["state"] == "running"
                      and j["world_size"] == 2, "recovery without the victim")
     scale(ej, job["id"], 1)
     scale(ej, job["id"], 2)
@@ -131,15 +163,16 @@ CNN = str(REPO / "examples" / "cnn_bn" / "elastic.py")
 CNN_ARGS = ["--samples", "960", "--global-batch-size", "48", "--epochs", "6", "--dropout", "0.1", "--seed", "2"]
 
 
-def test_the_batchnorm_cnn_in_bitwise_mode_resized_and_killed_has_the_standalone_bits(ej, tmp_path, home):
+def test_the_batchnorm_cnn_in_bitwise_mode_resized_re_split_and_killed_has_the_standalone_bits(ej, tmp_path, home):
     report, hold = home / "cnn.json", home / "hold"
     hold.touch()   # paced while the test resizes it, then at full speed
     job = ej.submit([sys.executable, CNN, *CNN_ARGS, "--step-sleep", "0.3", "--sleep-while", str(hold),
                      "--report", str(report)], "--workers", "1:3", "--env", "GPUFLEX_EXACT=bitwise")
     scale(ej, job["id"], 3)
-    three = wait_for(ej, job["id"], lambda j: step_of(j) >= 3 and j["world_size"] == 3, "steps at world size 3")
+    three = wait_for(ej, job["id"], lambda j: j["world_size"] == 3 and len(live_members(j)) == 3, "world size 3")
+    planned = re_split_by_a_slowed_member(ej, job["id"], three, unit=6, batch=48)
     victim = live_members(three)[-1]
-    killed_then_1_then_2(ej, job["id"], three, victim, steps=3)
+    killed_then_1_then_2(ej, job["id"], planned, victim, steps=3)
     hold.unlink()
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
