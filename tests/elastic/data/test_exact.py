@@ -112,7 +112,14 @@ GROUPINGS = [[list(range(UNITS))],                       # alone
              [[7], [3, 1, 2, 0, 6, 5, 4]]]              # the units in another order
 
 
-def test_the_integer_sum_has_the_same_bits_for_any_grouping_of_the_units():
+CHUNKS = [None, 5]   # the module's chunk (these gradients are all "small"), and 5 elements: most
+# gradients then take the large path, a chunk at a time, their last chunk a partial one
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_the_integer_sum_has_the_same_bits_for_any_grouping_of_the_units(chunk, monkeypatch):
+    if chunk:
+        monkeypatch.setattr(exact, "CHUNK", chunk)
     alone = bitwise_sum(GROUPINGS[0])
     for grouping in GROUPINGS[1:]:
         got = bitwise_sum(grouping)
@@ -171,7 +178,10 @@ def reference_sum(units: list[list[torch.Tensor]], global_units: int, dtypes) ->
     (torch.float32, 1e-25),   # k beyond float32's exponents: the float64 path
     (torch.float16, 1.0),     # too few exponent bits for g x 2**k: the float64 path
 ])
-def test_the_in_place_quantization_has_the_bits_of_the_float64_definition(dtype, magnitude):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_the_in_place_quantization_has_the_bits_of_the_float64_definition(dtype, magnitude, chunk, monkeypatch):
+    if chunk:
+        monkeypatch.setattr(exact, "CHUNK", chunk)
     g = torch.Generator().manual_seed(7)
     shapes = [(5, 3), (3,), (2, 2, 2)]
     params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
