@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gpuflex.elastic.data.exact import UnitGrads
+from gpuflex.elastic.data.exact_sum import UnitGrads
 from gpuflex.elastic.data.exact_bn import BatchNormUnits, has_batch_norm
 from gpuflex.elastic.data.gradients import GradPlan, drop_grads
 from gpuflex.elastic.data.micro import share
