@@ -30,7 +30,8 @@ def state_bytes(hidden: int) -> int:
 
 
 class Gpuflex:
-    def __init__(self, workdir: Path, slots: int, jobs: str = "", checkpoint_interval_s: float = 600) -> None:
+    def __init__(self, workdir: Path, slots: int, jobs: str = "", checkpoint_interval_s: float = 600,
+                 cancel_grace_s: float = 60) -> None:
         """`jobs`: extra lines for the config's [jobs] table (a key given twice is a TOML error:
         the checkpoint interval has its own argument)."""
         self.dir = workdir
@@ -38,7 +39,7 @@ class Gpuflex:
         self.config = workdir / "gpuflex.toml"
         self.config.write_text(
             f'[database]\nurl = "sqlite:///{workdir}/g.db"\n\n[jobs]\ncheckpoint_interval_s = {checkpoint_interval_s}\n'
-            f'cancel_grace_s = 60\n{jobs}\n[[hosts]]\nname = "local"\ngpus = "cpu:{slots}"\nworkdir = "{workdir}/work"\n')
+            f'cancel_grace_s = {cancel_grace_s}\n{jobs}\n[[hosts]]\nname = "local"\ngpus = "cpu:{slots}"\nworkdir = "{workdir}/work"\n')
 
     def __call__(self, *args: str) -> str:
         p = subprocess.run([GPUFLEX, *args], capture_output=True, text=True,

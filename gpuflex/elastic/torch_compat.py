@@ -52,7 +52,7 @@ def foreach_copy_(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> N
 def foreach_scale_round_(tensors: Sequence[torch.Tensor], factor: float) -> None:
     """`t.mul_(factor).round_()` for every t in two calls: `torch._foreach_mul_` and
     `torch._foreach_round_`. Bitwise mode quantizes each unit's gradients this way
-    (data/exact.py), one list per unit, where a loop over a model's parameters costs a few
+    (data/exact_sum.py), one list per unit, where a loop over a model's parameters costs a few
     microseconds a tensor and op. Checked on torch 2.13."""
     _field(torch, "_foreach_mul_", "torch._foreach_mul_", "scaling many tensors at once")(tensors, factor)
     _field(torch, "_foreach_round_", "torch._foreach_round_", "rounding many tensors at once")(tensors)

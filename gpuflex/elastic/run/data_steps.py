@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from gpuflex.elastic.data.exact import UnitGrads
+from gpuflex.elastic.data.exact_sum import UnitGrads
 from gpuflex.elastic.data.exact_bn import BatchNormUnits, has_batch_norm
 from gpuflex.elastic.data.gradients import GradPlan, drop_grads
 from gpuflex.elastic.data.micro import share
@@ -40,7 +40,7 @@ class DataParallelSteps:
         self.ctx = ctx
         self.grad_plan: GradPlan | None = None   # made at start-up under gpuflex, else at the first reduce
         self.overlap = False   # the process's first backward is not overlapped (it may compile)
-        self.units: UnitGrads | None = None   # bitwise mode: this step's units (data/exact.py)
+        self.units: UnitGrads | None = None   # bitwise mode: this step's units (data/exact_sum.py)
         # bitwise mode with BatchNorm: the units' statistics, merged exactly (data/exact_bn.py)
         self.bn = BatchNormUnits(ctx.model) if ctx.unit and has_batch_norm(ctx.model) else None
 

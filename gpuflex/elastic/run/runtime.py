@@ -20,7 +20,7 @@ a busy member is waited for, a silent one fenced. With `shard=` the model is sha
 FSDP2 over each generation and resharded in place (sharding/, sharded_steps.py). With
 `exact="bitwise"` (or GPUFLEX_EXACT=bitwise) a data-parallel run keeps the bits of a
 standalone run: `run.accumulate` yields the global batch's units and the units' gradients
-are summed as integers (data/exact.py).
+are summed as integers (data/exact.py, data/exact_sum.py).
 
 `ElasticRun` is this file's step loop over parts it composes (run/__init__.py lists them):
 they share one `RunContext` (context.py), and the run's public attributes are the

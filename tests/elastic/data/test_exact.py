@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from gpuflex.elastic.data import exact
+from gpuflex.elastic.data import exact, exact_sum
 from gpuflex.elastic.data.sampler import ElasticSampler
 from gpuflex.elastic.data.split_plan import SplitPlan
 from gpuflex.elastic.run.runtime import ElasticRun
@@ -36,7 +36,15 @@ class Member:
     def __init__(self, members: Members, rank: int) -> None:
         self.members, self.rank = members, rank
 
-    def call(self, fn, tensor, op, group=None) -> bool:
+    def all_reduce_async(self, tensor) -> "Done":
+        """A bucket of the integer sum: reduced at once here, its wait a formality."""
+        self.call(None, tensor, torch.distributed.ReduceOp.SUM)
+        return Done()
+
+    def call(self, fn, tensor=None, op=None, group=None) -> bool:
+        if tensor is None:   # a launched bucket's wait
+            fn()
+            return True
         m = self.members
         m.slots[self.rank] = tensor.clone()
         if m.barrier.wait() == 0:
@@ -45,6 +53,11 @@ class Member:
         m.barrier.wait()
         tensor.copy_(m.result)
         m.barrier.wait()
+        return True
+
+
+class Done:
+    def wait(self) -> bool:
         return True
 
 
@@ -112,7 +125,16 @@ GROUPINGS = [[list(range(UNITS))],                       # alone
              [[7], [3, 1, 2, 0, 6, 5, 4]]]              # the units in another order
 
 
-def test_the_integer_sum_has_the_same_bits_for_any_grouping_of_the_units():
+CHUNKS = [None, 5]   # the module's chunk (these gradients are all "small"), and 5 elements: most
+# gradients then take the large path, a chunk at a time, their last chunk a partial one, and
+# the members' integer sums travel in buckets of about 12 elements (the module's: one bucket)
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_the_integer_sum_has_the_same_bits_for_any_grouping_of_the_units(chunk, monkeypatch):
+    if chunk:
+        monkeypatch.setattr(exact_sum, "CHUNK", chunk)
+        monkeypatch.setattr(exact_sum, "BUCKET", 12)
     alone = bitwise_sum(GROUPINGS[0])
     for grouping in GROUPINGS[1:]:
         got = bitwise_sum(grouping)
@@ -171,7 +193,10 @@ def reference_sum(units: list[list[torch.Tensor]], global_units: int, dtypes) ->
     (torch.float32, 1e-25),   # k beyond float32's exponents: the float64 path
     (torch.float16, 1.0),     # too few exponent bits for g x 2**k: the float64 path
 ])
-def test_the_in_place_quantization_has_the_bits_of_the_float64_definition(dtype, magnitude):
+@pytest.mark.parametrize("chunk", CHUNKS)
+def test_the_in_place_quantization_has_the_bits_of_the_float64_definition(dtype, magnitude, chunk, monkeypatch):
+    if chunk:
+        monkeypatch.setattr(exact_sum, "CHUNK", chunk)
     g = torch.Generator().manual_seed(7)
     shapes = [(5, 3), (3,), (2, 2, 2)]
     params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
