@@ -6,9 +6,12 @@ tests/e2e/ssh/test_clock_skew_ssh.py) for the whole run.
 
 Each user runs the real CLI as themselves (su, umask 077, Debian's python3 with this
 checkout and the venv's packages on PYTHONPATH, as tests/e2e/test_shared_sqlite.py does),
-with a config of their own that differs from the others' only in the SSH key's path (a
-copy each user owns). The harvest loop runs as root, named an admin. Jobs log in to the
-bed as root (the bed's sshd runs as root), as a lab's service account would.
+with a config of their own that differs from the others' in the SSH key's path (a copy
+each user owns) and the login: each logs in to the bed hosts as themselves, so that a job's
+processes and files are its owner's on every host of the one shared filesystem (a job first
+placed on the local pool and later on gpu01 reuses its checkpoint directory, which gpuflex
+refuses to use when another uid owns it). Root, named an admin, polls `status` and cancels
+what is left at the end.
 
 `Lab.close()` undoes everything: jobs cancelled, sshd and PostgreSQL stopped, the tmpfs
 unmounted, the users removed.
@@ -54,7 +57,7 @@ def missing() -> str | None:
         return "OpenSSH sshd/ssh-keygen are not installed"
     if pgbed.missing_reason():
         return pgbed.missing_reason()
-    for tool in ("useradd", "userdel", "su", "iptables", "mount"):
+    for tool in ("useradd", "usermod", "userdel", "su", "iptables", "mount"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed"
     if not (shutil.which("cc") or shutil.which("gcc")):
@@ -109,30 +112,52 @@ class Lab:
                                                         str(self.local_smi_state)]) + ' "$@"\n')
         smi.chmod(0o755)
         self.local_smi = smi
-        for name in self.users:
-            subprocess.run(["useradd", "-M", "-s", "/bin/sh", name], check=True, capture_output=True)
-            self.made_users.append(name)
-            home = self.root / "users" / name
-            home.mkdir(parents=True)
-            for src, dst in ((self.bed.user_key, home / "id_ed25519"), (self.bed.known_hosts, home / "known_hosts")):
-                shutil.copy(src, dst)
-            self.write_config(home, home / "id_ed25519", home / "known_hosts")
-            subprocess.run(["chown", "-R", f"{name}:{name}", str(home)], check=True)
-            os.chmod(home, 0o700)
-            os.chmod(home / "id_ed25519", 0o600)
-        os.chmod(self.root / "users", 0o755)
-        self.admin_home = self.root / "admin"
-        self.admin_home.mkdir()
-        self.write_config(self.admin_home, self.bed.user_key, self.bed.known_hosts)
         for h in ["local", *(h.name for h in self.bed.hosts)]:
             (self.shared / "work" / h).mkdir(parents=True)
             os.chmod(self.shared / "work" / h, 0o1777)
         os.chmod(self.shared / "work", 0o755)
+        # what a user runs on a bed host: root's interpreter lies under /root (0700)
+        self.host_python = self.shared / "python3"
+        self.host_python.write_text(f"#!/bin/sh\nPYTHONPATH={shlex.quote(f'{ROOT}:{SITE}')} exec {PYTHON} \"$@\"\n")
+        self.host_python.chmod(0o755)
+        for h in self.bed.hosts:
+            smi = self.shared / f"nvidia-smi-{h.name}"
+            smi.write_text("#!/bin/sh\nexec " + shlex.join([PYTHON, "-I", "-S", str(FAKE_SMI), "--state",
+                                                            str(h.smi_state)]) + ' "$@"\n')
+            smi.chmod(0o755)
+        (self.root / "users").mkdir()
+        os.chmod(self.root / "users", 0o755)
+        for name in self.users:
+            # each user logs in to the bed hosts as themselves (the bed's key in their
+            # ~/.ssh/authorized_keys), as on a lab's shared filesystem: a job's files are its
+            # owner's on every host. "*": no password and not locked (sshd without PAM
+            # refuses a locked account even to a key)
+            home = self.root / "users" / name
+            subprocess.run(["useradd", "-m", "-d", str(home), "-s", "/bin/sh", name], check=True, capture_output=True)
+            self.made_users.append(name)
+            subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True)
+            (home / ".ssh").mkdir(mode=0o700, exist_ok=True)
+            (home / ".ssh" / "authorized_keys").write_text(Path(str(self.bed.user_key) + ".pub").read_text())
+            for src, dst in ((self.bed.user_key, home / "id_ed25519"), (self.bed.known_hosts, home / "known_hosts")):
+                shutil.copy(src, dst)
+            self.write_config(home, home / "id_ed25519", home / "known_hosts", user=name)
+            subprocess.run(["chown", "-R", f"{name}:{name}", str(home)], check=True)
+            os.chmod(home, 0o700)
+            for f in ("id_ed25519", ".ssh/authorized_keys"):
+                os.chmod(home / f, 0o600)
+        self.admin_home = self.root / "admin"
+        self.admin_home.mkdir()
+        self.write_config(self.admin_home, self.bed.user_key, self.bed.known_hosts)
 
-    def write_config(self, home: Path, key: Path, known: Path) -> None:
+    def write_config(self, home: Path, key: Path, known: Path, user: str | None = None) -> None:
+        """`home`'s gpuflex.toml; `user`: the unix user it logs in to the bed hosts as
+        (None: root, the admin, with the bed's own programs)."""
         jobs = "".join(f"{k} = {v}\n" for k, v in JOBS.items())
+        as_user = {} if user is None else {"user": user, "python": str(self.host_python)}
         hosts = "".join(sshbed.host_toml(h, self.bed, identity_file=str(key), known_hosts=str(known),
-                                         workdir=str(self.shared / "work" / h.name), command_timeout_s=20)
+                                         workdir=str(self.shared / "work" / h.name), command_timeout_s=20,
+                                         **as_user, **({} if user is None else
+                                                       {"nvidia_smi": str(self.shared / f"nvidia-smi-{h.name}")}))
                         for h in self.bed.hosts)
         local = (f'[[hosts]]\nname = "local"\naddress = "local"\nnvidia_smi = "{self.local_smi}"\n'
                  f'python = "{PYTHON}"\nworkdir = "{self.shared / "work" / "local"}"\n')
@@ -210,7 +235,7 @@ class Lab:
         if self.mounted:
             subprocess.run(["umount", "-l", str(self.pg_disk)], check=False)
         for name in self.made_users:
-            subprocess.run(["userdel", name], capture_output=True)
+            subprocess.run(["userdel", name], capture_output=True)   # the home lies in the lab's dir
 
 
 def job_command(kind: str, n: int, shared: Path) -> tuple[list[str], Path | None, list[str]]:

@@ -1,8 +1,8 @@
 """The multi-host chaos soak (`benchmarks/soak.py --hosts`): the lab of soak_lab.py (three
 sshd hosts and the local pool, PostgreSQL, three unix users, gpu03's clock 10 min ahead),
 the seeded schedule of soak_plan.py (users submitting in-place, restart, gang and array
-jobs; scales; every fault of soak_faults.py), harvest ticks as root every --tick-s as cron
-would run them, for --minutes; then every job is let finish (bounded) and checked.
+jobs; scales; every fault of soak_faults.py), harvest ticks every --tick-s by each user in
+turn, as their crontabs would run them, for --minutes; then every job is let finish (bounded) and checked.
 
 A recovery is timed from the fault's injection to the job training again (for a job fault,
 a new generation or restart and then a step after it; for a host fault, the same for every
@@ -66,6 +66,7 @@ class Chaos:
         self.problems: list[str] = []
         self.subs = 0
         self.n_submits = 0
+        self.ticks = 0
         self.poller: tuple[Any, Path, float] | None = None
         self.pending_reports: dict[str, tuple[Path, list[str]]] = {}
         self.last_answer = time.monotonic()
@@ -195,7 +196,8 @@ class Chaos:
     def tick(self) -> None:
         if any(w == "tick" for w, *_ in self.bg):
             return      # cron's overlapping tick skips (flock in the shipped crontab)
-        self.start_bg("tick", None, ["harvest", "--json"])
+        self.ticks += 1   # each user's cron in turn (examples/cron/gpuflex.crontab: as the jobs' owner)
+        self.start_bg("tick", self.lab.users[self.ticks % len(self.lab.users)], ["harvest", "--json"])
 
     def retry(self, p: Planned, why: str) -> bool:
         """A job fault with no victim yet (the in-place jobs still starting) is tried again in
