@@ -162,6 +162,7 @@ HEAVY_FILES = {
     "e2e/test_hetero_split.py": 75, "e2e/test_postgres.py": 75, "e2e/test_orphans.py": 65,
     "e2e/test_formation_deadline.py": 61, "cli/test_cli.py": 59, "control/test_crashes.py": 59,
     "e2e/test_bitwise_jobs.py": 266, "e2e/ssh/test_partition_ssh.py": 255,
+    "e2e/ssh/test_soak_hosts.py": 600,   # the multi-host soak's 5-minute form, its drain and checks
 }
 
 
