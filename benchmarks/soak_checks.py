@@ -77,6 +77,8 @@ def summary(chaos, seed: int, stopped: str | None) -> bool:
             print(f"   job {j['id']} {j['name']} {j['state']}: {j['exit_reason'][:150]}")
     print("faults injected: " + ", ".join(f"{k} {chaos.injected.get(k, 0)}" for k in soak_plan.FAULTS)
           + f", clock_skew 1 ({soak_lab.SKEWED_HOST} {soak_lab.SKEW_S} s ahead, the whole run)")
+    print("planned but nothing there to hit (no victim, no process on the host): "
+          + ", ".join(f"{k} {chaos.skipped.get(k, 0)}" for k in soak_plan.FAULTS))
     exact, total_nt, span = 0, 0.0, 0.0
     for j in jobs:
         if kind_of(j) != "inplace" or j["state"] != "succeeded":

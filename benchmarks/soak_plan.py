@@ -145,9 +145,9 @@ def recovery_rows(recoveries: dict[str, list[float]], unrecovered: dict[str, int
         if xs:
             rows.append(f"{kind:<17} {len(xs):3d} recovered  p50 {percentile(xs, 50):6.1f} s  "
                         f"p99 {percentile(xs, 99):6.1f} s  (bound {BOUNDS_S[kind]:.0f} s)"
-                        + (f"; {missed} not measured (job ended first or no victim)" if missed else ""))
+                        + (f"; {missed} not measured (the job ended first)" if missed else ""))
         else:
             rows.append(f"{kind:<17}   0 recovered"
-                        + (f"; {missed} not measured (job ended first or no victim)" if missed else "")
+                        + (f"; {missed} not measured (the job ended first)" if missed else "")
                         + f"  (bound {BOUNDS_S[kind]:.0f} s)")
     return rows

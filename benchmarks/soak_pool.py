@@ -58,7 +58,8 @@ class Chaos:
         self.jobs: list[dict] = []
         self.reports: dict[int, tuple[Path, list[str]]] = {}
         self.bg: list[tuple[str, Any, Path, float]] = []   # (what, Popen, out, started)
-        self.injected: Counter = Counter()
+        self.injected: Counter = Counter()           # faults that hit something
+        self.skipped: Counter = Counter()            # planned, but nothing there to hit
         self.recoveries: dict[str, list[float]] = defaultdict(list)
         self.unrecovered: Counter = Counter()
         self.watch: list[dict] = []                   # recoveries being timed
@@ -212,6 +213,7 @@ class Chaos:
 
     def fault(self, p: Planned) -> None:
         kind, a = p.action, p.args
+        done = True
         if kind in ("partition", "reboot"):
             hit = [j for j in self.training() if any(w["host"] == a["host"] and w["state"] == "running"
                                                      for w in j["workers"])]
@@ -219,6 +221,8 @@ class Chaos:
                 part, text = faults.partition(self.jobs, a["host"], f"{int(self.now())}")
                 if part is not None:
                     self.timers.append((time.monotonic() + a["hold_s"], "heal", part))
+                else:
+                    done, hit = False, []
             else:
                 text = faults.reboot_down(self.lab.bed, self.jobs, a["host"])
                 self.timers.append((time.monotonic() + a["hold_s"], "up", a["host"]))
@@ -231,11 +235,13 @@ class Chaos:
                 if self.retry(p, "no in-place job with 2 running workers"):
                     return
                 self.note(kind, "no in-place job with 2 running workers")
-                self.unrecovered[kind] += 1
+                done = False
             else:
                 w = soak_plan.pick([w for w in j["workers"] if w["state"] == "running"], a["u"])
-                sent = faults.kill_pid(w["pid"], str(self.lab.root))
-                self.watch_job(kind, j)
+                done = faults.kill_pid(w["pid"], str(self.lab.root))
+                sent = done
+                if done:
+                    self.watch_job(kind, j)
                 self.note(kind, f"kill -9 job {j['id']} wid {w['wid']} on {w['host']}: {'sent' if sent else 'gone'}")
         elif kind == "kill_newcomer":
             j = soak_plan.pick([j for j in self.training() if j["world_size"] < 3], a["u"])
@@ -246,14 +252,14 @@ class Chaos:
                 if self.retry(p, "no in-place job below 3 workers to grow"):
                     return
                 self.note(kind, "no in-place job below 3 workers to grow")
-                self.unrecovered[kind] += 1
+                done = False
             else:
                 before = {w["wid"] for w in j["workers"]}
                 self.start_bg(f"scale {j['id']} {j['world_size'] + 1}", j["owner"],
                               ["scale", str(j["id"]), str(j["world_size"] + 1)])
-                self.timers.append((time.monotonic() + a["delay_s"], "newcomer", (j["id"], before)))
-                self.watch_job(kind, j)
+                self.timers.append((time.monotonic() + a["delay_s"], "newcomer", (j, before)))
                 self.note(kind, f"job {j['id']} scaled to {j['world_size'] + 1}; newcomer killed in {a['delay_s']} s")
+            return     # counted when the newcomer is killed (fire_timers)
         elif kind == "kill_coordinator":
             j = soak_plan.pick(self.training(), a["u"])
             pgid = None
@@ -265,14 +271,14 @@ class Chaos:
                 if self.retry(p, "no coordinator of a training job found"):
                     return
                 self.note(kind, "no coordinator of a training job found")
-                self.unrecovered[kind] += 1
+                done = False
             else:
                 os.kill(pid, signal.SIGKILL)
                 self.watch_job(kind, j)
                 self.note(kind, f"kill -9 coordinator pid {pid} of job {j['id']}")
         else:
             self.db_fault(kind, a)
-        self.injected[kind] += 1
+        (self.injected if done else self.skipped)[kind] += 1
 
     def db_fault(self, kind: str, a: dict) -> None:
         during = a["during"]
@@ -314,10 +320,14 @@ class Chaos:
             elif what == "up":
                 self.note("reboot", faults.reboot_up(self.lab.bed, arg))
             elif what == "newcomer":
-                job_id, before = arg
+                grown, before = arg
+                job_id = grown["id"]
                 j = next((x for x in self.jobs if x["id"] == job_id), None)
                 new = [w for w in (j or {}).get("workers", []) if w["wid"] not in before and w["state"] in faults.LIVE]
                 sent = [faults.kill_pid(w.get("pid"), str(self.lab.root)) for w in new]
+                if any(sent):
+                    self.watch_job("kill_newcomer", j)
+                (self.injected if any(sent) else self.skipped)["kill_newcomer"] += 1
                 self.note("kill_newcomer", f"job {job_id}: newcomers {[w['wid'] for w in new]}, killed {sum(sent)}")
 
     # -- the loop --
