@@ -215,6 +215,10 @@ class Chaos:
         kind, a = p.action, p.args
         done = True
         if kind in ("partition", "reboot"):
+            busy = sorted({w["host"] for j in self.training() for w in j["workers"]
+                           if w["state"] == "running" and w["host"] != "local"})
+            if a["host"] not in busy and busy:   # the planned host trains nothing now: one that does
+                a = {**a, "host": busy[sum(map(ord, a["host"])) % len(busy)]}
             hit = [j for j in self.training() if any(w["host"] == a["host"] and w["state"] == "running"
                                                      for w in j["workers"])]
             if kind == "partition":
