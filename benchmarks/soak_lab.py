@@ -112,9 +112,10 @@ class Lab:
                                                         str(self.local_smi_state)]) + ' "$@"\n')
         smi.chmod(0o755)
         self.local_smi = smi
-        for h in ["local", *(h.name for h in self.bed.hosts)]:
-            (self.shared / "work" / h).mkdir(parents=True)
-            os.chmod(self.shared / "work" / h, 0o1777)
+        # each user's own workdir on every host (a job's directories are private to its owner)
+        for who in [*self.users, "root"]:
+            for h in ["local", *(h.name for h in self.bed.hosts)]:
+                (self.shared / "work" / who / h).mkdir(parents=True)
         os.chmod(self.shared / "work", 0o755)
         # what a user runs on a bed host: root's interpreter lies under /root (0700)
         self.host_python = self.shared / "python3"
@@ -141,7 +142,8 @@ class Lab:
             for src, dst in ((self.bed.user_key, home / "id_ed25519"), (self.bed.known_hosts, home / "known_hosts")):
                 shutil.copy(src, dst)
             self.write_config(home, home / "id_ed25519", home / "known_hosts", user=name)
-            subprocess.run(["chown", "-R", f"{name}:{name}", str(home)], check=True)
+            for mine in (home, self.shared / "work" / name):
+                subprocess.run(["chown", "-R", f"{name}:{name}", str(mine)], check=True)
             os.chmod(home, 0o700)
             for f in ("id_ed25519", ".ssh/authorized_keys"):
                 os.chmod(home / f, 0o600)
@@ -150,17 +152,21 @@ class Lab:
         self.write_config(self.admin_home, self.bed.user_key, self.bed.known_hosts)
 
     def write_config(self, home: Path, key: Path, known: Path, user: str | None = None) -> None:
-        """`home`'s gpuflex.toml; `user`: the unix user it logs in to the bed hosts as
-        (None: root, the admin, with the bed's own programs)."""
+        """`home`'s gpuflex.toml; `user`: the unix user whose gpuflex it is (None: root, the
+        admin, with the bed's own programs)."""
         jobs = "".join(f"{k} = {v}\n" for k, v in JOBS.items())
-        as_user = {} if user is None else {"user": user, "python": str(self.host_python)}
+        # no `[[hosts]] user`: each logs in as the unix user running the command ("reached as
+        # each user"); with it set, gpuflex takes the host for one shared account, where any
+        # user's command may start and end anyone's job (gpuflex.control.access)
+        as_user = {"user": None} if user is None else {"user": None, "python": str(self.host_python)}
         hosts = "".join(sshbed.host_toml(h, self.bed, identity_file=str(key), known_hosts=str(known),
-                                         workdir=str(self.shared / "work" / h.name), command_timeout_s=20,
+                                         workdir=str(self.shared / "work" / (user or "root") / h.name),
+                                         command_timeout_s=20,
                                          **as_user, **({} if user is None else
                                                        {"nvidia_smi": str(self.shared / f"nvidia-smi-{h.name}")}))
                         for h in self.bed.hosts)
         local = (f'[[hosts]]\nname = "local"\naddress = "local"\nnvidia_smi = "{self.local_smi}"\n'
-                 f'python = "{PYTHON}"\nworkdir = "{self.shared / "work" / "local"}"\n')
+                 f'python = "{PYTHON}"\nworkdir = "{self.shared / "work" / (user or "root") / "local"}"\n')
         (home / "gpuflex.toml").write_text(
             f'[database]\nurl = "{self.url}"\n\n[access]\nadmins = ["root"]\n\n'
             "[harvest]\ninterval_s = 5\nidle_samples = 1\nreclaim_deadline_s = 20\n\n"
