@@ -263,7 +263,7 @@ class Chaos:
                               ["scale", str(j["id"]), str(j["world_size"] + 1)])
                 self.timers.append((time.monotonic() + a["delay_s"], "newcomer", (j, before)))
                 self.note(kind, f"job {j['id']} scaled to {j['world_size'] + 1}; newcomer killed in {a['delay_s']} s")
-            return     # counted when the newcomer is killed (fire_timers)
+                return     # counted when the newcomer is killed (fire_timers)
         elif kind == "kill_coordinator":
             j = soak_plan.pick(self.training(), a["u"])
             pgid = None
