@@ -14,6 +14,7 @@ hang: reported, the run ends with exit 1. At most 3 of the 4 GPUs are held by ow
 once, and owners leave within 75 s, so the job always has a GPU to go to.
 
 Run: .venv/bin/python benchmarks/soak.py [--minutes 30] [--seed N] [--keep]
+(`--hosts`: the multi-host chaos soak instead; see benchmarks/soak_pool.py)
 Exit 0 only if the job succeeded, nothing hung and its final model equals the standalone
 run's (allclose rtol 1e-5, atol 1e-6; same steps; every sample once per epoch).
 """
@@ -647,6 +648,9 @@ def cleanup(pool: Pool, soak: Soak | None) -> None:
 
 
 def main() -> int:
+    if "--hosts" in sys.argv[1:]:     # the multi-host chaos soak: its own modules (soak_pool.py)
+        from soak_pool import main as hosts_main
+        return hosts_main([a for a in sys.argv[1:] if a != "--hosts"])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--seed", type=int, default=None, help="default: random (printed first)")

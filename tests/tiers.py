@@ -163,6 +163,7 @@ HEAVY_FILES = {
     "e2e/test_formation_deadline.py": 61, "cli/test_cli.py": 59, "control/test_crashes.py": 59,
     "e2e/test_bitwise_jobs.py": 266, "e2e/ssh/test_partition_ssh.py": 255,
     "e2e/test_allocation_converges.py": 80,
+    "e2e/ssh/test_soak_hosts.py": 600,   # the multi-host soak's 5-minute form, its drain and checks
 }
 
 

@@ -72,6 +72,7 @@ def make_engine(url: str) -> Engine:
         event.listen(engine, "handle_error", _sqlite_full)
     else:
         event.listen(engine, "handle_error", _server_lost)
+        event.listen(engine, "handle_error", _server_out_of_resources)
     return engine
 
 
@@ -84,6 +85,24 @@ def _server_lost(context) -> None:
         raise DatabaseError(f"lost the connection to the database {where(context.engine.url)} in the "
                             f"middle of the command: {detail}.",
                             hint="Check that the server is up, then run 'gpuflex status' to see what took effect.")
+
+
+# SQLSTATE class 53, "insufficient resources": disk_full (53100, the server's disk filled
+# during the command), out_of_memory, too_many_connections, ...
+_SERVER_RESOURCES = "53"
+
+
+def _server_out_of_resources(context) -> None:
+    """A server that refused a statement for want of a resource (its disk full, above all):
+    one DatabaseError line instead of a traceback, as SQLite's full disk gets. The server
+    rolled back the statement's transaction: nothing of the change was committed."""
+    state = getattr(context.original_exception, "sqlstate", None) or ""
+    if state.startswith(_SERVER_RESOURCES):
+        detail = " ".join(str(context.original_exception).split()) or type(context.original_exception).__name__
+        raise DatabaseError(f"the database server {where(context.engine.url)} could not write: {detail} "
+                            f"(SQLSTATE {state}); the change under way was not committed.",
+                            hint="Free space (or the resource named) on the database server, then run the "
+                                 "command again.")
 
 
 _SQLITE_WRITE_FAILED = ("database or disk is full", "disk I/O error")

@@ -38,3 +38,26 @@ def test_an_unknown_sqlite_driver_is_a_database_error(tmp_path):
     with pytest.raises(DatabaseError) as info:
         make_engine(f"sqlite+nosuchdriver:///{tmp_path}/x.db")
     assert "cannot use the database URL" in str(info.value)
+
+
+def _handle(engine, exc) -> None:
+    """SQLAlchemy's handle_error hook of `engine`, as a failed statement on it calls it."""
+    from types import SimpleNamespace
+    ctx = SimpleNamespace(original_exception=exc, engine=engine, is_disconnect=False, connection=None,
+                          is_pre_ping=False)
+    for listener in engine.dialect.dispatch.handle_error:
+        listener(ctx)
+
+
+def test_a_server_whose_disk_filled_is_one_database_error_line_not_a_traceback():
+    """PostgreSQL's disk full (SQLSTATE 53100) in the middle of a command, as the multi-host
+    soak found it: one DatabaseError naming the server and the cause; other errors pass."""
+    errors = pytest.importorskip("psycopg.errors")
+    engine = make_engine("postgresql+psycopg://u@127.0.0.1:5/gf")
+    full = errors.DiskFull('could not extend file "base/16385/16403": No space left on device')
+    with pytest.raises(DatabaseError) as e:
+        _handle(engine, full)
+    text = str(e.value)
+    assert "\n" not in text and "127.0.0.1:5/gf" in text and "No space left on device" in text, text
+    assert "53100" in text and "not committed" in text
+    _handle(engine, errors.UniqueViolation("duplicate key"))   # not a resource: left to its caller
