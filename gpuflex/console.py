@@ -9,21 +9,48 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import NoReturn
+from typing import Any, Callable, NoReturn
 
 from gpuflex.errors import INTERRUPTED_EXIT   # no import beyond the standard library
 
 
 def main() -> None:
+    sys.unraisablehook = interrupt_again(sys.unraisablehook)
     try:
         from gpuflex.cli import main as run_cli
         run_cli()
     except KeyboardInterrupt:
         interrupted()
+    except SystemExit:   # the command is over (click exits with its code): see `finished`
+        finished()
+        raise
     except Exception as e:
         if interrupt_inside(e):
             interrupted()
         raise
+    finished()
+
+
+def interrupt_again(default: Callable[[Any], object]) -> Callable[[Any], object]:
+    """An unraisable-exception hook that sends a Ctrl-C again. One that lands in a callback
+    Python cannot raise from (a weakref's, run by the garbage collector in the middle of an
+    import) was printed as "Exception ignored ... KeyboardInterrupt" with its traceback, and
+    lost: the command went on. Sent again, it lands in ordinary code: one line, exit 130."""
+    def hook(unraisable: Any) -> object:
+        if isinstance(unraisable.exc_value, KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)   # ignored once the command is `finished`
+            return None
+        return default(unraisable)
+    return hook
+
+
+def finished() -> None:
+    """The command is done and its exit code decided: a Ctrl-C from now on is ignored. A
+    SIGINT in the process's last moments (the exit unwinding, the interpreter's shutdown)
+    otherwise raised KeyboardInterrupt where nothing catches it, and Python then ends itself
+    by SIGINT: no line, and exit status -2 instead of the command's (3 in 60 runs of
+    `status` with a Ctrl-C near their end)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def interrupt_inside(e: BaseException | None) -> bool:

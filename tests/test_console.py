@@ -103,3 +103,18 @@ def test_a_ctrl_c_that_pydantic_turned_into_a_schema_error_is_still_a_ctrl_c():
         assert console.interrupt_inside(chained)
     assert not console.interrupt_inside(SchemaError("Error building `literal` serializer: bad value"))
     assert not console.interrupt_inside(RuntimeError("KeyboardInterrupt"))   # only pydantic's, by type name
+
+
+def test_a_ctrl_c_python_could_not_raise_is_sent_again_and_other_unraisables_go_to_the_default_hook():
+    from types import SimpleNamespace
+
+    passed, got = [], []
+    before = signal.signal(signal.SIGINT, lambda *_: got.append("SIGINT"))
+    try:
+        hook = console.interrupt_again(passed.append)
+        hook(SimpleNamespace(exc_value=KeyboardInterrupt()))
+        other = SimpleNamespace(exc_value=ValueError("x"))
+        hook(other)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert got == ["SIGINT"] and passed == [other]
