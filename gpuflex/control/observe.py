@@ -118,6 +118,7 @@ def facts(job: Job) -> JobFacts:
     forged = queries.last_event_of(session, job.id, [FORGED_KIND], since)
     waiting = queries.last_event_of(session, job.id, [WAITING_KIND], since)
     left_out = queries.last_event_of(session, job.id, [LEFT_OUT_KIND], since)
+    restarts = queries.events_by_cause(session, job.id, "state", [*RETRY_CAUSES, STOP_CAUSE])
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
         workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code, w.ended_at,
@@ -127,8 +128,7 @@ def facts(job: Job) -> JobFacts:
         forged_recorded=_ints([(forged.data if forged else {}).get("count")], default=0)[0],
         checkpoint_failures_recorded=queries.max_count_by_wid(session, job.id, CHECKPOINT_FAILED_KIND, since),
         retries=job.retries or 0, restarts=job.restarts or 0,
-        crash_restarts=sum(queries.events_with_cause(session, job.id, "state", c) for c in RETRY_CAUSES),
-        stop_restarts=queries.events_with_cause(session, job.id, "state", STOP_CAUSE),
+        crash_restarts=sum(restarts[c] for c in RETRY_CAUSES), stop_restarts=restarts[STOP_CAUSE],
         elastic=job.elastic,
         left_out_recorded=_ints([(left_out.data if left_out else {}).get("n")], default=0)[0],
         store_host=job.store_host, deadline=L.run_deadline(job), resize_asked_at=resize_asked_at(job),

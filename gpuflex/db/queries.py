@@ -345,5 +345,14 @@ def max_count_by_wid(session: Session, job_id: int, kind: str, since: float) -> 
 def events_with_cause(session: Session, job_id: int, kind: str, cause: str) -> int:
     """How many times the job's `kind` events with data["cause"] == `cause` happened
     (repeats of a coalesced event included)."""
-    return session.scalar(select(func.coalesce(func.sum(Event.count), 0)).where(
-        Event.job_id == job_id, Event.kind == kind, Event.data["cause"].as_string() == cause)) or 0
+    return events_by_cause(session, job_id, kind, [cause])[cause]
+
+
+def events_by_cause(session: Session, job_id: int, kind: str, causes: Iterable[str]) -> dict[str, int]:
+    """`events_with_cause` for several causes in one query: cause -> count (0 when none)."""
+    wanted = list(causes)
+    cause = Event.data["cause"].as_string()
+    rows = session.execute(select(cause, func.sum(Event.count)).where(
+        Event.job_id == job_id, Event.kind == kind, cause.in_(wanted)).group_by(cause)).all()
+    found = {c: int(n or 0) for c, n in rows}
+    return {c: found.get(c, 0) for c in wanted}
