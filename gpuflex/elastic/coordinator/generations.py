@@ -56,6 +56,7 @@ from typing import Any, Callable, Protocol
 
 from gpuflex.elastic.protocol import failpoints, keys
 from gpuflex.elastic.protocol.auth import ForgeryLog, KeptRecords, SignedRecords, Signer
+from gpuflex.elastic.protocol.signals import STOP_ASKERS
 from gpuflex.elastic.coordinator.failures import FailureStreak, Heartbeats, WorkerReports, printable
 from gpuflex.elastic.coordinator.forming import FormationWatch
 from gpuflex.elastic.coordinator.next_generation import (Decision, End, Hold, Publish, Seen, Settled, Unreachable,
@@ -359,9 +360,6 @@ class Generations:
         self.unreachable = None
         self._busy = True
         return self.desired
-
-
-STOP_ASKERS = ("a SIGTERM", "its control socket's stop")   # what the runtime writes as `by`
 
 
 def stop_record(value: Any) -> dict[str, Any] | None:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from gpuflex.elastic.protocol.control_socket import ControlServer
 from gpuflex.elastic.membership.rendezvous import Rendezvous
-from gpuflex.elastic.protocol.signals import StepSignals
+from gpuflex.elastic.protocol.signals import BY_CONTROL_SOCKET, StepSignals
 
 
 def start_control(path: str | None, signals: StepSignals, status: Callable[[], dict[str, Any]],
@@ -36,7 +36,7 @@ def start_control(path: str | None, signals: StepSignals, status: Callable[[], d
         return {"requested": True}
 
     def stop(_msg: dict[str, Any]) -> dict[str, Any]:
-        signals.request_stop("its control socket's stop")
+        signals.request_stop(BY_CONTROL_SOCKET)
         return {"stopping": True}
 
     return ControlServer(path, {"status": on_status, "resize": resize, "checkpoint": checkpoint, "stop": stop})

@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import threading
 
+# what asked a worker to stop (`StepSignals.stop_by`, keys.STOPPED's `by`): the only texts the
+# coordinator passes on from that record
+BY_SIGTERM = "a SIGTERM"
+BY_CONTROL_SOCKET = "its control socket's stop"
+STOP_ASKERS = (BY_SIGTERM, BY_CONTROL_SOCKET)
+
 
 class StepSignals:
     """Flags set from any thread and read at step boundaries."""
@@ -20,7 +26,7 @@ class StepSignals:
         self._poke = threading.Event()   # look at the store's latest generation now
 
     def request_stop(self, by: str) -> None:
-        """`by`: what asked ("SIGTERM", "the control socket"), for the job's reason."""
+        """`by`: what asked (one of STOP_ASKERS), for the job's reason."""
         if self.stop_by is None:
             self.stop_by = by
         self._stop.set()

@@ -49,7 +49,7 @@ from gpuflex.elastic.membership.liveness import close_after, close_at_exit
 from gpuflex.elastic.membership.worker_control import Progress
 from gpuflex.elastic.protocol import failpoints
 from gpuflex.elastic.protocol.env import WorkerEnv
-from gpuflex.elastic.protocol.signals import StepSignals
+from gpuflex.elastic.protocol.signals import BY_SIGTERM, StepSignals
 from gpuflex.elastic.run.boundary import Boundary
 from gpuflex.elastic.run.context import RunContext
 from gpuflex.elastic.run.data_steps import DataParallelSteps
@@ -135,7 +135,7 @@ class ElasticRun:
         self.backward, self.accumulate = self.strategy.backward, self.calls.accumulate
         self.all_reduce, self.global_mean = self.calls.all_reduce, self.calls.global_mean
         if threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, lambda *_: ctx.signals.request_stop("a SIGTERM"))
+            signal.signal(signal.SIGTERM, lambda *_: ctx.signals.request_stop(BY_SIGTERM))
 
     # ---- public attributes: the context's ------------------------------------------------------
     @property
