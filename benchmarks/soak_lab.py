@@ -246,19 +246,21 @@ class Lab:
 
 def job_command(kind: str, n: int, shared: Path) -> tuple[list[str], Path | None, list[str]]:
     """`submit`'s options and command for the soak's `n`th job of `kind`: small jobs, so that
-    2 cores carry three hosts and the local pool. Returns them, the in-place job's report
+    2 cores carry three hosts and the local pool. The trainers (in-place, restart) have
+    priority 1, as a lab's training jobs ahead of its short batch jobs: they start as soon
+    as a device frees, so the job faults find one to hit. Returns them, the in-place job's report
     path and its script options (its reference's argv), or None and [] for other kinds."""
     env = ["--env", f"PYTHONPATH={ROOT}:{SITE}", "--env", "OMP_NUM_THREADS=1"]
     if kind == "inplace":
         report = shared / f"report-{n}.json"
         job_args = ["--hidden", "16", "--global-batch-size", "64", "--seed", str(n % 2), "--epochs", "8"]
-        return ([*env, "--name", f"mlp{n}", "--workers", "1:3", "--json", "--", PYTHON, str(EXAMPLE),
+        return ([*env, "--name", f"mlp{n}", "--workers", "1:3", "--priority", "1", "--json", "--", PYTHON, str(EXAMPLE),
                  *job_args, "--step-sleep", "0.2", "--report", str(report)], report, job_args)
     if kind == "restart":
         ck = shared / f"ckpt-{n}"
         ck.mkdir()
         ck.chmod(0o777)    # the workers run as the submitting user locally, as root over SSH
-        return ([*env, "--name", f"ddp{n}", "--elastic", "restart", "--workers", "1:2", "--json", "--",
+        return ([*env, "--name", f"ddp{n}", "--elastic", "restart", "--workers", "1:2", "--priority", "1", "--json", "--",
                  PYTHON, str(RESTART_EXAMPLE), "--hidden", "16", "--epochs", "2", "--step-sleep", "0.1",
                  "--ckpt-dir", str(ck)], None, [])
     if kind == "gang":

@@ -24,6 +24,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -68,7 +69,9 @@ class Chaos:
         self.subs = 0
         self.n_submits = 0
         self.ticks = 0
-        self.poller: tuple[Any, Path, float] | None = None
+        self.poller: tuple[Any, Path, float, str] | None = None
+        self.polls = 0
+        self.views: dict[str, dict[int, dict]] = {}   # user -> their last `status`, by job id
         self.pending_reports: dict[str, tuple[Path, list[str]]] = {}
         self.last_answer = time.monotonic()
         self.db_name = lab.url.rsplit("/", 1)[1]
@@ -81,14 +84,20 @@ class Chaos:
 
     # -- watching --
     def poll(self) -> None:
-        """Start the admin's `status --json` in the background, or take in the one that ended:
-        the loop never waits on it (under load it takes seconds)."""
+        """Start a `status --json` in the background, or take in the one that ended: the loop
+        never waits on it (under load it takes seconds). Each user's in turn, as their
+        watching would be: a job's step (its coordinator's progress) is in its owner's
+        status only (the others, the admin included, do not reach its processes), so each
+        job's step is its owner's last view of it (`with_step`)."""
         if self.poller is None:
             out = self.lab.root / "cli" / "status.out"
             out.parent.mkdir(exist_ok=True)
-            self.poller = (self.lab.popen(None, ["status", "--json", "--limit", "0"], out), out, time.monotonic())
+            user = self.lab.users[self.polls % len(self.lab.users)]
+            self.polls += 1
+            self.poller = (self.lab.popen(user, ["status", "--json", "--limit", "0"], out), out, time.monotonic(),
+                           user)
             return
-        p, out, started = self.poller
+        p, out, started, user = self.poller
         if p.poll() is None:
             if time.monotonic() - started > soak_lab.CLI_TIMEOUT_S:
                 p.kill()
@@ -103,7 +112,8 @@ class Chaos:
         if js is None:
             return
         js = js if isinstance(js, list) else [js]
-        self.jobs, self.last_answer = js, time.monotonic()
+        self.views[user] = {j["id"]: j for j in js}
+        self.jobs, self.last_answer = [self.with_step(j) for j in js], time.monotonic()
         by_id = {j["id"]: j for j in js}
         for w in list(self.watch):
             if w["kind"] in soak_plan.DB_FAULTS:
@@ -119,6 +129,15 @@ class Chaos:
             elif w["after"] is not None and step > w["after"]:
                 self.recoveries[w["kind"]].append(time.monotonic() - w["at"])
                 self.watch.remove(w)
+
+    def with_step(self, j: dict) -> dict:
+        """`j` with its step from its owner's last status, when that saw it in the same
+        state, generation and restart (else the step stays unknown)."""
+        mine = self.views.get(j["owner"], {}).get(j["id"])
+        if mine is None or mine is j or not isinstance(mine.get("step"), int):
+            return j
+        same = all(mine.get(k) == j.get(k) for k in ("state", "generation", "restarts"))
+        return {**j, "step": mine["step"]} if same else j
 
     def watch_job(self, kind: str, j: dict) -> None:
         self.watch.append({"kind": kind, "job": j["id"], "gen": (j["generation"], j["restarts"]),
@@ -261,7 +280,8 @@ class Chaos:
                 before = {w["wid"] for w in j["workers"]}
                 self.start_bg(f"scale {j['id']} {j['world_size'] + 1}", j["owner"],
                               ["scale", str(j["id"]), str(j["world_size"] + 1)])
-                self.timers.append((time.monotonic() + a["delay_s"], "newcomer", (j, before)))
+                self.timers.append((time.monotonic() + a["delay_s"], "newcomer",
+                                    (j, before, time.monotonic() + a["delay_s"] + 15.0)))
                 self.note(kind, f"job {j['id']} scaled to {j['world_size'] + 1}; newcomer killed in {a['delay_s']} s")
                 return     # counted when the newcomer is killed (fire_timers)
         elif kind == "kill_coordinator":
@@ -324,15 +344,28 @@ class Chaos:
             elif what == "up":
                 self.note("reboot", faults.reboot_up(self.lab.bed, arg))
             elif what == "newcomer":
-                grown, before = arg
+                grown, before, until = arg
                 job_id = grown["id"]
-                j = next((x for x in self.jobs if x["id"] == job_id), None)
-                new = [w for w in (j or {}).get("workers", []) if w["wid"] not in before and w["state"] in faults.LIVE]
-                sent = [faults.kill_pid(w.get("pid"), str(self.lab.root)) for w in new]
+                new = self.newcomers(job_id, before)
+                if not new and time.monotonic() < until:   # the scale has not spawned them yet
+                    self.timers.append((time.monotonic() + 0.5, what, arg))
+                    continue
+                sent = [faults.kill_pid(pid, str(self.lab.root)) for _, pid in new]
                 if any(sent):
-                    self.watch_job("kill_newcomer", j)
+                    self.watch_job("kill_newcomer", grown)
                 (self.injected if any(sent) else self.skipped)["kill_newcomer"] += 1
-                self.note("kill_newcomer", f"job {job_id}: newcomers {[w['wid'] for w in new]}, killed {sum(sent)}")
+                self.note("kill_newcomer", f"job {job_id}: newcomers {[wid for wid, _ in new]}, killed {sum(sent)}")
+
+    def newcomers(self, job_id: int, before: set[int]) -> list[tuple[int, int]]:
+        """(wid, pid) of the job's workers started since `before`, straight from the database
+        (a status reply is seconds old; the newcomer lives a few seconds before it joins)."""
+        try:
+            out = self.lab.pg.sql(f"SELECT wid, pid FROM workers WHERE job_id = {int(job_id)} AND pid IS NOT NULL "
+                                  "AND state IN ('starting', 'running')", self.db_name)
+        except (RuntimeError, subprocess.TimeoutExpired):   # the server restarting: none seen
+            return []
+        rows = [tuple(int(x) for x in ln.split("|")) for ln in out.split() if ln.count("|") == 1]
+        return [(wid, pid) for wid, pid in rows if wid not in before]
 
     # -- the loop --
     def run(self, schedule: list[Planned]) -> str | None:
