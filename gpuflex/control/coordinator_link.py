@@ -32,9 +32,13 @@ def request(config: Config, pool: Pool, job: Job, message: dict[str, Any], wait_
         try:
             reply = t.control_request(L.coordinator_socket(job), message)
             break
-        except TransportError:
+        except TransportError as e:
             if time.monotonic() >= deadline or not coordinator_alive(config, pool, job):
-                raise
+                if type(e) is not TransportError:
+                    raise
+                # "gpu01: connection refused by ..." alone does not say what was asked of gpu01
+                why = str(e).removeprefix(f"{e.host}: ")
+                raise TransportError(e.host, f"cannot reach job {job.id}'s coordinator: {why}") from e
             time.sleep(0.2)
     if not reply.get("ok"):
         raise JobError(f"job {job.id}: coordinator refused {message.get('op')}: {reply.get('error')}")

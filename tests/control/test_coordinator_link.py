@@ -44,7 +44,7 @@ def test_a_refusal_is_a_job_error_naming_the_op_and_the_reason():
 
 def test_no_answer_from_a_coordinator_not_known_to_run_is_raised_at_once():
     t, pool, job = link([TransportError("local", "no such socket"), {"ok": True}])
-    with pytest.raises(TransportError):
+    with pytest.raises(TransportError, match="^local: cannot reach job 7's coordinator: no such socket$"):
         coordinator_link.request(None, pool, job, {"op": "status"}, wait_s=30)
     assert len(t.asked) == 1   # no pgid: it cannot be told alive, so no retry
     assert coordinator_link.coordinator_process(None, pool, job) == (False, None)
