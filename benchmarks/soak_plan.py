@@ -1,5 +1,6 @@
 """The multi-host soak's plan and figures, without processes: the seeded schedule
-(`make_schedule`) and the arithmetic of its summary (`percentile`, `recovery_rows`).
+(`make_schedule`), the arithmetic of its summary (`percentile`, `recovery_rows`) and how it
+reads the pool's state (`with_step`, `int_rows`).
 
 The schedule is drawn whole before anything runs, so a seed names a run. Three kinds of
 entries: `submit` (a user and a job kind), `scale` (a fraction naming one of the live
@@ -150,4 +151,27 @@ def recovery_rows(recoveries: dict[str, list[float]], unrecovered: dict[str, int
             rows.append(f"{kind:<17}   0 recovered"
                         + (f"; {missed} not measured (the job ended first)" if missed else "")
                         + f"  (bound {BOUNDS_S[kind]:.0f} s)")
+    return rows
+
+
+def with_step(job: dict, views: dict[str, dict[int, dict]]) -> dict:
+    """`job` (a record of `gpuflex status --json`) with its step from its owner's last status
+    (`views`: user -> their last status, by job id): a job's step is its coordinator's
+    progress, which only the owner's commands read (the others, the admin included, do not
+    reach its processes). Only when the owner saw it in the same state, generation and
+    restart; else the record as it is (its step unknown)."""
+    mine = views.get(job["owner"], {}).get(job["id"])
+    if mine is None or mine is job or not isinstance(mine.get("step"), int):
+        return job
+    same = all(mine.get(k) == job.get(k) for k in ("state", "generation", "restarts"))
+    return {**job, "step": mine["step"]} if same else job
+
+
+def int_rows(psql_out: str, width: int) -> list[tuple[int, ...]]:
+    """The rows of `psql -At` output whose `width` fields are all integers."""
+    rows = []
+    for line in psql_out.splitlines():
+        cells = line.strip().split("|")
+        if len(cells) == width and all(c.isdigit() for c in cells):
+            rows.append(tuple(int(c) for c in cells))
     return rows

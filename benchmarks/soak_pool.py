@@ -88,7 +88,7 @@ class Chaos:
         never waits on it (under load it takes seconds). Each user's in turn, as their
         watching would be: a job's step (its coordinator's progress) is in its owner's
         status only (the others, the admin included, do not reach its processes), so each
-        job's step is its owner's last view of it (`with_step`)."""
+        job's step is its owner's last view of it (soak_plan.with_step)."""
         if self.poller is None:
             out = self.lab.root / "cli" / "status.out"
             out.parent.mkdir(exist_ok=True)
@@ -113,7 +113,7 @@ class Chaos:
             return
         js = js if isinstance(js, list) else [js]
         self.views[user] = {j["id"]: j for j in js}
-        self.jobs, self.last_answer = [self.with_step(j) for j in js], time.monotonic()
+        self.jobs, self.last_answer = [soak_plan.with_step(j, self.views) for j in js], time.monotonic()
         by_id = {j["id"]: j for j in js}
         for w in list(self.watch):
             if w["kind"] in soak_plan.DB_FAULTS:
@@ -129,15 +129,6 @@ class Chaos:
             elif w["after"] is not None and step > w["after"]:
                 self.recoveries[w["kind"]].append(time.monotonic() - w["at"])
                 self.watch.remove(w)
-
-    def with_step(self, j: dict) -> dict:
-        """`j` with its step from its owner's last status, when that saw it in the same
-        state, generation and restart (else the step stays unknown)."""
-        mine = self.views.get(j["owner"], {}).get(j["id"])
-        if mine is None or mine is j or not isinstance(mine.get("step"), int):
-            return j
-        same = all(mine.get(k) == j.get(k) for k in ("state", "generation", "restarts"))
-        return {**j, "step": mine["step"]} if same else j
 
     def watch_job(self, kind: str, j: dict) -> None:
         self.watch.append({"kind": kind, "job": j["id"], "gen": (j["generation"], j["restarts"]),
@@ -364,8 +355,7 @@ class Chaos:
                                   "AND state IN ('starting', 'running')", self.db_name)
         except (RuntimeError, subprocess.TimeoutExpired):   # the server restarting: none seen
             return []
-        rows = [tuple(int(x) for x in ln.split("|")) for ln in out.split() if ln.count("|") == 1]
-        return [(wid, pid) for wid, pid in rows if wid not in before]
+        return [(wid, pid) for wid, pid in soak_plan.int_rows(out, 2) if wid not in before]
 
     # -- the loop --
     def run(self, schedule: list[Planned]) -> str | None:

@@ -80,3 +80,25 @@ def test_percentiles_and_the_recovery_rows():
     assert rows[FAULTS.index("kill_worker")].split()[:2] == ["kill_worker", "2"]
     assert "p50    2.0 s" in rows[FAULTS.index("kill_worker")] and "bound 60 s" in rows[FAULTS.index("kill_worker")]
     assert "1 not measured" in rows[FAULTS.index("reboot")]
+
+
+def job(id=5, owner="b", state="running", generation=2, restarts=0, step=None):
+    return {"id": id, "owner": owner, "state": state, "generation": generation, "restarts": restarts, "step": step}
+
+
+def test_a_jobs_step_comes_from_its_owners_view_when_that_saw_the_same_generation():
+    other = job()                               # the admin's or another user's: no step
+    views = {"b": {5: job(step=41)}, "a": {5: other}}
+    assert soak_plan.with_step(other, views)["step"] == 41
+    assert other["step"] is None                # the record read is not changed
+    for stale in (job(step=41, generation=1), job(step=41, restarts=1), job(step=41, state="scaling")):
+        assert soak_plan.with_step(other, {"b": {5: stale}})["step"] is None
+    assert soak_plan.with_step(other, {"b": {}})["step"] is None
+    assert soak_plan.with_step(other, {"b": {5: job(step="7")}})["step"] is None   # not an int
+    assert soak_plan.with_step(job(owner="c"), views)["step"] is None               # c never looked
+
+
+def test_int_rows_keeps_the_rows_of_integers_only():
+    out = "3|4101\n4|\n\nx|1\n5|4107|1\n 6|4200 \n"
+    assert soak_plan.int_rows(out, 2) == [(3, 4101), (6, 4200)]
+    assert soak_plan.int_rows("", 2) == []
