@@ -201,9 +201,10 @@ class Lab:
         with open(out, "w") as o, open(out.with_suffix(".err"), "w") as e:
             return subprocess.Popen(argv, stdout=o, stderr=e, env=env, cwd=cwd, start_new_session=True)
 
-    def jobs(self) -> list[dict] | None:
-        """Every job (the admin's `status --json --limit 0`), or None when the CLI failed."""
-        p = self.cli(None, "status", "--json", "--limit", "0", timeout=60)
+    def jobs(self, timeout_s: float = 60.0) -> list[dict] | None:
+        """Every job (the admin's `status --json --limit 0`), or None when the CLI failed
+        or did not answer within `timeout_s`."""
+        p = self.cli(None, "status", "--json", "--limit", "0", timeout=timeout_s)
         if p.returncode != 0:
             return None
         try:

@@ -317,7 +317,10 @@ class Chaos:
             if soak_lab.wait_until(self.lab.pg_answers, 15.0) is None:
                 self.lab.pg.restart()
                 text += "; PostgreSQL had stopped on it (a WAL write PANICs): started again"
-        took = soak_lab.wait_until(lambda: self.lab.jobs() is not None, 60.0, every_s=0.2)
+        # the heals and sshd restarts due meanwhile are not held up by a slow answer (a
+        # partition would last as long as the wait)
+        took = soak_lab.wait_until(lambda: (self.fire_timers(), self.lab.jobs(timeout_s=20.0) is not None)[1], 60.0,
+                                   every_s=0.2)
         if took is None:
             self.problems.append(f"{kind}: gpuflex status did not answer within 60 s")
             self.unrecovered[kind] += 1
