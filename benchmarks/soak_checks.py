@@ -106,10 +106,9 @@ def summary(chaos, seed: int, stopped: str | None) -> bool:
     live = [(j["id"], w["wid"]) for j in jobs for w in j["workers"] if w["state"] in faults.LIVE]
     sockets = sorted({str(Path(w["control"]).parent) for j in jobs for w in j["workers"] if w.get("control")
                       and Path(w["control"]).parent.exists()})
-    from gpuflex.hosts.hostops import group_alive
     pgids = lab.pg.sql("SELECT pgid FROM workers WHERE pgid IS NOT NULL UNION "
                        "SELECT store_pgid FROM jobs WHERE store_pgid IS NOT NULL", chaos.db_name).split()
-    alive = [g for g in pgids if group_alive(int(g))]
+    alive = [g for g in pgids if faults.our_group_alive(int(g), lab.root)]
     print(f"left: {len(left)} processes, {len(sockets)} socket directories, {len(live)} live worker rows, "
           f"{len(alive)} process groups alive")
     problems += [f"left running: {x}" for x in left] + [f"socket dir left: {s}" for s in sockets]

@@ -66,6 +66,20 @@ class Partition:
             self.group.rmdir()
 
 
+def our_group_alive(pgid: int, root: Path) -> bool:
+    """Whether process group `pgid` still runs something of the soak: a process whose command
+    line names the soak's directory or gpuflex (a supervisor, a worker, a coordinator; a
+    gang's `sleep` is in its supervisor's group). A group id recorded an hour ago may name
+    another program's group by now: pids wrap around at /proc/sys/kernel/pid_max."""
+    marks = (str(root).encode(), b"gpuflex")
+    for pid in group_pids(pgid):
+        with contextlib.suppress(OSError):
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if any(m in cmdline for m in marks):
+                return True
+    return False
+
+
 def host_pids(jobs: list[dict], host: str) -> list[int]:
     """Every process of the live workers' groups on `host` (supervisor, worker, children)."""
     pids: list[int] = []
