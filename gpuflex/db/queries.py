@@ -342,14 +342,10 @@ def max_count_by_wid(session: Session, job_id: int, kind: str, since: float) -> 
     return {w: c or 0 for w, c in rows}
 
 
-def events_with_cause(session: Session, job_id: int, kind: str, cause: str) -> int:
-    """How many times the job's `kind` events with data["cause"] == `cause` happened
-    (repeats of a coalesced event included)."""
-    return events_by_cause(session, job_id, kind, [cause])[cause]
-
-
 def events_by_cause(session: Session, job_id: int, kind: str, causes: Iterable[str]) -> dict[str, int]:
-    """`events_with_cause` for several causes in one query: cause -> count (0 when none)."""
+    """How many times the job's `kind` events with data["cause"] equal to each of `causes`
+    happened (repeats of a coalesced event included), in one query: cause -> count (0 when
+    none)."""
     wanted = list(causes)
     cause = Event.data["cause"].as_string()
     rows = session.execute(select(cause, func.sum(Event.count)).where(

@@ -132,7 +132,7 @@ def test_the_queries_that_read_json_fields_answer_as_on_sqlite(pg_url):
         s.add(job)
         s.flush()
         assert queries.max_count_by_wid(s, job.id, "k", 0) == {1: 5, 2: 0}
-        assert queries.events_with_cause(s, job.id, "r", "oom") == 4
+        assert queries.events_by_cause(s, job.id, "r", ["oom", "other", "none"]) == {"oom": 4, "other": 1, "none": 0}
         assert queries.job_states(s, [job.id, 999]) == {job.id: [(job.id, "running")], 999: []}
 
 
