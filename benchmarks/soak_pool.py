@@ -114,7 +114,7 @@ class Chaos:
         js = js if isinstance(js, list) else [js]
         self.views[user] = {j["id"]: j for j in js}
         self.jobs, self.last_answer = [soak_plan.with_step(j, self.views) for j in js], time.monotonic()
-        by_id = {j["id"]: j for j in js}
+        by_id = {j["id"]: j for j in self.jobs}
         for w in list(self.watch):
             if w["kind"] in soak_plan.DB_FAULTS:
                 continue
@@ -123,10 +123,13 @@ class Chaos:
                 self.watch.remove(w)
                 self.unrecovered[w["kind"]] += 1
                 continue
-            step = j.get("step") if isinstance(j.get("step"), int) else -1
-            if w["after"] is None and (j["generation"], j["restarts"]) != w["gen"]:
-                w["after"] = step
-            elif w["after"] is not None and step > w["after"]:
+            step = j.get("step")
+            if not isinstance(step, int):
+                continue   # no owner's status has shown this generation's step yet
+            if w["after"] is None:
+                if (j["generation"], j["restarts"]) != w["gen"]:
+                    w["after"] = step
+            elif step > w["after"]:
                 self.recoveries[w["kind"]].append(time.monotonic() - w["at"])
                 self.watch.remove(w)
 
