@@ -119,7 +119,9 @@ TEST_TIERS = {
         "test_a_job_over_quota_waits_then_starts_when_the_other_ends_and_a_scale_over_it_is_refused": "e2e",
         "test_report_by_user_counts_slot_hours_on_a_pool_of_cpu_slots": "e2e",
         "test_the_fair_share_and_report_queries_agree_on_both_backends": "e2e"},
-    "elastic/sharding/test_reshard.py": {"test_real_processes_end_with_a_fresh_cut_at_the_new_size": "e2e"},
+    "elastic/sharding/test_reshard.py": {
+        "test_real_processes_end_with_a_fresh_cut_at_the_new_size": "e2e",
+        "test_a_sharded_parameter_gathered_through_cpu_is_whole_in_rank_order": "e2e"},
     "control/test_restarts.py": {
         "test_a_restart_job_scaled_2_3_1_ends_equal_to_a_fixed_size_run_and_a_gang_is_not_scaled": "e2e"},
     "elastic/run/test_runtime.py": {

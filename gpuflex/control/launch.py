@@ -324,13 +324,19 @@ def submit_environment(environ: Mapping[str, str], env: Mapping[str, str]) -> di
 
 def omp_threads(host: HostConfig, devices: int, gpus_on_host: int | None) -> int:
     """OMP_NUM_THREADS for a worker holding `devices` slots or GPUs of `host`: its share of
-    the host's cores (cores // slots, or cores // GPUs, per device held); 1, as torchrun
-    sets, where the host's core count or its number of GPUs is unknown."""
+    the host's cores per device held (cores // slots); on a GPU host half of it
+    (cores // GPUs // 2), since the compute is the GPU's and the host's other processes (the
+    job's coordinator, data loaders, gpuflex's own commands) need cores: on an H200 with 16
+    cores a one-GPU worker at 16 threads ran the example at 0.74 of plain training, at 8, 4
+    or 1 at 0.89 (docs/benchmarks.md, "On a real GPU"). 1, as torchrun sets, where the
+    host's core count or its number of GPUs is unknown."""
     cores = host.cpu_count
-    shares = host.cpu_slots if host.cpu_slots is not None else gpus_on_host
+    gpu_host = host.cpu_slots is None
+    shares = gpus_on_host if gpu_host else host.cpu_slots
     if cores is None or not shares:
         return 1
-    return max(1, cores // shares) * max(1, devices)
+    share = cores // shares // 2 if gpu_host else cores // shares
+    return max(1, share) * max(1, devices)
 
 
 def _gpus_on_host(host: HostConfig, job: Job) -> int | None:

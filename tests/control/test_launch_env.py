@@ -53,12 +53,14 @@ def _spec(host: dict, devices: list[int], **job):
     return launch.worker_spec(cfg, cfg.hosts[0], _job(**job), w, rank=0, world=1)
 
 
-# ---- OMP_NUM_THREADS: the worker's share of its host's cores ------------------------------------
+# ---- OMP_NUM_THREADS: the worker's share of its host's cores (half on a GPU host) -------------------
 OMP = [
     ("cpu slots: cores // slots per slot held", {"gpus": "cpu:4", "cpus": 8}, [0], "2"),
     ("two slots held", {"gpus": "cpu:4", "cpus": 8}, [1, 2], "4"),
     ("more slots than cores: at least 1", {"gpus": "cpu:16", "cpus": 4}, [3], "1"),
-    ("gpu list: cores // gpus per gpu held", {"gpus": [0, 1, 2, 3], "cpus": 32}, [0, 1], "16"),
+    ("gpu list: half of cores // gpus per gpu held", {"gpus": [0, 1, 2, 3], "cpus": 32}, [0, 1], "8"),
+    ("one gpu of 16 cores: 8, room for the host's other processes", {"gpus": [0], "cpus": 16}, [0], "8"),
+    ("more gpus than half the cores: at least 1 per gpu", {"gpus": [0, 1, 2, 3, 4, 5, 6, 7], "cpus": 8}, [0, 1], "2"),
     ("remote host without cpus: 1 as torchrun", {"address": "r.lab", "gpus": "cpu:4"}, [0], "1"),
     ("gpus = all, never probed: 1", {"gpus": "all", "cpus": 32}, [0], "1"),
     ("local host: this machine's cores", {"gpus": "cpu:1"}, [0], str(os.cpu_count())),
@@ -213,7 +215,7 @@ def test_over_ssh_a_worker_gets_the_submit_environment_and_the_hosts_own_home(ss
     h = ssh_bed.hosts[0]
     cfg = home / "g.toml"
     cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
-                   + host_toml(h, ssh_bed, workdir="~/gfwork", cpus=6))
+                   + host_toml(h, ssh_bed, workdir="~/gfwork", cpus=12))
     cli = GpuflexCLI(home, cfg)
     code = f"import json, os; open({str(home / 'env.json')!r}, 'w').write(json.dumps(dict(os.environ)))"
     try:
@@ -225,7 +227,7 @@ def test_over_ssh_a_worker_gets_the_submit_environment_and_the_hosts_own_home(ss
         env = json.loads((home / "env.json").read_text())
         assert env["HOME"] == str(h.dir / "home") and env["MARK"] == "submitted"
         assert env["PATH"].startswith(VENV_BIN) and "SSH_AUTH_SOCK" not in env
-        assert env["OMP_NUM_THREADS"] == "3"       # 6 cores // the 2 GPUs the probe found
+        assert env["OMP_NUM_THREADS"] == "3"       # 12 cores // the 2 GPUs the probe found // 2
         token = db_rows(home / "g.db", "SELECT token FROM jobs")[0][0]
         assert (h.dir / "home" / "gfwork" / "jobs" / token / "worker-0.log").is_file()
         assert not [q for q in home.rglob("*") if q.name == "~"]

@@ -247,8 +247,41 @@ class Sharding:
     # ---- what the script reads -----------------------------------------------------------
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter whole, by name: an all-gather of each (every member calls it)."""
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in self.model.named_parameters()}
+        return {n: _full(p).detach().clone() for n, p in self.model.named_parameters()}
+
+
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole. A DTensor's `full_tensor` all-gathers on its device; on CUDA over
+    gloo (several workers sharing one GPU, GPUFLEX_BACKEND=gloo) that crashed the worker
+    (SIGSEGV, seen on an H200 with torch 2.11), so there the dim-0 shards travel through
+    CPU memory, as a resharding's rows do (reshard._stages_through_cpu)."""
+    if not hasattr(p, "full_tensor"):
+        return p
+    placements = getattr(p, "placements", ())
+    group = p.device_mesh.get_group() if p.device_mesh.ndim == 1 else None
+    if not (p.is_cuda and p.dim() > 0 and group is not None and dist.get_backend(group) == "gloo"
+            and len(placements) == 1 and placements[0].is_shard(0)):
+        return p.full_tensor()
+    return gather_rows_through_cpu(p.to_local(), group, tuple(p.shape)).to(p.device)
+
+
+def gather_rows_through_cpu(local: torch.Tensor, group: dist.ProcessGroup,
+                            shape: tuple[int, ...]) -> torch.Tensor:
+    """The whole tensor of `shape` from each member's dim-0 shard (rank order, shards of any
+    length, none included), gathered as CPU tensors over `group`."""
+    shard = local.detach().cpu().contiguous()
+    world = dist.get_world_size(group)
+    rows = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(rows, torch.tensor([shard.shape[0]], dtype=torch.int64), group=group)
+    most = max(int(r) for r in rows)
+    padded = torch.zeros((most, *shard.shape[1:]), dtype=shard.dtype)
+    padded[:shard.shape[0]] = shard
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    whole = torch.cat([part[:int(r)] for part, r in zip(parts, rows)])
+    if tuple(whole.shape) != tuple(shape):
+        raise RuntimeError(f"gathered {tuple(whole.shape)} for a tensor of shape {tuple(shape)}")
+    return whole
 
 
 def _log_move(what: str, stats: sharded.Stats) -> None:

@@ -109,3 +109,39 @@ def test_real_processes_end_with_a_fresh_cut_at_the_new_size():
                 continue
             a, b = cut[new.index(rank)]
             assert torch.equal(got, full[a:b]), (name, rank)
+
+
+@exits_without_teardown
+def _gatherer(rank: int, world: int, port: int, cases: list, out: dict) -> None:
+    from gpuflex.elastic.sharding.sharded_run import gather_rows_through_cpu
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for name, shape in cases:
+            full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) / 7
+            a, b = reshard.bounds(shape[0], world)[rank]
+            out[(name, rank)] = gather_rows_through_cpu(full[a:b], dist.group.WORLD, shape)
+        try:   # a shape the shards do not make is an error, not a wrong tensor
+            gather_rows_through_cpu(torch.zeros(2, 3), dist.group.WORLD, (9, 3))
+            out[("wrong shape", rank)] = "no error"
+        except RuntimeError as e:
+            out[("wrong shape", rank)] = str(e)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sharded_parameter_gathered_through_cpu_is_whole_in_rank_order():
+    """The gather a sharded run's `full_parameters` uses on CUDA over gloo, where the
+    DTensor's own all-gather crashed the worker (an H200, torch 2.11): uneven shards,
+    empty ones (more ranks than rows) and 1-D parameters, each whole on every rank."""
+    cases = [("uneven", (13, 3)), ("empty shards", (2, 5)), ("bias", (5,)), ("one row each", (4, 2))]
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_gatherer, args=(4, _free_port(), cases, out), nprocs=4, join=True)
+        results = dict(out)
+    for name, shape in cases:
+        full = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) / 7
+        for rank in range(4):
+            assert torch.equal(results[(name, rank)], full), (name, rank)
+    assert all("gathered (8, 3) for a tensor of shape (9, 3)" in results[("wrong shape", r)] for r in range(4))
