@@ -24,8 +24,9 @@ from gpuflex.elastic.protocol import run_dir
 from gpuflex.elastic.protocol.wire import CoordinatorStatus, parse_status, status_request
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy import split as split_policy
-from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, HISTORY_KINDS, LEFT_OUT_KIND, RETRY_CAUSES,
-                                      STOP_CAUSE, WAITING_KIND, JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
+from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, FORMED_KIND, HISTORY_KINDS, LEFT_OUT_KIND,
+                                      RETRY_CAUSES, STOP_CAUSE, STUCK_RUNS, WAITING_KIND, JobFacts, Observation,
+                                      ProcSeen, WorkerFacts, is_crash_exit)
 from gpuflex.states import WorkerState
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,8 @@ def facts(job: Job) -> JobFacts:
     waiting = queries.last_event_of(session, job.id, [WAITING_KIND], since)
     left_out = queries.last_event_of(session, job.id, [LEFT_OUT_KIND], since)
     restarts = queries.events_by_cause(session, job.id, "state", [*RETRY_CAUSES, STOP_CAUSE])
+    run_starts = queries.recent_events(session, job.id, [FORMED_KIND], STUCK_RUNS) if job.restarts else []
+    causes = queries.recent_causes(session, job.id, "state", STUCK_RUNS - 1) if job.restarts else []
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
         workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code, w.ended_at,
@@ -132,8 +135,15 @@ def facts(job: Job) -> JobFacts:
         elastic=job.elastic,
         left_out_recorded=_ints([(left_out.data if left_out else {}).get("n")], default=0)[0],
         store_host=job.store_host, deadline=L.run_deadline(job), resize_asked_at=resize_asked_at(job),
+        run_start_steps=tuple(_start_step(e.data) for e in run_starts), restart_causes=tuple(causes),
         waiting=frozenset((e["wid"], tuple(e["for"]), e.get("phase") or "")
                           for e in ((waiting.data if waiting else {}).get("waiting") or ())))
+
+
+def _start_step(data: Any) -> int | None:
+    """The step a "formed" event's generation started at (its timings name it)."""
+    step = ((data or {}).get("timings") or {}).get("step") if isinstance(data, dict) else None
+    return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def resize_asked_at(job: Job) -> float | None:

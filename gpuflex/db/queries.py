@@ -352,3 +352,13 @@ def events_by_cause(session: Session, job_id: int, kind: str, causes: Iterable[s
         Event.job_id == job_id, Event.kind == kind, cause.in_(wanted)).group_by(cause)).all()
     found = {c: int(n or 0) for c, n in rows}
     return {c: found.get(c, 0) for c in wanted}
+
+
+def recent_causes(session: Session, job_id: int, kind: str, limit: int) -> list[str]:
+    """The causes (data["cause"]) of the job's newest `kind` events that name one, oldest
+    first, a coalesced event's repeats included: at most `limit`, in one query."""
+    cause = Event.data["cause"].as_string()
+    rows = session.execute(select(cause, Event.count).where(
+        Event.job_id == job_id, Event.kind == kind, cause.is_not(None)).order_by(Event.id.desc()).limit(limit)).all()
+    out = [c for c, n in rows for _ in range(max(1, int(n or 1)))][:limit]
+    return out[::-1]

@@ -38,7 +38,8 @@ gpuflex.control.executor writes it. In order:
    cause "orphan", if it exited ORPHAN_EXIT, but for a gang); Requeue (cause "below-min") when it holds the
    job (a recovery would go below MIN: survivors wait at a step boundary; the reason names the
    workers the hold lists, each with its host, and the phase) or settled below MIN.
-7. Once no worker lives: `outcome` (gpuflex.policy.outcomes).
+7. Once no worker lives: `outcome` (gpuflex.policy.outcomes); a fault that would restart an
+   in-place job a STUCK_RUNS-th time from the same checkpoint step fails it (`stuck`).
 """
 
 from __future__ import annotations
@@ -49,13 +50,15 @@ from typing import Any, Iterable, Mapping
 from gpuflex.elastic.protocol.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
 from gpuflex.elastic.protocol.wire import CoordinatorStatus, LeftOut
 from gpuflex.policy.outcomes import (  # noqa: F401 (the policy's inputs and actions, re-exported)
-    CRASH_CAUSE, CRASH_KIND, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, STOP_CAUSE, TRACEBACK_LINES, Action,
+    CRASH_CAUSE, CRASH_KIND, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, STOP_CAUSE, STUCK_RUNS, TRACEBACK_LINES,
+    Action,
     Adopt, Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,
     after_crash, first_crash, gang_failure, instant, is_crash_exit, is_int, one_line, outcome)
 from gpuflex.states import JobState, WorkerState
 
-_KINDS = {"initial": "formed", "resize": "scale", "recover": "fault"}
-HISTORY_KINDS = ("scale", "fault", "formed", "rollback")   # events that record a generation
+FORMED_KIND = "formed"   # the event of a run's first generation (its timings name the step it started at)
+_KINDS = {"initial": FORMED_KIND, "resize": "scale", "recover": "fault"}
+HISTORY_KINDS = ("scale", "fault", FORMED_KIND, "rollback")   # events that record a generation
 FORGED_KIND = "forged"   # the event of store records that failed authentication
 CHECKPOINT_FAILED_KIND = "checkpoint-failed"   # the event of a checkpoint write that failed
 WAITING_KIND = "waiting"   # the event of members waiting at a step barrier for busy ones

@@ -54,6 +54,9 @@ FAULT_CAUSE = "fault"    # a restart job relaunched after a fault: not counted
 SHARDS_LOST_CAUSE = "shards-lost"   # a sharded job restarted from its distributed checkpoint: not counted
 STOP_CAUSE = "stopped"   # a job stopped from outside gpuflex before the end of training, restarted
 STOP_RESTARTS = 3        # ... at most this many times; then it fails
+# an in-place job whose members all died by faults this many runs in a row, each run
+# restarted from the same checkpoint step (no checkpoint after it), is not restarted again
+STUCK_RUNS = 3
 STOP_EXIT = 128 + 15     # its exit code then: as a process ended by SIGTERM
 RETRY_CAUSES = (CRASH_CAUSE, GANG_CAUSE)
 LOST_EXIT = 128 + 9      # a gang worker gone without an exit record: as if SIGKILLed
@@ -103,6 +106,11 @@ class JobFacts:
     deadline: float | None = None   # when the run reaches its time limit (None: no limit)
     # when the newest resize (or state change) was asked; read only while a leaver lives
     resize_asked_at: float | None = None
+    # the step each of the job's newest runs (at most STUCK_RUNS) formed its first generation
+    # at, oldest first: where it restarted from (None: a formation that named no step)
+    run_start_steps: tuple[int | None, ...] = ()
+    # the causes of its newest requeues (at most STUCK_RUNS - 1), oldest first
+    restart_causes: tuple[str, ...] = ()
 
     @property
     def phase(self) -> str:
@@ -281,8 +289,9 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int,
     if any(w.exit_code == SHARDS_LOST_EXIT for w in last):
         gone = next((w for w in last if is_fault(w)), None)
         who = f"worker {gone.wid} on {gone.host} {gang_exit(gone)[1]}" if gone else "a collective failed"
-        return Requeue(f"{who} in {job.phase}, with the only copy of its shards; restarting from the last "
-                       "distributed checkpoint", SHARDS_LOST_CAUSE)
+        return stuck(job, gone, f"{who} in {job.phase}, with the only copy of its shards") or Requeue(
+            f"{who} in {job.phase}, with the only copy of its shards; restarting from the last distributed "
+            "checkpoint", SHARDS_LOST_CAUSE)
     crash = first_crash(job, current, None, {})
     if crash is not None:
         return after_crash(job, crash)
@@ -292,8 +301,8 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int,
     faults = [w for w in last if is_fault(w)]
     if not job.gang and faults and not any(w.state is WorkerState.EXITED for w in last):
         w = faults[0]
-        return Requeue(f"worker {w.wid} on {w.host} {gang_exit(w)[1]} in {job.phase}, and no member is "
-                       "left; restarting from its checkpoint", FAULT_CAUSE)
+        what = f"worker {w.wid} on {w.host} {gang_exit(w)[1]} in {job.phase}, and no member is left"
+        return stuck(job, w, what) or Requeue(f"{what}; restarting from its checkpoint", FAULT_CAUSE)
     failed = [w for w in last or current if w.state is not WorkerState.EXITED]
     if failed:
         rc = failed[0].exit_code if failed[0].exit_code is not None else -9
@@ -302,6 +311,22 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int,
     if stopped is not None:
         return after_stop(job, stopped)
     return Finish(JobState.SUCCEEDED, 0, "all workers exited 0", job.restarts)
+
+
+def stuck(job: JobFacts, w: WorkerFacts | None, what: str) -> Finish | None:
+    """The end of an in-place job that a fault would restart once more from where its last
+    STUCK_RUNS runs all started, the earlier ones ended by faults too (requeued "fault" or
+    "shards-lost"): a fault that comes back at the same place (a crash in the script's last
+    step, say) would otherwise be restarted without end. None: restart it."""
+    steps, causes = job.run_start_steps, job.restart_causes[-(STUCK_RUNS - 1):]
+    if len(steps) < STUCK_RUNS or steps[-1] is None or any(s != steps[-1] for s in steps[-STUCK_RUNS:]):
+        return None
+    if len(causes) < STUCK_RUNS - 1 or any(c not in (FAULT_CAUSE, SHARDS_LOST_CAUSE) for c in causes):
+        return None   # a run that ended otherwise (a preemption, a requeue below MIN) is no repeat
+    rc = gang_exit(w)[0] if w is not None else LOST_EXIT
+    return Finish(JobState.FAILED, rc, f"{what}; its last {STUCK_RUNS} runs each restarted from the checkpoint at "
+                  f"step {steps[-1]} and each ended so, with no checkpoint after it: not restarted again (its "
+                  "worker logs say where it died)", job.restarts)
 
 
 def after_stop(job: JobFacts, stopped: Mapping[str, Any]) -> Requeue | Finish:

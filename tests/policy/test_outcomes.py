@@ -8,7 +8,7 @@ import pytest
 
 from gpuflex.elastic.protocol.keys import ABORTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.policy.outcomes import (CRASH_CAUSE, CRASH_KIND, FAULT_CAUSE, GANG_CAUSE, GANG_FAILED_KIND, LOST_EXIT,
-                                     RESTART, SHARDS_LOST_CAUSE, STOP_CAUSE, STOP_EXIT, STOP_RESTARTS,
+                                     RESTART, SHARDS_LOST_CAUSE, STOP_CAUSE, STOP_EXIT, STOP_RESTARTS, STUCK_RUNS,
                                      TRACEBACK_LINES, Crash, Finish, JobFacts, Requeue,
                                      WorkerFacts, gang_exit, gang_failure, instant, is_crash_exit, is_fault, outcome,
                                      printable_lines)
@@ -100,6 +100,44 @@ def test_an_inplace_job_whose_last_members_all_faulted_resumes():
     assert outcome(job(), [worker(0, W.LOST, None)], 2).cause == FAULT_CAUSE
     gang = outcome(job(elastic=None), [worker(0, W.LOST, None)], 2)
     assert isinstance(gang, Finish) and gang.state is JobState.FAILED
+
+
+@pytest.mark.parametrize("steps,restarted", [
+    ((), True),                                # a first run
+    ((379, 379), True),                        # twice from the same checkpoint
+    ((109, 379, 379), True),                   # the run that reached 379 started before it
+    ((379, 379, 379), False),                  # three runs from 379, none past it
+    ((0, 0, 0), False),                        # none ever reached a first checkpoint
+    ((379, None, 379), True),                  # a formation that named no step: not judged
+    ((96, 379, 379, 379), False),              # only the newest STUCK_RUNS count
+])
+def test_faults_that_keep_coming_back_at_the_same_checkpoint_end_the_job(steps, restarted):
+    """On an H200 a sharded job crashed (SIGSEGV) in its last step: every restart from the
+    checkpoint before it died there again, and was restarted without end."""
+    assert STUCK_RUNS == 3
+    segv = [worker(0, W.FAILED, -11), worker(1, W.FAILED, -11)]
+    before = (FAULT_CAUSE, SHARDS_LOST_CAUSE)
+    end = outcome(job(run_start_steps=steps, restarts=len(steps), restart_causes=before), segv, 2)
+    if restarted:
+        assert isinstance(end, Requeue) and end.cause == FAULT_CAUSE
+    else:
+        assert isinstance(end, Finish) and (end.state, end.exit_code) == (JobState.FAILED, 139)
+        assert end.reason.startswith("worker 0 on h0 was killed by signal 11 (exit code 139)")
+        assert f"its last 3 runs each restarted from the checkpoint at step {steps[-1]}" in end.reason
+        assert "not restarted again" in end.reason
+    shards = outcome(job(run_start_steps=steps, restarts=len(steps), restart_causes=before),
+                     [worker(0, W.LOST, None), worker(1, W.FAILED, SHARDS_LOST_EXIT)], 2)
+    assert isinstance(shards, Requeue if restarted else Finish)
+    if not restarted:
+        assert shards.exit_code == LOST_EXIT and "with the only copy of its shards; its last 3 runs" in shards.reason
+
+
+@pytest.mark.parametrize("causes", [(), (FAULT_CAUSE,), ("preempted", FAULT_CAUSE), (FAULT_CAUSE, "below-min")])
+def test_runs_that_ended_otherwise_are_no_repeated_fault(causes):
+    """Three runs from the same step, but not all ended by faults (a preemption, a requeue
+    below MIN, or too few causes on record): the fault restarts it."""
+    end = outcome(job(run_start_steps=(0, 0, 0), restarts=2, restart_causes=causes), [worker(0, W.LOST, None)], 2)
+    assert isinstance(end, Requeue) and end.cause == FAULT_CAUSE
 
 
 def test_the_first_gang_worker_to_end_badly_decides():
