@@ -8,6 +8,7 @@ something are the executor's: gpuflex.control.coordinator_link); `observe` gathe
 from __future__ import annotations
 
 import collections
+import json
 import logging
 import posixpath
 from typing import Any
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 10          # of a crashed worker's log, when it left no crashed record
 LOG_TAIL_BYTES = 8192
+LAST_STATUS_BYTES = 1 << 20   # a status reply holds at most HISTORY_KEPT generations
 
 
 def coordinator_status(config: Config, pool: Pool, job: Job) -> CoordinatorStatus | None:
@@ -54,12 +56,14 @@ def observe(config: Config, pool: Pool, job: Job) -> Observation:
     coord = coordinator_status(config, pool, job)
     alive, coord_exit = (True, None) if coord is not None else coordinator_process(config, pool, job)
     abort_left = recorded_abort(pool, job) if coord is None else None   # it ended itself after ending the job
+    last_status = recorded_status(pool, job) if coord is None and not alive else None
     recorded = {r.get("wid") for r in (coord.crashed if coord is not None else ())}
     crashed = [w for w in job.live_workers if w.wid in procs and not procs[w.wid].alive
                and procs[w.wid].exited and is_crash_exit(procs[w.wid].returncode) and w.wid not in recorded]
     tails = {w.wid: log_tail(pool, w) for w in crashed}
     return Observation(procs, unreachable, coord, alive, coord_exit,
-                       log_tails={k: v for k, v in tails.items() if v}, recorded_abort=abort_left)
+                       log_tails={k: v for k, v in tails.items() if v}, recorded_abort=abort_left,
+                       recorded_status=last_status)
 
 
 def groups(config: Config, pool: Pool, workers: list[Worker]) -> tuple[dict[int, ProcSeen], dict[str, str]]:
@@ -82,6 +86,23 @@ def groups(config: Config, pool: Pool, workers: list[Worker]) -> tuple[dict[int,
             procs[w.wid] = ProcSeen(st.alive, st.returncode, (st.exit or {}).get("ended_at"),
                                     exited=st.exit is not None)
     return procs, unreachable
+
+
+def recorded_status(pool: Pool, job: Job) -> CoordinatorStatus | None:
+    """The last status reply the coordinator left in the run's directory as it ended itself
+    (run_dir.LAST_STATUS), parsed as a live reply is; None when there is none, or it cannot
+    be read or parsed."""
+    if job.socket_dir is None or job.store_host is None:
+        return None
+    try:
+        got = pool.transport(job.store_host).read(posixpath.join(job.socket_dir, run_dir.LAST_STATUS), 0,
+                                                  LAST_STATUS_BYTES)
+        if got.get("missing"):
+            return None
+        return parse_status(json.loads(got.get("data") or ""))
+    except (TransportError, ValueError, OSError, KeyError) as e:   # WireError is a ValueError
+        log.debug("job %s: cannot read the coordinator's last status: %s", job.id, e)
+        return None
 
 
 def recorded_abort(pool: Pool, job: Job) -> dict[str, Any] | None:

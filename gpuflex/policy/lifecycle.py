@@ -7,7 +7,8 @@ gpuflex.control.executor writes it. In order:
 1. EndWorker for each live worker whose process group is gone: EXITED (exit record 0),
    FAILED (another code, or a signal), LOST (no exit record: SIGKILLed, or its host
    rebooted). A host that did not answer is recorded ("host-unreachable").
-2. From the coordinator's status (when it answered): Adopt its generation and members
+2. From the coordinator's status (when it answered; its generations, history and stop
+   record also from the last status it left as it ended itself): Adopt its generation and members
    (ranks; starting workers it has seen become running), Record each newly verified
    generation of its history ("formed", "scale", "fault", "rollback", with the phase
    timings, at the time the coordinator published it; those up to the newest this run's
@@ -96,15 +97,18 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
 
     coord = seen.coordinator
     generation, world_size = job.generation, job.world_size
-    if coord is not None:
-        gen, members = coord.generation, coord.members
+    # what the coordinator said last: its reply, or the one it left as it ended itself
+    said = coord if coord is not None else seen.recorded_status
+    if said is not None:
+        gen, members = said.generation, said.members
         if gen and gen >= generation:
             generation, world_size = gen, len(members)
             actions.append(Adopt(gen, members))
             for wid in members:
                 if wid in workers:
                     workers[wid] = dataclasses.replace(workers[wid], generation=gen)
-        actions.extend(history(job, coord.history))
+        actions.extend(history(job, said.history))
+    if coord is not None:
         for record in (forgeries(job, coord.forged), checkpoint_failures(job, coord.progress),
                        waiting(job, coord.waiting)):
             if record is not None:
@@ -156,7 +160,7 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
             actions.append(Requeue(f"fell to {world_size} worker(s), below its minimum of "
                                    f"{job.min_workers}; restarting from its checkpoint when it fits", "below-min"))
         return actions
-    stopped = coord.stopped if coord is not None and not coord.finished else None
+    stopped = said.stopped if said is not None and not said.finished else None
     actions.append(outcome(job, list(workers.values()), generation, stopped))
     return actions
 

@@ -150,6 +150,9 @@ class Observation:
     # the abort record the coordinator left in the run's directory ({reason, cause, at}),
     # read when it did not answer (it ended itself after ending the job)
     recorded_abort: Mapping[str, Any] | None = None
+    # the last status reply the coordinator left there as it ended itself, read when it did
+    # not answer and its process is gone: the generations it formed that no command heard of
+    recorded_status: CoordinatorStatus | None = None
 
 
 # ---- the actions --------------------------------------------------------------------------

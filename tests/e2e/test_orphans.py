@@ -18,16 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from gpuflex.elastic.coordinator.main import Coordinator, run
+from gpuflex.elastic.coordinator.main import Coordinator, leave_status, run
+from gpuflex.elastic.protocol import run_dir
+from gpuflex.elastic.protocol.wire import parse_status
 from gpuflex.elastic.coordinator.failures import Heartbeats, OrphanWatch
 from gpuflex.elastic.coordinator.generations import Generations
 from gpuflex.elastic.protocol.keys import ORPHAN_EXIT, STORE_LOST_EXIT
 from gpuflex.hosts.hostops import group_alive, read_exit
-from gpuflex.policy.lifecycle import Observation, ProcSeen, Record, Requeue, decide
+from gpuflex.policy.lifecycle import Adopt, Finish, Observation, ProcSeen, Record, Requeue, decide
+from gpuflex.states import WorkerState as W
 from gpuflex.states import JobState as J
 from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows
 from tests.fakes.store_fake import Clock, FakeStore
 from tests.policy.test_lifecycle import job as job_facts
+from tests.policy.test_lifecycle import coord as coord_reply
 from tests.policy.test_lifecycle import w
 
 ORPHAN_S = 8          # the test config's orphan timeout
@@ -97,6 +101,42 @@ def test_a_coordinator_without_signs_of_life_ends_with_orphan_exit(tmp_path):
         timer.cancel()
 
 
+def test_a_coordinator_that_ends_itself_leaves_its_last_status_in_the_run_directory(tmp_path):
+    run_directory = tmp_path / "run"
+    run_directory.mkdir(mode=0o700)
+    gens = Generations(FakeStore(), [0, 1], hb_timeout_s=3)
+    coord = Coordinator(gens, OrphanWatch(0.2, str(tmp_path), time.monotonic))
+    stop = threading.Event()
+    timer = threading.Timer(BOUND_S, stop.set)
+    timer.start()
+    try:
+        assert run(coord, stop, last_words=leave_status(str(run_directory / "coord.sock"))) == ORPHAN_EXIT
+    finally:
+        timer.cancel()
+    left = run_directory / run_dir.LAST_STATUS
+    assert oct(left.stat().st_mode & 0o777) == "0o600"
+    status = parse_status(json.loads(left.read_text()))   # read back as the next command reads it
+    assert status.desired == (0, 1) and status.generation == 0
+    assert not run_dir.marked_groups(str(run_directory))
+
+
+def test_a_job_that_finished_while_no_command_ran_is_judged_by_the_status_its_coordinator_left():
+    """Seen in the soak: a host was cut off, the job shrank past its worker (generation 2,
+    worker 1 alone) and finished, and its coordinator ended itself before a command heard
+    of generation 2. The database still says generation 1 with worker 0, lost: by that the
+    job failed; by the status the coordinator left, worker 1's exit 0 ends it succeeded."""
+    facts = job_facts(w(0, host="b"), w(1))
+    seen = dict(procs={0: ProcSeen(False, None), 1: ProcSeen(False, 0, exited=True)}, coordinator=None,
+                coordinator_alive=False, coordinator_exit=ORPHAN_EXIT)
+    before = decide(facts, Observation(**seen))
+    assert isinstance(before[-1], Finish) and before[-1].state is J.FAILED   # what the soak saw
+    left = parse_status({**coord_reply(2, [1]), "finished": True})
+    actions = decide(facts, Observation(**seen, recorded_status=left))
+    assert Adopt(2, (1,)) in actions or Adopt(2, [1]) in actions
+    assert actions[-1] == Finish(J.SUCCEEDED, 0, "all workers exited 0", 0)
+    assert [a for a in actions if getattr(a, "state", None) is W.LOST and getattr(a, "wid", None) == 0]
+
+
 def test_a_request_on_the_control_socket_is_a_sign_of_life():
     clock = Clock()
     gens = Generations(FakeStore(), [0], hb_timeout_s=3, clock=clock, wall=clock)
@@ -143,9 +183,9 @@ def oj(home):
 class Running:
     """A job of two workers, training; its process groups and paths, read from the DB."""
 
-    def __init__(self, cli: GpuflexCLI, home: Path) -> None:
+    def __init__(self, cli: GpuflexCLI, home: Path, epochs: int = 200, workers: str = "2") -> None:
         from tests.e2e.test_elastic_jobs import example_argv, step_of, wait_for
-        job = cli.submit(example_argv(home / "r.json", epochs=200, sleep=0.05), "--workers", "2",
+        job = cli.submit(example_argv(home / "r.json", epochs=epochs, sleep=0.05), "--workers", workers,
                          "--elastic", "inplace")
         self.id = job["id"]
         wait_for(cli, self.id, lambda j: step_of(j) >= 5, "training", BOUND_S)
@@ -218,6 +258,26 @@ def test_the_next_command_requeues_a_job_whose_coordinator_ended_as_orphan(oj, h
         assert any("ended itself" in m for m in messages), messages
     finally:
         job.signal_workers(signal.SIGCONT)
+        job.kill_all()
+
+
+def test_a_job_that_shrank_and_finished_while_no_command_ran_succeeds_by_its_coordinators_last_status(oj, home):
+    """Worker 1 is killed with its supervisor (no exit record: lost) while no command runs;
+    the job goes on at world size 1 (a generation no command hears of), finishes, and its
+    coordinator ends itself. The next command judges the run by the status the coordinator
+    left: succeeded, worker 1 lost, not failed for a member of a generation long gone."""
+    job = Running(oj, home, epochs=4, workers="1:2")   # 128 steps of 0.05 s, at 2 then 1
+    try:
+        os.killpg(job.pgids[1], signal.SIGKILL)
+        wait_until(lambda: not group_alive(job.pgids[0]), BOUND_S, "worker 0 to finish alone")
+        wait_until(lambda: not group_alive(job.store_pgid), ORPHAN_S + 30, "the coordinator to end itself")
+        done = oj.json("status", str(job.id))
+        assert done["state"] == J.SUCCEEDED, (done, [e["message"] for e in oj.json("events", str(job.id))])
+        assert [(w["wid"], w["state"]) for w in done["workers"]] == [(0, "exited"), (1, "lost")]
+        assert done["world_size"] == 1 and done["generation"] >= 2
+        report = json.loads((home / "r.json").read_text())
+        assert [s for s, _, _ in report["step_log"]] == list(range(report["steps"])) and report["steps"] == 128
+    finally:
         job.kill_all()
 
 

@@ -20,7 +20,8 @@ or not a command runs; workers on other hosts are stopped by the next command.
 No orphans: no daemon watches the hosts, so the coordinator ends itself once its job is
 gone (failures.OrphanWatch): its `--job-dir` removed, or no worker heartbeat and no request
 on its control socket for `--orphan-timeout` seconds. It then logs one JSON line
-{"event": "orphan", "reason", "exit_code"} and exits ORPHAN_EXIT (keys.py), which its
+{"event": "orphan", "reason", "exit_code"}, leaves its last status reply in the run's
+directory (run_dir.LAST_STATUS) and exits ORPHAN_EXIT (keys.py), which its
 supervisor's exit record keeps for the next command; its workers lose the store and exit
 STORE_LOST_EXIT.
 
@@ -177,6 +178,17 @@ def seconds_above_zero(text: str) -> float:
     return value
 
 
+def leave_status(control: str) -> Callable[[dict[str, Any]], None]:
+    """The status reply into the run's directory (beside `control`) as the coordinator ends
+    itself (run_dir.LAST_STATUS): the next command judges the run by it."""
+    def write(status: dict[str, Any]) -> None:
+        try:
+            run_dir.write_record(os.path.dirname(control), run_dir.LAST_STATUS, status)
+        except (OSError, TypeError, ValueError) as e:
+            log.error("cannot leave the last status in %s: %s", os.path.dirname(control), e)
+    return write
+
+
 def on_end(control: str, stop_grace_s: float) -> Callable[[dict[str, Any]], None]:
     """What the coordinator does once it ended the job (see the module's doc): the abort
     record into the run's directory (beside `control`); for a job whose workers never
@@ -199,9 +211,10 @@ def on_end(control: str, stop_grace_s: float) -> Callable[[dict[str, Any]], None
 
 
 def run(coord: Coordinator, stop: threading.Event,
-        ended: Callable[[dict[str, Any]], None] | None = None) -> int:
-    """Tick until `stop` (0) or until the job is gone (ORPHAN_EXIT, after one JSON line);
-    `ended(abort)` once, when the job ended."""
+        ended: Callable[[dict[str, Any]], None] | None = None,
+        last_words: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """Tick until `stop` (0) or until the job is gone (ORPHAN_EXIT, after one JSON line and
+    `last_words(status)`); `ended(abort)` once, when the job ended."""
     next_check = time.monotonic() + ORPHAN_CHECK_S
     while not stop.wait(TICK_S):
         coord.tick()
@@ -214,6 +227,8 @@ def run(coord: Coordinator, stop: threading.Event,
         if why is not None:
             log.error("coordinator ends itself, its job is gone: %s", why)
             log.error("%s", json.dumps({"event": "orphan", "reason": why, "exit_code": ORPHAN_EXIT}))
+            if last_words is not None:
+                last_words(coord.op_status({}))
             return ORPHAN_EXIT
     return 0
 
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
              "records signed" if secret else "no job secret: records unauthenticated", args.control,
              args.min_workers, args.max_failures)
     try:
-        return run(coord, stop, on_end(args.control, args.stop_grace))
+        return run(coord, stop, on_end(args.control, args.stop_grace), leave_status(args.control))
     finally:
         server.close()
         watch.close()

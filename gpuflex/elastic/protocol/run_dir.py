@@ -7,7 +7,11 @@ supervisor before its process started (gpuflex.hosts.supervisor). On the coordin
 also holds, once the coordinator ended the job, the abort record (`abort.json`: {reason,
 cause, at}, 0600, written whole): the next gpuflex command reads it there when the
 coordinator no longer answers (it ends itself once no command came for its orphan
-timeout), so how the job ended does not depend on when a command runs. The directory goes
+timeout), so how the job ended does not depend on when a command runs. For the same reason,
+a coordinator that ends itself leaves its last status reply (`status.json`, 0600, written
+whole): the generations it formed that no command heard of (a job that shrank past a lost
+host and finished while no command ran) are judged from it, not from the older one the
+database holds. The directory goes
 with the run (the command that ends it removes it), so a record is never read by a later
 run of the same job.
 
@@ -31,6 +35,7 @@ from gpuflex.elastic.protocol.keys import ABORT_REASON_CHARS
 
 GROUP_MARK = "group-"        # a mark's name: this prefix and the group's id
 ABORT_RECORD = "abort.json"  # the coordinator's abort record, in the run's directory on its host
+LAST_STATUS = "status.json"  # the coordinator's last status reply, written when it ends itself
 
 
 def others_may_write(st: os.stat_result) -> tuple[str, str] | None:
@@ -60,7 +65,13 @@ def marked_groups(run_dir: str) -> list[int]:
 def write_abort(run_dir: str, record: dict[str, Any]) -> str:
     """Write the abort record into `run_dir` whole (a reader sees none or all of it), mode
     0600; returns its path. OSError when it cannot be written."""
-    path = os.path.join(run_dir, ABORT_RECORD)
+    return write_record(run_dir, ABORT_RECORD, record)
+
+
+def write_record(run_dir: str, name: str, record: dict[str, Any]) -> str:
+    """Write `record` as JSON into `run_dir`/`name` whole (a reader sees none or all of it),
+    mode 0600; returns its path. OSError when it cannot be written."""
+    path = os.path.join(run_dir, name)
     tmp = f"{path}.{os.getpid()}.tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
