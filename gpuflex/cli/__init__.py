@@ -112,7 +112,7 @@ def _root(
                                  help="Print gpuflex's version and exit."),
 ) -> None:
     common.setup_logging(verbose)
-    ctx.obj = common.Context(config_path=config)
+    ctx.obj = common.Context(config_path=config, command=ctx.invoked_subcommand)
 
 
 jobs_cmd.register(app)

@@ -84,6 +84,7 @@ def setup_logging(verbose: bool) -> None:
 @dataclasses.dataclass
 class Context:
     config_path: str | None = None
+    command: str | None = None   # the subcommand: a database lock it holds is named by it
     _config: Config | None = None
     _service: JobService | None = None
 
@@ -97,13 +98,19 @@ class Context:
     def service(self) -> JobService:
         if self._service is None:
             from gpuflex.control.service import JobService   # the ORM, only for commands that use it
+            from gpuflex.db import locks
 
+            if self.command:
+                locks.ACTOR[:] = [self.command]   # locks.actor: "scale pid 12"
             self._service = JobService(self.config())
         return self._service
 
     def close(self) -> None:
         if self._service is not None:
             self._service.close()
+            from gpuflex.db import locks
+
+            locks.ACTOR.clear()   # the command is over (one process may run several: tests)
 
 
 def known_job(svc: JobService, job: str) -> None:

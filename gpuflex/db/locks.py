@@ -32,10 +32,12 @@ import abc
 import contextlib
 import hashlib
 import inspect
+import logging
 import os
 import socket
 import stat
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -46,7 +48,16 @@ import sqlalchemy as sa
 from gpuflex.db.url import connect_args, is_postgresql, sqlite_path, where
 from gpuflex.errors import DatabaseError
 
+log = logging.getLogger(__name__)
+
+WAIT_NOTE_S = 10.0   # a wait for a lock longer than this is logged with who holds it
 _SUFFIX = {"migration": ".lock", "ops": ".ops.lock", "harvest": ".harvest.lock"}
+ACTOR: list[str] = []   # what this process is (the CLI sets its command: "scale"), in the holder's name
+
+
+def actor() -> str:
+    """This process's command and pid, as a lock's holder is named: "scale pid 12"."""
+    return " ".join([*ACTOR[:1], f"pid {os.getpid()}"])
 LOCK_SUFFIXES = tuple(_SUFFIX.values())   # the files beside a SQLite database
 
 
@@ -70,12 +81,28 @@ class Lock(abc.ABC):
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """The lock, waited for, for the length of a `with` block."""
-        self.acquire()
+        """The lock, waited for, for the length of a `with` block. A wait longer than
+        WAIT_NOTE_S is logged (a warning: stderr, for a command) with who holds the lock,
+        so a command that seems stuck says what it waits for."""
+        note = threading.Timer(WAIT_NOTE_S, self._note_wait)
+        note.daemon = True
+        note.start()
+        try:
+            self.acquire()
+        finally:
+            note.cancel()
         try:
             yield
         finally:
             self.release()
+
+    def _note_wait(self) -> None:
+        try:
+            who = self.holder()
+        except Exception:   # noqa: BLE001 (a note never fails the command that waits)
+            who = "another process"
+        log.warning("waiting %.0f s so far for the database's %s lock, held by %s", WAIT_NOTE_S,
+                    getattr(self, "purpose", "ops"), who)
 
 
 def shared_directory(directory: Path) -> bool:
@@ -112,7 +139,7 @@ class FileLock(Lock):
         except filelock.Timeout:
             return False
         try:
-            self.path.write_text(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}")
+            self.path.write_text(f"{actor()}, since {time.strftime('%H:%M:%S')}")
         except OSError:   # a full disk: the flock is the lock, the text only names its holder
             pass
         return True
@@ -157,7 +184,7 @@ class AdvisoryLock(Lock):
 
     def _connect(self) -> sa.engine.Connection:
         # the holder's name, for holder(): pg_stat_activity shows it to every user
-        name = f"gpuflex {self.purpose} pid {os.getpid()} on {socket.gethostname()}"[:63]
+        name = f"gpuflex {self.purpose} {actor()} on {socket.gethostname()}"[:63]
         engine = sa.create_engine(self.url, poolclass=sa.pool.NullPool,
                                   connect_args={**connect_args(self.url), "application_name": name})
         try:
