@@ -19,6 +19,8 @@ to be fixtures under tests/fakes/samples/, and the job logs of any part that fai
   GPUFLEX_BACKEND=gloo), resized 1 -> 3 -> 2 and one killed with SIGKILL, against the
   standalone run (allclose, every sample once, no step lost or repeated). nccl would need
   one GPU per rank.
+- bitwise: the same in bitwise mode (exact="bitwise", torch's deterministic algorithms):
+  the parameters torch.equal to the standalone run's.
 - fsdp: the same for a sharded (FSDP2) job: the kill ends the run and it restarts from its
   distributed checkpoint.
 - throughput: steps/s of the MLP at --hidden 4096 (a global batch of 4096), plain training,
@@ -48,9 +50,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "benchmarks" / "gpu_train.py")
 FAKE_SMI = str(ROOT / "tests" / "fakes" / "nvidia-smi")
-PARTS = ("smi", "nccl1", "gloo3", "throughput", "stall", "fsdp", "profile")
-DEFAULT_PARTS = PARTS[:-1]   # profile only when asked: a diagnosis, not a check (the rest: ~7 minutes on an H200)
-BUDGET_S = {"smi": 45, "nccl1": 60, "gloo3": 100, "throughput": 100, "stall": 100, "fsdp": 150, "profile": 90}
+PARTS = ("smi", "nccl1", "gloo3", "bitwise", "throughput", "stall", "fsdp", "profile")
+DEFAULT_PARTS = PARTS[:-1]   # profile only when asked: a diagnosis, not a check
+BUDGET_S = {"smi": 45, "nccl1": 60, "gloo3": 100, "bitwise": 100, "throughput": 100, "stall": 100, "fsdp": 150,
+            "profile": 90}
 # beside the default (half the worker's share of the cores on a GPU host: 8 of 16 on an H200),
 # one thread: 1, 4 and 8 ran alike there, 16 (the old default) at 0.74 of plain (docs/benchmarks.md)
 OMP_MODES = ("gpuflex-omp1",)
@@ -430,6 +433,17 @@ def part_gloo3(c: Check) -> dict:
     return res
 
 
+def part_bitwise(c: Check) -> dict:
+    """The gloo3 flow in bitwise mode (issue 31) with torch's deterministic algorithms:
+    the job's parameters must be torch.equal to the standalone run's on the same GPU."""
+    args = [*mlp_args(epochs=12 if not c.dry else 20, sleep=0.06), "--exact", "bitwise"]
+    res, pool, job = shared_gpu_job(c, "bitwise3", args, 2048)
+    if "ok" in res:
+        return res
+    res["ok"] = res["bitwise_equal"] and res["exactly_once"] and res["no_step_lost"]
+    return res
+
+
 def part_fsdp(c: Check) -> dict:
     epochs = 24 if not c.dry else 60   # on an H200: 192 steps ended before the kill at 0.06 s a step
     args = ["--model", "lm", "--hidden", "64", "--global-batch-size", "24", "--seed", "3", "--epochs", str(epochs),
@@ -562,8 +576,8 @@ def main() -> None:
     c.deadline = time.monotonic() + 120
     c.results["environment"] = c.environment()
     c.say("environment: " + json.dumps(c.results["environment"]))
-    fns = {"smi": part_smi, "nccl1": part_nccl1, "gloo3": part_gloo3, "throughput": part_throughput,
-           "stall": part_stall, "fsdp": part_fsdp, "profile": part_profile}
+    fns = {"smi": part_smi, "nccl1": part_nccl1, "gloo3": part_gloo3, "bitwise": part_bitwise,
+           "throughput": part_throughput, "stall": part_stall, "fsdp": part_fsdp, "profile": part_profile}
     for name in parts:
         c.part(name, lambda: fns[name](c))
     subprocess.run(["pkill", "-9", "-f", TRAIN], check=False)   # whatever a part left running

@@ -65,7 +65,16 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--report")
     ap.add_argument("--step-times")
     ap.add_argument("--profile", help="a file for torch.profiler's tables of steps 100-129 (CPU and CUDA)")
-    return ap.parse_args()
+    ap.add_argument("--exact", choices=("bitwise",), default=None,
+                    help="the MLP in bitwise mode (each unit its own forward and backward), with torch's "
+                         "deterministic algorithms")
+    args = ap.parse_args()
+    if args.exact and args.model != "mlp":
+        ap.error("--exact bitwise: the MLP only")
+    if args.exact:   # before CUDA starts: cuBLAS is deterministic only with a fixed workspace
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+    return args
 
 
 class Profiler:
@@ -141,7 +150,7 @@ def elastic(args) -> None:
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=20, gamma=0.5)
         run = ElasticRun(model=model, optimizer=opt, scheduler=sched, num_samples=n, seed=args.seed,
                          epochs=epochs, steps=args.steps, global_batch_size=args.global_batch_size,
-                         track_samples=args.report is not None)
+                         track_samples=args.report is not None, exact=args.exact)
     dev = run.device
     opt, sched = run.optimizer, run.scheduler
     loader = run.loader(TensorDataset(x, y))
@@ -157,9 +166,12 @@ def elastic(args) -> None:
                     run.backward(loss_of(args, model, mx, my))
             else:   # one draw of the device's RNG per global batch: the same on every rank
                 noise = 0.01 * torch.randn(run.batch.global_size, args.d_in, device=dev)[run.batch.slice]
-                loss = loss_of(args, model, xb, yb, noise)
                 opt.zero_grad()
-                run.backward(loss)
+                if args.exact:   # unit by unit, each under its own RNG stream
+                    for xu, yu, nu in run.accumulate(xb, yb, noise):
+                        run.backward(loss_of(args, model, xu, yu, nu))
+                else:
+                    run.backward(loss_of(args, model, xb, yb, noise))
             opt.step()
             if args.model == "lm":
                 opt.zero_grad()
