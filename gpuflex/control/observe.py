@@ -25,9 +25,9 @@ from gpuflex.elastic.protocol import run_dir
 from gpuflex.elastic.protocol.wire import CoordinatorStatus, parse_status, status_request
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy import split as split_policy
-from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FORGED_KIND, FORMED_KIND, HISTORY_KINDS, LEFT_OUT_KIND,
-                                      RETRY_CAUSES, STOP_CAUSE, STUCK_RUNS, WAITING_KIND, JobFacts, Observation,
-                                      ProcSeen, WorkerFacts, is_crash_exit)
+from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FAULT_RELAUNCHES, FORGED_KIND, FORMED_KIND, HISTORY_KINDS,
+                                      LEFT_OUT_KIND, RETRY_CAUSES, STOP_CAUSE, STUCK_RUNS, WAITING_KIND, JobFacts,
+                                      Observation, ProcSeen, WorkerFacts, is_crash_exit)
 from gpuflex.states import WorkerState
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,8 @@ def facts(job: Job) -> JobFacts:
     left_out = queries.last_event_of(session, job.id, [LEFT_OUT_KIND], since)
     restarts = queries.events_by_cause(session, job.id, "state", [*RETRY_CAUSES, STOP_CAUSE])
     run_starts = queries.recent_events(session, job.id, [FORMED_KIND], STUCK_RUNS) if job.restarts else []
-    causes = queries.recent_causes(session, job.id, "state", STUCK_RUNS - 1) if job.restarts else []
+    causes = queries.recent_causes(session, job.id, "state", max(STUCK_RUNS - 1, FAULT_RELAUNCHES)) \
+        if job.restarts else []
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
         workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code, w.ended_at,

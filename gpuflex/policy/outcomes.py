@@ -57,6 +57,9 @@ STOP_RESTARTS = 3        # ... at most this many times; then it fails
 # an in-place job whose members all died by faults this many runs in a row, each run
 # restarted from the same checkpoint step (no checkpoint after it), is not restarted again
 STUCK_RUNS = 3
+# a restart job (no step is known of its runs) relaunched for faults this many times in a
+# row, no run ending otherwise in between, is not relaunched again on the next one
+FAULT_RELAUNCHES = 5
 STOP_EXIT = 128 + 15     # its exit code then: as a process ended by SIGTERM
 RETRY_CAUSES = (CRASH_CAUSE, GANG_CAUSE)
 LOST_EXIT = 128 + 9      # a gang worker gone without an exit record: as if SIGKILLed
@@ -109,7 +112,7 @@ class JobFacts:
     # the step each of the job's newest runs (at most STUCK_RUNS) formed its first generation
     # at, oldest first: where it restarted from (None: a formation that named no step)
     run_start_steps: tuple[int | None, ...] = ()
-    # the causes of its newest requeues (at most STUCK_RUNS - 1), oldest first
+    # the causes of its newest requeues (at most max(STUCK_RUNS - 1, FAULT_RELAUNCHES)), oldest first
     restart_causes: tuple[str, ...] = ()
 
     @property
@@ -366,6 +369,11 @@ def gang_failure(job: JobFacts, workers: Iterable[WorkerFacts], records: Iterabl
     data = {"wid": w.wid, "host": w.host, "exit_code": code, "returncode": w.exit_code}
     first = Record(GANG_FAILED_KIND, f"{summary}; the gang is stopped", data)
     if job.elastic == RESTART and (w.exit_code is None or w.exit_code < 0):
+        recent = job.restart_causes[-FAULT_RELAUNCHES:]
+        if len(recent) == FAULT_RELAUNCHES and all(c == FAULT_CAUSE for c in recent):
+            return [first, Finish(JobState.FAILED, code, f"{summary}; relaunched {FAULT_RELAUNCHES} times in a row "
+                                  "for such faults, no run ending otherwise: not relaunched again (its worker logs "
+                                  "say where it died)", job.restarts)]
         return [first, Requeue(f"{summary}; relaunching the gang from its checkpoint", FAULT_CAUSE)]
     if job.crash_restarts < job.retries:
         return [first, Requeue(f"{summary}; relaunch {job.crash_restarts + 1} of {job.retries}", GANG_CAUSE)]

@@ -37,7 +37,7 @@ def test_the_steps_the_newest_runs_started_at_oldest_first(config_path, db_path)
     formed = [{"step": 0}, {"step": 109}, {"step": 379}, {"step": 379}, {"step": 379}]
     got = _facts_after(config_path, db_path, formed, restarts=4)
     assert got.run_start_steps == (379, 379, 379) and STUCK_RUNS == 3   # a resize's step is not a run's start
-    assert got.restart_causes == ("fault", "shards-lost")   # the newest two requeues, oldest first
+    assert got.restart_causes == ("preempted", "fault", "shards-lost")   # the newest (up to 5), oldest first
 
 
 def test_a_formation_without_a_step_reads_none_and_a_first_run_reads_nothing(config_path, db_path):

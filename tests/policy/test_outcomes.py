@@ -9,6 +9,7 @@ import pytest
 from gpuflex.elastic.protocol.keys import ABORTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
 from gpuflex.policy.outcomes import (CRASH_CAUSE, CRASH_KIND, FAULT_CAUSE, GANG_CAUSE, GANG_FAILED_KIND, LOST_EXIT,
                                      RESTART, SHARDS_LOST_CAUSE, STOP_CAUSE, STOP_EXIT, STOP_RESTARTS, STUCK_RUNS,
+                                     FAULT_RELAUNCHES,
                                      TRACEBACK_LINES, Crash, Finish, JobFacts, Requeue,
                                      WorkerFacts, gang_exit, gang_failure, instant, is_crash_exit, is_fault, outcome,
                                      printable_lines)
@@ -138,6 +139,28 @@ def test_runs_that_ended_otherwise_are_no_repeated_fault(causes):
     below MIN, or too few causes on record): the fault restarts it."""
     end = outcome(job(run_start_steps=(0, 0, 0), restarts=2, restart_causes=causes), [worker(0, W.LOST, None)], 2)
     assert isinstance(end, Requeue) and end.cause == FAULT_CAUSE
+
+
+@pytest.mark.parametrize("causes,relaunched", [
+    ((), True),
+    ((FAULT_CAUSE,) * 4, True),
+    (("scale",) + (FAULT_CAUSE,) * 4, True),                 # a run ended otherwise among the last five
+    ((FAULT_CAUSE, "scale") + (FAULT_CAUSE,) * 4, True),
+    ((FAULT_CAUSE,) * 5, False),
+    (("scale",) + (FAULT_CAUSE,) * 5, False),
+])
+def test_a_restart_job_relaunched_for_faults_five_times_in_a_row_is_not_relaunched_again(causes, relaunched):
+    """A restart job's runs name no step, so a fault that comes back every run (a segfault
+    in its script) is bounded by count: FAULT_RELAUNCHES fault relaunches in a row."""
+    assert FAULT_RELAUNCHES == 5
+    segv = [worker(0, W.FAILED, -11, ended_at=1.0)]
+    record, end = gang_failure(job(elastic=RESTART, restart_causes=causes, restarts=len(causes)), segv, None, {})
+    assert record.kind == GANG_FAILED_KIND
+    if relaunched:
+        assert isinstance(end, Requeue) and end.cause == FAULT_CAUSE
+    else:
+        assert isinstance(end, Finish) and (end.state, end.exit_code) == (JobState.FAILED, 139)
+        assert "relaunched 5 times in a row for such faults" in end.reason and "not relaunched again" in end.reason
 
 
 def test_the_first_gang_worker_to_end_badly_decides():
