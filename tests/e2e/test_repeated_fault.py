@@ -41,6 +41,22 @@ def test_a_fault_at_the_same_place_every_run_fails_the_job_after_three_runs_from
     told = [(e["kind"], e["message"]) for e in events]
     assert len(starts) >= 3 and starts[0] == 0 and len(set(starts[-3:])) == 1 and starts[-1] > 0, (starts, told)
     assert requeues and set(requeues) == {"fault"} and len(requeues) == len(starts) - 1, requeues
-    reason = done.get("reason") or events[-1]["message"]
+    reason = done.get("exit_reason") or ""
     assert "killed by signal 11 (exit code 139)" in reason, reason
     assert f"its last 3 runs each restarted from the checkpoint at step {starts[-1]}" in reason, reason
+
+
+def test_a_restart_job_that_segfaults_every_run_is_relaunched_five_times_then_fails(cli):
+    """A restart job's runs name no step: its fault relaunches are bounded by count
+    (outcomes.FAULT_RELAUNCHES in a row), so a script that crashes by a signal every run
+    ends failed with the signal's exit code, after six runs."""
+    segv = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+    job = cli.submit([sys.executable, "-c", segv], "--workers", "1:2", "--elastic", "restart")
+    done = cli.wait_final(job["id"], 300)
+    events = cli.json("events", str(job["id"]))
+    told = [(e["kind"], e["message"]) for e in events]
+    assert done["state"] == "failed" and done["exit_code"] == 139, (done, told)
+    requeues = [e["data"]["cause"] for e in events if e["kind"] == "state" and e["data"].get("cause")]
+    assert requeues == ["fault"] * 5 and done["restarts"] == 5, told
+    reason = done.get("exit_reason") or ""
+    assert "killed by signal 11 (exit code 139)" in reason and "relaunched 5 times in a row" in reason, told
