@@ -54,12 +54,8 @@ FAULT_CAUSE = "fault"    # a restart job relaunched after a fault: not counted
 SHARDS_LOST_CAUSE = "shards-lost"   # a sharded job restarted from its distributed checkpoint: not counted
 STOP_CAUSE = "stopped"   # a job stopped from outside gpuflex before the end of training, restarted
 STOP_RESTARTS = 3        # ... at most this many times; then it fails
-# an in-place job whose members all died by faults this many runs in a row, each run
-# restarted from the same checkpoint step (no checkpoint after it), is not restarted again
-STUCK_RUNS = 3
-# a restart job (no step is known of its runs) relaunched for faults this many times in a
-# row, no run ending otherwise in between, is not relaunched again on the next one
-FAULT_RELAUNCHES = 5
+STUCK_RUNS = 3         # fault-ended runs in a row from one checkpoint step: not restarted again (`stuck`)
+FAULT_RELAUNCHES = 5   # a restart job's fault relaunches in a row: the next fault fails it (no step known)
 STOP_EXIT = 128 + 15     # its exit code then: as a process ended by SIGTERM
 RETRY_CAUSES = (CRASH_CAUSE, GANG_CAUSE)
 LOST_EXIT = 128 + 9      # a gang worker gone without an exit record: as if SIGKILLed
