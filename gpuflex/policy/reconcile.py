@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpuflex.policy.outcomes import JobFacts, Observation, WorkerFacts
+from gpuflex.policy.facts import JobFacts, Observation, WorkerFacts
 from gpuflex.states import WorkerState
 
 STRAY = "the database and the coordinator disagree: a resize that was never asked for, or a leaver that never left"
