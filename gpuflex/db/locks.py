@@ -52,19 +52,21 @@ log = logging.getLogger(__name__)
 
 WAIT_NOTE_S = 10.0   # a wait for a lock longer than this is logged with who holds it
 _SUFFIX = {"migration": ".lock", "ops": ".ops.lock", "harvest": ".harvest.lock"}
+LOCK_SUFFIXES = tuple(_SUFFIX.values())   # the files beside a SQLite database
 ACTOR: list[str] = []   # what this process is (the CLI sets its command: "scale"), in the holder's name
 
 
 def actor() -> str:
     """This process's command and pid, as a lock's holder is named: "scale pid 12"."""
     return " ".join([*ACTOR[:1], f"pid {os.getpid()}"])
-LOCK_SUFFIXES = tuple(_SUFFIX.values())   # the files beside a SQLite database
 
 
 class Lock(abc.ABC):
     """An exclusive lock shared by every process that uses one database.
 
     Not reentrant across `Lock` objects: take each lock once per process at a time."""
+
+    purpose = "database"   # "migration", "ops" or "harvest" where known: what a wait's note names
 
     @abc.abstractmethod
     def acquire(self, blocking: bool = True) -> bool:
@@ -101,8 +103,7 @@ class Lock(abc.ABC):
             who = self.holder()
         except Exception:   # noqa: BLE001 (a note never fails the command that waits)
             who = "another process"
-        log.warning("waiting %.0f s so far for the database's %s lock, held by %s", WAIT_NOTE_S,
-                    getattr(self, "purpose", "ops"), who)
+        log.warning("waiting %.0f s so far for the database's %s lock, held by %s", WAIT_NOTE_S, self.purpose, who)
 
 
 def shared_directory(directory: Path) -> bool:
@@ -122,8 +123,9 @@ class FileLock(Lock):
     """flock on a file (through `filelock`); the holder writes "pid N, since HH:MM:SS"
     into it so that a process that finds it held can say by whom."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, purpose: str | None = None) -> None:
         self.path = path
+        self.purpose = purpose or self.purpose
         # a new filelock object per Lock (not a singleton): two Locks on one file exclude
         # each other even inside one process, as two processes do
         # and keep the file on release: filelock 4 unlinks it otherwise, so a waiter's
@@ -294,10 +296,10 @@ def database_lock(url: str, purpose: str) -> Lock:
     suffix = _SUFFIX[purpose]
     path = sqlite_path(url)
     if path is not None:
-        return FileLock(Path(str(path) + suffix))
+        return FileLock(Path(str(path) + suffix), purpose)
     if is_postgresql(url):
         return AdvisoryLock(url, purpose)
     if purpose == "harvest":
         digest = hashlib.sha256(url.encode()).hexdigest()[:16]
-        return FileLock(Path(tempfile.gettempdir()) / f"gpuflex-harvest-{digest}.lock")
+        return FileLock(Path(tempfile.gettempdir()) / f"gpuflex-harvest-{digest}.lock", purpose)
     return NoLock()

@@ -19,7 +19,7 @@ from tests.cli.test_status_cmd import record_jobs
 def test_a_long_wait_for_a_lock_says_who_holds_it_then_takes_it(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(locks, "WAIT_NOTE_S", 0.3)
     monkeypatch.setattr(locks, "ACTOR", ["scale"])
-    holder, waiter = FileLock(tmp_path / "g.db.ops.lock"), FileLock(tmp_path / "g.db.ops.lock")
+    holder, waiter = FileLock(tmp_path / "g.db.ops.lock", "ops"), FileLock(tmp_path / "g.db.ops.lock", "ops")
     assert holder.acquire()
     got = threading.Event()
 
@@ -59,3 +59,10 @@ def test_the_ops_lock_a_command_held_names_the_command(home, config_path, db_pat
     assert locks.ACTOR == []   # cleared as the command ended
     text = (db_path.parent / "g.db.ops.lock").read_text()
     assert re.fullmatch(rf"cancel pid {os.getpid()}, since \d\d:\d\d:\d\d", text), text
+
+
+def test_a_lock_file_of_the_database_knows_its_purpose(tmp_path):
+    url = f"sqlite:///{tmp_path / 'g.db'}"
+    assert [locks.database_lock(url, p).purpose for p in ("migration", "ops", "harvest")] == \
+        ["migration", "ops", "harvest"]
+    assert FileLock(tmp_path / "x.lock").purpose == "database"
