@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 LOG_TAIL_LINES = 10          # of a crashed worker's log, when it left no crashed record
 LOG_TAIL_BYTES = 8192
 LAST_STATUS_BYTES = 1 << 20   # a status reply holds at most HISTORY_KEPT generations
+ABORT_RECORD_BYTES = 8192
 
 
 def coordinator_status(config: Config, pool: Pool, job: Job) -> CoordinatorStatus | None:
@@ -88,34 +89,39 @@ def groups(config: Config, pool: Pool, workers: list[Worker]) -> tuple[dict[int,
     return procs, unreachable
 
 
+def run_record(pool: Pool, job: Job, name: str, limit: int) -> str | None:
+    """The text of the file `name` the coordinator left in the run's directory on its host
+    (gpuflex.elastic.protocol.run_dir), at most `limit` bytes; None when there is none or it
+    cannot be read."""
+    if job.socket_dir is None or job.store_host is None:
+        return None
+    try:
+        got = pool.transport(job.store_host).read(posixpath.join(job.socket_dir, name), 0, limit)
+    except (TransportError, ValueError, OSError, KeyError) as e:
+        log.debug("job %s: cannot read %s from the run's directory: %s", job.id, name, e)
+        return None
+    return None if got.get("missing") else got.get("data") or ""
+
+
 def recorded_status(pool: Pool, job: Job) -> CoordinatorStatus | None:
     """The last status reply the coordinator left in the run's directory as it ended itself
     (run_dir.LAST_STATUS), parsed as a live reply is; None when there is none, or it cannot
     be read or parsed."""
-    if job.socket_dir is None or job.store_host is None:
+    text = run_record(pool, job, run_dir.LAST_STATUS, LAST_STATUS_BYTES)
+    if text is None:
         return None
     try:
-        got = pool.transport(job.store_host).read(posixpath.join(job.socket_dir, run_dir.LAST_STATUS), 0,
-                                                  LAST_STATUS_BYTES)
-        if got.get("missing"):
-            return None
-        return parse_status(json.loads(got.get("data") or ""))
-    except (TransportError, ValueError, OSError, KeyError) as e:   # WireError is a ValueError
-        log.debug("job %s: cannot read the coordinator's last status: %s", job.id, e)
+        return parse_status(json.loads(text))
+    except ValueError as e:   # not JSON, or a WireError (a ValueError): the wrong shape
+        log.debug("job %s: the coordinator's last status does not parse: %s", job.id, e)
         return None
 
 
 def recorded_abort(pool: Pool, job: Job) -> dict[str, Any] | None:
     """The abort record the coordinator left in the run's directory on its host when it ended
     the job (gpuflex.elastic.protocol.run_dir), parsed; None when there is none or it cannot be read."""
-    if job.socket_dir is None or job.store_host is None:
-        return None
-    try:
-        got = pool.transport(job.store_host).read(posixpath.join(job.socket_dir, run_dir.ABORT_RECORD), 0, 8192)
-    except (TransportError, ValueError, OSError, KeyError) as e:
-        log.debug("job %s: cannot read the coordinator's abort record: %s", job.id, e)
-        return None
-    return None if got.get("missing") else run_dir.parse_abort(got.get("data") or "")
+    text = run_record(pool, job, run_dir.ABORT_RECORD, ABORT_RECORD_BYTES)
+    return None if text is None else run_dir.parse_abort(text)
 
 
 def log_tail(pool: Pool, w: Worker, lines: int = LOG_TAIL_LINES) -> tuple[str, ...]:
@@ -164,7 +170,8 @@ def facts(job: Job) -> JobFacts:
 
 def _start_step(data: Any) -> int | None:
     """The step a "formed" event's generation started at (its timings name it)."""
-    step = ((data or {}).get("timings") or {}).get("step") if isinstance(data, dict) else None
+    timings = data.get("timings") if isinstance(data, dict) else None
+    step = timings.get("step") if isinstance(timings, dict) else None
     return step if isinstance(step, int) and not isinstance(step, bool) else None
 
 
