@@ -13,7 +13,10 @@ similar compute-plus-sync model; three linear terms are enough to tell a compute
 job (b, c near 0: near-linear) from a communication-bound one (adding workers adds
 nothing, or loses). The fit is least squares on T (linear in a, b, c: the normal
 equations, at most 3 x 3, solved here, no numpy); a term that comes out negative is
-dropped and the rest refitted, so T never decreases faster than 1/n.
+dropped and the rest refitted, so T never decreases faster than 1/n. The compute term a
+is always kept (without it two points fit as well, and predict nothing), and a set of
+terms the points cannot tell apart (2 sizes, each on its own host count, for 3 terms)
+is singular: skipped, not solved through rounding.
 
 Too few points: without two distinct world sizes nothing about scaling is known, and
 `fit` returns None with `why_not` saying so; without two host counts c is not fitted (0).
@@ -27,6 +30,7 @@ import math
 from typing import Iterable, Sequence
 
 MIN_SIZES = 2     # distinct world sizes needed before the model says anything
+SINGULAR = 1e-9   # a pivot this small against the normal matrix's largest entry: no unique fit
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,17 +108,19 @@ def fit(points: Sequence[Point]) -> Model | None:
     terms = [0, 1] + ([2] if len({p.hosts for p in usable}) >= 2 else [])
     rows = [((1.0 / p.world, float(p.world - 1), float(p.hosts - 1)), 1.0 / p.samples_per_s, float(p.readings))
             for p in usable]
-    # the largest subset of terms whose least-squares solution is all >= 0 (at most 7 tries)
+    # the largest subset of terms, the compute term always in it, whose least-squares
+    # solution is all >= 0 with compute > 0 (at most 4 tries): a subset without it fits
+    # two points as well but predicts nothing (a job that speeds up by losing workers)
     for k in range(len(terms), 0, -1):
         best = None
         for subset in itertools.combinations(terms, k):
             coef = _solve(rows, subset)
-            if coef is None or any(v < 0 for v in coef.values()):
+            if 0 not in subset or coef is None or coef[0] <= 0 or any(v < 0 for v in coef.values()):
                 continue
             err = sum(w * (sum(coef[i] * x[i] for i in subset) - y) ** 2 for x, y, w in rows)
             if best is None or err < best[0]:
                 best = (err, coef)
-        if best is not None and best[1].get(0, 0.0) > 0:
+        if best is not None:
             c = best[1]
             return Model(c.get(0, 0.0), c.get(1, 0.0), c.get(2, 0.0))
     return None
@@ -125,9 +131,12 @@ def _solve(rows, subset: Sequence[int]) -> dict[int, float] | None:
     k = len(subset)
     m = [[sum(w * x[i] * x[j] for x, _, w in rows) for j in subset] + [sum(w * x[i] * y for x, y, w in rows)]
          for i in subset]
+    # singular (more terms than the points tell apart: 2 sizes on 2 host counts, 3 terms)
+    # when a pivot is only rounding left over; relative to the matrix, since readings weight it
+    tiny = SINGULAR * max((abs(v) for r in m for v in r[:k]), default=0.0)
     for col in range(k):
         piv = max(range(col, k), key=lambda r: abs(m[r][col]))
-        if abs(m[piv][col]) < 1e-18:
+        if abs(m[piv][col]) <= tiny:
             return None
         m[col], m[piv] = m[piv], m[col]
         for r in range(k):

@@ -65,3 +65,16 @@ def test_the_summary_gives_points_predictions_for_min_to_max_and_both_margins():
     assert at_max["one_more"] is None and at_max["one_fewer"] is not None
     few = summary(pts[:1], 1, 5, 1, 1)
     assert few["model"] is None and few["predicted"] == [] and few["points"] and "too few" in few["why_not"]
+
+
+def test_two_sizes_on_two_host_counts_fit_without_the_host_term_instead_of_dividing_by_zero():
+    # seen in the allocation trace: 2 workers on 2 hosts, then 3 on 1 host. Three terms
+    # from two points is singular; rounding left a pivot of 1e-16 and a zero diagonal
+    pts = [Point(world=2, hosts=2, samples_per_s=1.6299449542498017, readings=15),
+           Point(world=3, hosts=1, samples_per_s=2.5174601801615313, readings=7)]
+    m = fit(pts)
+    assert m is not None and m.a > 0
+    for p in pts:   # two of the terms fit both points exactly
+        assert m.throughput(p.world, p.hosts) == pytest.approx(p.samples_per_s, rel=1e-6)
+    s = summary(pts, 1, 4, world=3, hosts=1)
+    assert s["model"] is not None and len(s["predicted"]) == 4
