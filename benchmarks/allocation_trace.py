@@ -2,7 +2,7 @@
 static sizes, `[harvest] policy = "fair"` and `policy = "throughput"`; print job
 completion times, makespan, GPU utilisation and each user's share, side by side (issue 32).
 
-    .venv/bin/python benchmarks/allocation_trace.py [--hours 24] [--seed 1] [--hosts 4] [--gpus 4]
+    .venv/bin/python benchmarks/allocation_trace.py [--hours 24] [--seed 1 | --seeds N] [--hosts 4] [--gpus 4]
 
 Everything that decides is the real code: gpuflex.policy.harvest.plan (yields and
 requeues for owners, places, grows; under "throughput" gpuflex.policy.allocation with
@@ -302,13 +302,39 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+GOALS = (0.70, 0.85, 0.90)   # avg JCT at most x0.70 of static's and x0.85 of fair's; no share below 0.90
+
+
+def seeds_report(rows: list[tuple[int, list[dict]]]) -> str:
+    """One line per seed and how many seeds meet each of the issue's goals."""
+    lines = [f"{'seed':>4} {'jobs':>5} {'vs static':>10} {'vs fair':>8} {'lowest share':>13} {'fair: lowest':>13}"]
+    met = [0, 0, 0, 0, 0]
+    for seed, results in rows:
+        by = {r["policy"]: r for r in results}
+        t, low, fair_low = by["throughput"], min(by["throughput"]["share"].values()), min(by["fair"]["share"].values())
+        vs = (t["avg_jct_h"] / by["static"]["avg_jct_h"], t["avg_jct_h"] / by["fair"]["avg_jct_h"])
+        ok = (vs[0] <= GOALS[0], vs[1] <= GOALS[1], low >= GOALS[2])
+        met = [m + x for m, x in zip(met, (*ok, all(ok), fair_low >= GOALS[2]))]
+        lines.append(f"{seed:>4} {t['jobs']:>5} {'x%.2f' % vs[0]:>10} {'x%.2f' % vs[1]:>8} {low:>13.2f} {fair_low:>13.2f}")
+    n = len(rows)
+    lines.append(f"goals met on {n} seeds: JCT vs static {met[0]}, vs fair {met[1]}, share {met[2]} "
+                 f"(fair's own share {met[4]}), all three {met[3]}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hours", type=float, default=24, help="trace length (arrivals stop LAST_ARRIVAL_H before)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--seeds", type=int, default=0, help="seeds 1..N instead, a line each and a count of the goals met")
     ap.add_argument("--hosts", type=int, default=4)
     ap.add_argument("--gpus", type=int, default=4, help="GPUs per host")
     args = ap.parse_args()
+    if args.seeds > 0:
+        print(f"traces: {args.hours:g} h, seeds 1-{args.seeds}, {args.hosts} hosts x {args.gpus} GPUs; "
+              f"throughput's average completion time against static and fair, lowest share of fair")
+        print(seeds_report([(s, run_all(args.hours, s, args.hosts, args.gpus)) for s in range(1, args.seeds + 1)]))
+        return
     results = run_all(args.hours, args.seed, args.hosts, args.gpus)
     print(f"trace: {args.hours:g} h, seed {args.seed}, {args.hosts} hosts x {args.gpus} GPUs, "
           f"{results[0]['jobs']} jobs, a tick a simulated minute")

@@ -7,7 +7,9 @@ first (a dependency that can never be satisfied cancels the job: afterok on a fa
 cancelled or timed-out job, afternotok on one that succeeded; and a chain below it in the
 same command), then `gate` (dependencies not done yet, singleton, the array's cap), then
 `over_quota` (its MIN would take its owner past their [quota] limit: it waits, and
-preempts nothing), `placement` (MIN up to what the quota leaves), and when the job does
+preempts nothing), `placement` (MIN up to what the quota leaves; under the throughput
+policy a --harvest job up to what its owner's fair share leaves, and the user furthest
+below their share is placed first: `starting`), and when the job does
 not fit, `make_room` (preempt lower-priority jobs). The pool's state (`Room`) is read once
 per pass and again only after a start or a preemption. Every decision leaves a trace on both sides: the waiting job's
 queue_reason and a "preempting" event name the preempted jobs, and each preempted job's
@@ -25,7 +27,7 @@ from gpuflex.control.executor import Ops
 from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
-from gpuflex.policy import fairshare
+from gpuflex.policy import allocation, fairshare
 from gpuflex.policy.placement import Assignment, HostFree, Placement, place
 from gpuflex.policy.preemption import (AFTERANY, AFTERNOTOK, AFTEROK, Dependency, Gate, HeldWorker, Shrink,
                                        Stop, Victim, array_gate, could_preempt, dependency_gate, plan_preemption,
@@ -48,8 +50,24 @@ def placing_order(ops: Ops, jobs: Iterable[Job], now: Room | None = None) -> lis
         return sorted(jobs, key=lambda j: (-j.priority, j.id))
     by_id = {j.id: j for j in jobs}
     queued = [fairshare.Queued(j.id, j.priority, j.user) for j in jobs]
-    order = fairshare.placing_order(queued, quotas.usage(ops))
-    return [by_id[i] for i in order]
+    order = [by_id[i] for i in fairshare.placing_order(queued, quotas.usage(ops))]
+    starts = starting(ops, (now or room(ops)).free) if ops.config.harvest.policy == "throughput" else None
+    if starts is None:
+        return order
+    # the throughput policy: within a priority, the user furthest below their share first
+    return sorted(order, key=lambda j: (-j.priority, starts.behind(j.user)))
+
+
+def starting(ops: Ops, free: list[HostFree]) -> allocation.Starting | None:
+    """Under `[harvest] policy = "throughput"`: each user's fair share of the pool (the
+    devices jobs hold and the `free` ones) and the devices they hold (allocation.Starting),
+    for the start sizes and the order; else None."""
+    if ops.config.harvest.policy != "throughput":
+        return None
+    jobs = queries.jobs(ops.session, (*queries.ACTIVE, JobState.QUEUED))
+    return allocation.starting(((j.user, j.max_workers * max(j.gpus_per_worker, 1),
+                                 sum(len(w.gpus) for w in j.members) if j.state is not JobState.QUEUED else 0)
+                                for j in jobs), sum(len(h.devices) for h in free))
 
 
 def over_quota(ops: Ops, job: Job) -> str | None:
@@ -59,8 +77,13 @@ def over_quota(ops: Ops, job: Job) -> str | None:
 
 def placement(ops: Ops, job: Job, free: list[HostFree]) -> Placement:
     """Where the job's workers would go on `free` devices: MIN up to its target (else MAX),
-    no more than its owner's quota leaves."""
+    no more than its owner's quota leaves; under the throughput policy a --harvest job
+    without a target no bigger than its owner's fair share (allocation.Starting.most)."""
     most = max(job.target_workers or job.max_workers, job.min_workers)
+    if job.harvest and not job.target_workers:
+        starts = starting(ops, free)
+        if starts is not None:
+            most = starts.most(job.user, most, job.min_workers, job.gpus_per_worker)
     allowed = quotas.quota_of(ops, job.user).workers_allowed(job.gpus_per_worker)
     if allowed is not None:
         most = max(job.min_workers, min(most, allowed))

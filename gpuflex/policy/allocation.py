@@ -15,23 +15,33 @@ communication-bound one that gains 3%. The rules, in order:
    device first, only when what they lose is less than what the queued job gains
    (starting it is worth 1.0, its speedup at MIN, over the devices it needs), or when it
    is of a higher priority, or its user is below their fair share and theirs is above it.
-   A user below fair share (the pool's devices over the users with work) is never shrunk
-   for another. If the room cannot be made in full, nothing is shrunk.
+   A user below fair share is never shrunk for another. If the room cannot be made in
+   full, nothing is shrunk.
 3. Even out shares: a job of a user below fair share whose next worker gains more than
-   the threshold below takes a worker from a job of a user above it (never below MIN,
-   never of a higher priority, a measured job not held), the one that loses least first,
-   while the taker stays at or below their share and the giver at or above theirs (so
-   the move is never undone the next tick), and only when no device is idle or on its
-   way to being idle for the taker. Without it a user whose jobs all started
-   while the pool was full stays below their share for as long as the others run.
+   the threshold below takes a worker from a job of a user above theirs (never below
+   MIN, never of a higher priority, a measured job not held), the one that loses least
+   first, when the taker's deficit and the giver's surplus come to more than the worker
+   (the move narrows the gap between them, and the move back would not: never undone the
+   next tick), and only when no device is idle or on its way to being idle for the
+   taker. Without it a user whose jobs all started while the pool was full stays below
+   their share for as long as the others run.
 4. Grow: idle devices go one worker at a time to the job whose next worker adds the most
    progress per device (higher priority first, then a user below fair share), within
    MAX and its user's quota. A worker is added only when its relative gain pays for the
    resize's stall within the horizon (gain >= stall_s / horizon_s) and is above
    `min_gain` (noise). A job measured at one size only may grow by one worker onto
-   devices no measured job wants, to measure a second size (it never shrinks).
+   devices no measured job wants (before the measured jobs of users at or above their
+   share when its user is below theirs), to measure a second size (it never shrinks).
 5. Shrink what loses: a job whose one fewer worker is faster by more than `min_gain`
    (past its communication-bound optimum) gives that worker back.
+
+A user's fair share is max-min fair (`fair_shares`): the pool's devices split equally
+among the users with work, except that a user whose jobs could use less (the sum of
+their MAX) gets that and the rest is split among the others. Queued --harvest jobs start
+no bigger than what their user's share leaves (never below MIN), the user furthest below
+their share first (`Starting`, used by the harvest plan and by the real placement,
+gpuflex.control.queueing): a job started at its MAX holds devices it has not shown it can
+use, and cannot be shrunk until it has measured two sizes.
 
 Every change carries its reason ("job 12 3->2: one fewer worker loses 1%; job 15 needs 1").
 """
@@ -39,7 +49,7 @@ Every change carries its reason ("job 12 3->2: one fewer worker loses 1%; job 15
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from gpuflex.policy.throughput import Model, fit, merge, why_not
 
@@ -83,6 +93,7 @@ class Waiting:
     user: str
     need: int
     priority: int = 0
+    most: int | None = None     # devices at its MAX (its user's demand); None: `need`
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,14 +133,17 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
     held = dict(held)
     room = dict(room or {})
     users = {j.user for j in jobs} | {w.user for w in waiting}
-    share = pool / max(len(users), 1)
+    share = fair_shares({u: sum(j.max_workers * j.per_worker for j in jobs if j.user == u)
+                         + sum(w.most or w.need for w in waiting if w.user == u) for u in users}, pool)
     why: dict[int, list[str]] = {j.id: [] for j in jobs}
     stays: list[Decision] = []
-    locked: set[int] = set()
+    locked: set[int] = set()      # never shrunk
+    frozen: set[int] = set()      # nor grown: resized lately (hysteresis)
     for j in jobs:
         reason = None
         if j.resized_at is not None and now - j.resized_at < rules.hold_s:
             reason = f"resized less than {rules.hold_s:g} s ago"
+            frozen.add(j.id)
         elif j.model is None:
             reason = j.why_not or "too few measurements"
         elif not j.shrinkable:
@@ -139,7 +153,7 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
             locked.add(j.id)
 
     def below(user: str) -> bool:
-        return held.get(user, 0) < share
+        return held.get(user, 0) < share[user]
 
     def may_take(user: str, devices: int) -> bool:
         r = room.get(user)
@@ -220,7 +234,9 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
             if j.model is None:
                 if j.id in explored or size[j.id] != j.size or j.size not in j.measured or len(j.measured) != 1:
                     continue
-                key = (1, -j.priority, not below(j.user), 0.0, j.id)   # after every measured job
+                # after every measured job of its priority, but before the measured jobs of users
+                # at or above their share when its user is below theirs
+                key = (int(not below(j.user)), -j.priority, not below(j.user), 0.0, j.id)
                 best = best if best is not None and best[0] < key else (key, j, None)
                 continue
             gain = speedup(j, n + 1) / speedup(j, n) - 1
@@ -259,15 +275,19 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
     return Allocation(sizes=size, changes=changes, stays=tuple(stays), made_room_for=tuple(made_room))
 
 
-def _rebalance(jobs: Sequence[Elastic], size: Mapping[int, int], held: Mapping[str, int], share: float,
+def _rebalance(jobs: Sequence[Elastic], size: Mapping[int, int], held: Mapping[str, int], share: Mapping[str, float],
                locked: set[int], may_take, rules: Rules):
     """Step 3's next move: (taker, giver, taker's gain, giver's loss), or None. The taker
-    is the job of the user furthest below `share` whose next worker gains most; the
-    giver the job of another user that loses least by one fewer."""
+    is the job of the user furthest below their share whose next worker gains most; the
+    giver the job of a user above theirs that loses least by one fewer. A move is made
+    only when the taker's deficit and the giver's surplus come to more than the worker
+    moved: it narrows the gap between them, and the move back would not (shares are
+    fractional: without this, users at 4 and 5 of shares 4.5 would trade a worker every
+    tick)."""
     best = None
     for j in jobs:
         n = size[j.id]
-        if (j.id in locked or n >= j.max_workers or held.get(j.user, 0) + j.per_worker > share
+        if (j.id in locked or n >= j.max_workers or held.get(j.user, 0) >= share[j.user]
                 or not may_take(j.user, j.per_worker)):
             continue
         gain = speedup(j, n + 1) / speedup(j, n) - 1
@@ -276,13 +296,71 @@ def _rebalance(jobs: Sequence[Elastic], size: Mapping[int, int], held: Mapping[s
         for k in jobs:
             m = size[k.id]
             if (k.id in locked or k.user == j.user or m <= k.min_workers or k.priority > j.priority
-                    or k.per_worker != j.per_worker or held.get(k.user, 0) - k.per_worker < share):
+                    or k.per_worker != j.per_worker or held.get(k.user, 0) <= share[k.user]
+                    # the move narrows the gap: the taker's deficit and the giver's surplus come
+                    # to more than a worker (so the move back never qualifies)
+                    or (share[j.user] - held.get(j.user, 0)) + (held.get(k.user, 0) - share[k.user]) <= j.per_worker):
                 continue
             loss = 1 - speedup(k, m - 1) / speedup(k, m)
-            key = (held.get(j.user, 0), -gain, loss, j.id, k.id)
+            key = (held.get(j.user, 0) - share[j.user], -gain, loss, j.id, k.id)
             if best is None or key < best[0]:
                 best = (key, (j, k, gain, loss))
     return None if best is None else best[1]
+
+
+def fair_shares(demand: Mapping[str, float], pool: float) -> dict[str, float]:
+    """Max-min fair shares of `pool` devices among users who could use `demand` each
+    (the sum of their jobs' MAX): equal, except that a user who could use less than an
+    equal part gets what they could use and the rest is split among the others."""
+    out = {u: 0.0 for u in demand}
+    left, active = float(pool), sorted(u for u in demand if demand[u] > 0)
+    while active and left > 1e-9:
+        each = left / len(active)
+        short = [u for u in active if demand[u] - out[u] <= each]
+        if not short:
+            for u in active:
+                out[u] += each
+            break
+        for u in short:
+            left -= demand[u] - out[u]
+            out[u] = float(demand[u])
+            active.remove(u)
+    return out
+
+
+@dataclasses.dataclass
+class Starting:
+    """How the throughput policy starts queued --harvest jobs: no bigger than their user's
+    fair share (it grows them from there as they measure well), the user furthest below
+    their share first. From `starting`."""
+
+    share: dict[str, float]
+    held: dict[str, int]
+
+    def behind(self, user: str) -> float:
+        """The user's devices over their share (0: none held; the lowest go first)."""
+        s = self.share.get(user, 0.0)
+        return self.held.get(user, 0) / s if s > 0 else 0.0
+
+    def most(self, user: str, most: int, min_workers: int, per_worker: int) -> int:
+        """Workers to start with, at most `most`: what the user's share leaves, never below MIN."""
+        left = self.share.get(user, 0.0) - self.held.get(user, 0)
+        return max(min_workers, min(most, int(left // max(per_worker, 1))))
+
+    def took(self, user: str, devices: int) -> None:
+        """A job of the user started on `devices` (the next placements see it)."""
+        self.held[user] = self.held.get(user, 0) + devices
+
+
+def starting(jobs: Iterable[tuple[str, int, int]], idle: int) -> Starting:
+    """`jobs`: (user, devices at its MAX, devices it holds) of every running and queued job;
+    `idle`: the devices nobody holds. Shares are max-min fair over all those devices."""
+    demand: dict[str, int] = {}
+    held: dict[str, int] = {}
+    for user, most, holds in jobs:
+        demand[user] = demand.get(user, 0) + most
+        held[user] = held.get(user, 0) + holds
+    return Starting(fair_shares(demand, sum(held.values()) + idle), held)
 
 
 def _short(reasons: list[str]) -> list[str]:

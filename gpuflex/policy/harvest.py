@@ -12,7 +12,9 @@ One tick of `gpuflex harvest` asks `plan()` what to do and an executor
    Yielding happens on every host, owned or not.
 3. Place: queued jobs that fit on free or idle devices, by priority, then their owner's
    decayed usage, then age, each within its owner's quota (what `lifecycle.place_queued`
-   will do; listed so a dry run shows it).
+   will do; listed so a dry run shows it). Under the throughput policy a --harvest job
+   starts no bigger than its owner's fair share, the user furthest below theirs first
+   (gpuflex.policy.allocation.Starting).
 4. Grow: `--harvest` jobs grow onto idle GPUs of owned hosts, one worker at a time, up to
    their MAX and within their owner's quota: higher priority first, then the job of the
    user with the least decayed usage (fair share between users, gpuflex.policy.fairshare),
@@ -208,10 +210,14 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
 
     # -- queued jobs, as place_queued will start them --
     queued = (j for j in jobs if j.state == JobState.QUEUED)
-    for j in sorted(queued, key=lambda j: (-j.priority, share.usage.get(j.user, 0.0), j.id)):
+    starts = starting(jobs, free) if settings.policy == "throughput" else None
+    for j in sorted(queued, key=lambda j: (-j.priority, starts.behind(j.user) if starts else 0.0,
+                                           share.usage.get(j.user, 0.0), j.id)):
         offer = [HostFree(h, tuple(d), slots=h in slot_hosts) for h, d in sorted(free.items())]
         most = max(j.target_workers or j.max_workers, j.min_workers)
         cost = max(j.gpus_per_worker, 1)
+        if starts is not None and j.harvest and not j.target_workers:
+            most = starts.most(j.user, most, j.min_workers, cost)
         if room[j.user] is not None:
             if room[j.user] < j.min_workers * cost:
                 continue
@@ -222,6 +228,8 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
         actions.append(Place(j.id, p.assignments))
         for a in p.assignments:
             _take(free, idle, a.host, a.devices)
+            if starts is not None:
+                starts.took(j.user, len(a.devices))
         if room[j.user] is not None:
             room[j.user] -= sum(len(a.devices) for a in p.assignments)
 
@@ -277,6 +285,14 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
     return Plan(tuple(actions))
 
 
+def starting(jobs: Sequence[JobView], free: Mapping[str, list[int]]) -> allocation.Starting:
+    """The throughput policy's start sizes and order (allocation.Starting) for this pool."""
+    return allocation.starting(((j.user, j.max_workers * max(j.gpus_per_worker, 1),
+                                 sum(len(w.gpus) for w in j.members) if j.state in ACTIVE else 0)
+                                for j in jobs if j.state in ACTIVE or j.state == JobState.QUEUED),
+                               sum(len(d) for d in free.values()))
+
+
 def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings, now, leaving_now,
                    unheld: int, coming: int = 0) -> list[Action]:
     """The throughput policy's moves (gpuflex.policy.allocation) as Grow, Shrink and Note."""
@@ -287,7 +303,8 @@ def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings,
         held[j.user] = held.get(j.user, 0) + sum(len(w.gpus) for w in j.workers)
     alloc = allocation.allocate(
         [allocation.elastic(j) for j in views],
-        [allocation.Waiting(j.id, j.user, j.min_workers * max(j.gpus_per_worker, 1), j.priority) for j in waiting],
+        [allocation.Waiting(j.id, j.user, j.min_workers * max(j.gpus_per_worker, 1), j.priority,
+                            most=j.max_workers * max(j.gpus_per_worker, 1)) for j in waiting],
         sum(len(d) for d in idle.values()), held=held, pool=unheld + sum(held.values()), room=room,
         rules=allocation.rules_of(settings), now=now, coming=coming)
     out: list[Action] = [Note(d.job, d.reason) for d in alloc.stays]

@@ -53,3 +53,13 @@ def test_the_report_prints_every_policy_and_both_ratios(trace, results):
     text = trace.report(results)
     assert "throughput vs static: avg JCT x" in text and "throughput vs fair: avg JCT x" in text
     assert all(f"share of fair {u}" in text for u in trace.USERS)
+
+
+def test_the_seeds_report_has_a_line_a_seed_and_counts_the_goals_met(trace, results):
+    other = trace.run_all(hours=9, seed=4, hosts=2, gpus=4)
+    text = trace.seeds_report([(3, results), (4, other)])
+    lines = text.splitlines()
+    assert lines[1].split()[0] == "3" and lines[2].split()[0] == "4" and len(lines) == 4
+    assert lines[-1].startswith("goals met on 2 seeds: JCT vs static ")
+    t, s = results[2], results[0]
+    assert f"x{t['avg_jct_h'] / s['avg_jct_h']:.2f}" in lines[1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from gpuflex.config import parse_config
-from gpuflex.control import harvest, throughput
+from gpuflex.control import access, harvest, throughput
 from gpuflex.control.pool import Pool
 from gpuflex.control.requests import SubmitRequest
 from gpuflex.control.service import JobService
@@ -106,3 +106,28 @@ def test_a_job_with_too_few_measurements_is_left_at_its_size_and_its_event_says_
         assert e.data["resized"] is False
     finally:
         svc.close()
+
+
+def test_under_throughput_a_harvest_job_starts_at_its_owners_fair_share_not_its_max(tmp_path, monkeypatch):
+    # 4 GPUs: ann's gang holds 2, bob's 3-worker gang waits; ann's harvest job 1:4 fits on
+    # the other 2, but ann's fair share of the 4 (bob could use 3 of them) is 2, which her
+    # gang already holds: it starts at its MIN, where the fair policy starts it at 2
+    def as_user(user, req):
+        monkeypatch.setattr(access, "caller", lambda: user)
+        return svc.submit(req)
+
+    for policy, size in (("throughput", 1), ("fair", 2)):
+        world, svc = simulated(tmp_path / policy, policy)
+        try:
+            as_user("ann", SubmitRequest(argv=["python3", "train.py"], min_workers=2, max_workers=2,
+                                         workdir=str(tmp_path)))
+            waiting = as_user("bob", SubmitRequest(argv=["python3", "train.py"], min_workers=3, max_workers=3,
+                                                   workdir=str(tmp_path)))
+            assert svc.job(waiting).state is JobState.QUEUED
+            grower = as_user("ann", SubmitRequest(argv=["python3", "train.py"], min_workers=1, max_workers=4,
+                                                  workdir=str(tmp_path), harvest=True))
+            live = [w for w in svc.job(grower).workers if w.state in (W.STARTING, W.RUNNING)]
+            assert len(live) == size, policy
+            assert svc.job(waiting).state is JobState.QUEUED
+        finally:
+            svc.close()

@@ -3,7 +3,7 @@ shrinks to start a queued job, who stays and why."""
 
 from __future__ import annotations
 
-from gpuflex.policy.allocation import Elastic, Rules, Waiting, allocate, speedup
+from gpuflex.policy.allocation import Elastic, Rules, Waiting, allocate, fair_shares, speedup, starting
 from gpuflex.policy.throughput import Model
 
 LINEAR = Model(1.0, 0.0)            # compute-bound: n workers, n times as fast
@@ -127,9 +127,33 @@ def test_evening_out_shares_counts_idle_devices_and_those_on_their_way_before_it
     # 9 devices, a share of 3 each: bob is 2 below; dave too, but one more worker would slow his job
     jobs = [job(1, 6, MILD, user="alice"), job(2, 1, LINEAR, user="bob"), job(3, 1, FLAT, user="dave")]
     held = {"alice": 6, "bob": 1, "dave": 1}
-    assert allocate(jobs, (), 0, held=held, pool=8, rules=RULES, now=1000.0).sizes == {1: 5, 2: 2, 3: 1}
+    # of 8, shares of 2.67: bob at 2 is still below his, alice far above hers; the second move
+    # takes bob to 3, past his share by less than alice stays past hers (4), and nothing moves back
+    assert allocate(jobs, (), 0, held=held, pool=8, rules=RULES, now=1000.0).sizes == {1: 4, 2: 3, 3: 1}
+    after = [job(1, 4, MILD, user="alice"), job(2, 3, LINEAR, user="bob"), job(3, 1, FLAT, user="dave")]
+    assert allocate(after, (), 0, held={"alice": 4, "bob": 3, "dave": 1}, pool=8, rules=RULES,
+                    now=1000.0).changes == ()
     # with a 9th device on its way to being idle, alice gives one worker, not two
     assert allocate(jobs, (), 0, held=held, pool=9, rules=RULES, now=1000.0, coming=1).sizes == {1: 5, 2: 2, 3: 1}
     assert allocate(jobs, (), 0, held=held, pool=9, rules=RULES, now=1000.0).sizes == {1: 4, 2: 3, 3: 1}
     # idle: bob is grown onto it, and alice still gives only one
     assert allocate(jobs, (), 1, held=held, pool=9, rules=RULES, now=1000.0).sizes == {1: 5, 2: 3, 3: 1}
+
+
+def test_fair_shares_fill_up_to_what_each_user_could_use_and_split_the_rest():
+    assert fair_shares({"a": 8, "b": 8}, 8) == {"a": 4.0, "b": 4.0}
+    assert fair_shares({"a": 1, "b": 8, "c": 8}, 9) == {"a": 1.0, "b": 4.0, "c": 4.0}   # a could use 1 only
+    assert fair_shares({"a": 1, "b": 2, "c": 8}, 9) == {"a": 1.0, "b": 2.0, "c": 6.0}
+    assert fair_shares({"a": 2, "b": 3}, 9) == {"a": 2.0, "b": 3.0}                     # more than they could use
+    assert fair_shares({"a": 0, "b": 4}, 4) == {"a": 0.0, "b": 4.0}
+
+
+def test_a_job_starts_with_what_its_users_share_leaves_never_below_min():
+    s = starting([("ann", 2, 2), ("ann", 4, 0), ("bob", 3, 0)], idle=2)   # 4 devices: shares 2 and 2
+    assert s.share == {"ann": 2.0, "bob": 2.0}
+    assert s.most("ann", 4, 1, 1) == 1          # her share is held: MIN
+    assert s.most("bob", 3, 1, 1) == 2
+    assert s.most("bob", 3, 1, 2) == 1          # 2 devices a worker
+    assert s.behind("bob") == 0.0 < s.behind("ann") == 1.0
+    s.took("bob", 2)
+    assert s.most("bob", 3, 1, 1) == 1 and s.behind("bob") == 1.0

@@ -95,3 +95,18 @@ def test_evening_out_shares_counts_a_gpu_on_its_way_before_it_shrinks_anyone():
     # b:2 idle, not long enough yet: it is on its way to bob, so ann gives one worker, not two
     (s,) = plan([ann, bob, dave], held + [g("b:2", streak=1)], S, NOW).of(Shrink)
     assert s.job == 1 and len(s.wids) == 1 and "bob is below their share" in s.reason
+
+
+def test_queued_harvest_jobs_start_at_their_owners_fair_share_the_furthest_below_first():
+    from gpuflex.policy.harvest import Place
+    # 6 GPUs; ann's jobs could use 6 (2 held), bob's 5 (1 held): shares of 3 each. bob's
+    # queued job is placed first (he holds 1 of his 3, ann 2 of hers), with 2 workers (his 3
+    # less the 1), then ann's with 1; the fair policy places ann's (the older) on all 3 free
+    # GPUs and bob's waits
+    gpus = [g(f"a:{i}") for i in range(3)] + [g(f"b:{i}") for i in range(3)]
+    jobs = [job(1, [w(0, "a:0"), w(1, "a:1")], hi=2, user="ann"), job(2, [w(0, "b:0")], hi=1, user="bob"),
+            job(3, [], state="queued", hi=4, user="ann"), job(4, [], state="queued", hi=4, user="bob")]
+    p = plan(jobs, gpus, S, NOW)
+    assert [(a.job, sum(len(x.devices) for x in a.assignments)) for a in p.of(Place)] == [(4, 2), (3, 1)]
+    fair = plan(jobs, gpus, dataclasses.replace(S, policy="fair"), NOW)
+    assert [(a.job, sum(len(x.devices) for x in a.assignments)) for a in fair.of(Place)] == [(3, 3)]
