@@ -112,13 +112,13 @@ def place_queued(ops: Ops) -> None:
             wait(ops, job, over)
             continue
         room = room or queueing.room(ops)
-        p = queueing.placement(ops, job, room.free)
+        p = queueing.placement(ops, job, room.free, room.starts)
         reason = None
         if not p.ok and access.may_start(ops.config, job):   # preempting for a job it cannot start: no
             reason = queueing.make_room(ops, job, p.reason or "", room)
             if reason is not None:   # it preempted: what is free changed
                 room = queueing.room(ops)
-                p = queueing.placement(ops, job, room.free)
+                p = queueing.placement(ops, job, room.free, room.starts)
         if not p.ok:
             wait(ops, job, reason or p.reason or "")
             continue

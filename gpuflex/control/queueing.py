@@ -51,7 +51,7 @@ def placing_order(ops: Ops, jobs: Iterable[Job], now: Room | None = None) -> lis
     by_id = {j.id: j for j in jobs}
     queued = [fairshare.Queued(j.id, j.priority, j.user) for j in jobs]
     order = [by_id[i] for i in fairshare.placing_order(queued, quotas.usage(ops))]
-    starts = starting(ops, (now or room(ops)).free) if ops.config.harvest.policy == "throughput" else None
+    starts = (now or room(ops)).starts if ops.config.harvest.policy == "throughput" else None
     if starts is None:
         return order
     # the throughput policy: within a priority, the user furthest below their share first
@@ -75,15 +75,14 @@ def over_quota(ops: Ops, job: Job) -> str | None:
     return quotas.quota_of(ops, job.user).refusal(job.min_workers, job.gpus_per_worker)
 
 
-def placement(ops: Ops, job: Job, free: list[HostFree]) -> Placement:
+def placement(ops: Ops, job: Job, free: list[HostFree], starts: allocation.Starting | None = None) -> Placement:
     """Where the job's workers would go on `free` devices: MIN up to its target (else MAX),
-    no more than its owner's quota leaves; under the throughput policy a --harvest job
-    without a target no bigger than its owner's fair share (allocation.Starting.most)."""
+    no more than its owner's quota leaves; under the throughput policy (`starts`: the
+    pass's Room.starts) a --harvest job without a target no bigger than what its owner's
+    fair share leaves (allocation.Starting.most)."""
     most = max(job.target_workers or job.max_workers, job.min_workers)
-    if job.harvest and not job.target_workers:
-        starts = starting(ops, free)
-        if starts is not None:
-            most = starts.most(job.user, most, job.min_workers, job.gpus_per_worker)
+    if starts is not None and job.harvest and not job.target_workers:
+        most = starts.most(job.user, most, job.min_workers, job.gpus_per_worker)
     allowed = quotas.quota_of(ops, job.user).workers_allowed(job.gpus_per_worker)
     if allowed is not None:
         most = max(job.min_workers, min(most, allowed))
@@ -99,6 +98,7 @@ class Room:
     free: list[HostFree]
     leaving: list[HeldWorker]
     running: list[Victim]
+    starts: allocation.Starting | None = None   # the throughput policy's shares (`starting`)
 
     def could_start(self, priority: int) -> bool:
         """Whether a job of `priority` might start: a device is free, a leaver is giving
@@ -122,12 +122,14 @@ def holding(now: Room, assignments: Iterable[Assignment]) -> Room:
 
 def room(ops: Ops) -> Room:
     active = queries.jobs(ops.session, queries.ACTIVE)
-    return Room(ops.pool.free(ops.session),
+    free = ops.pool.free(ops.session)
+    return Room(free,
                 [HeldWorker(w.wid, w.host, tuple(w.gpus)) for j in active for w in j.live_workers
                  if w.state is WorkerState.LEAVING],
                 [Victim(j.id, j.priority, j.elastic, bool(j.requeue), j.min_workers,
                         tuple(HeldWorker(w.wid, w.host, tuple(w.gpus)) for w in j.members),
-                        can_shrink=j.state is JobState.RUNNING, pinned=j.kind is not None) for j in active])
+                        can_shrink=j.state is JobState.RUNNING, pinned=j.kind is not None) for j in active],
+                starting(ops, free))
 
 
 # ---- the queue's gates -----------------------------------------------------------------
