@@ -127,9 +127,12 @@ def place_queued(ops: Ops) -> None:
             wait(ops, job, f"it fits now and starts at {job.user}'s next gpuflex command: {job.user}'s "
                            f"processes run as {job.user} on {', '.join(sorted({a.host for a in p.assignments}))}")
             continue
+        below = queueing.started_below_max(job, room.starts, len(p.assignments))
         room = None
         try:
             executor.start_job(ops, job, list(p.assignments))
+            if below is not None:
+                journal.record(ops.session, job, throughput.DECIDED, below, resized=False)
         except TransportError as e:
             log.debug("job %s: launch failed: %s", job.id, e)
             executor.stop_processes(ops, job)

@@ -75,6 +75,19 @@ def over_quota(ops: Ops, job: Job) -> str | None:
     return quotas.quota_of(ops, job.user).refusal(job.min_workers, job.gpus_per_worker)
 
 
+def started_below_max(job: Job, starts: allocation.Starting | None, workers: int) -> str | None:
+    """Why a --harvest job just started with `workers` is below its MAX under the
+    throughput policy (its owner's fair share; the "allocation" event), or None."""
+    if starts is None or not job.harvest or job.target_workers or workers >= job.max_workers:
+        return None
+    most = starts.most(job.user, job.max_workers, job.min_workers, job.gpus_per_worker)
+    if most >= job.max_workers:
+        return None   # not the share: the free devices or the quota
+    return (f"job {job.id} started with {workers} of its MAX {job.max_workers} worker(s): {job.user}'s fair "
+            f"share of the pool is {starts.share.get(job.user, 0.0):.1f} device(s), of which they held "
+            f"{starts.held.get(job.user, 0)}; the throughput policy grows it as its measurements show gains")
+
+
 def placement(ops: Ops, job: Job, free: list[HostFree], starts: allocation.Starting | None = None) -> Placement:
     """Where the job's workers would go on `free` devices: MIN up to its target (else MAX),
     no more than its owner's quota leaves; under the throughput policy (`starts`: the

@@ -129,5 +129,9 @@ def test_under_throughput_a_harvest_job_starts_at_its_owners_fair_share_not_its_
             live = [w for w in svc.job(grower).workers if w.state in (W.STARTING, W.RUNNING)]
             assert len(live) == size, policy
             assert svc.job(waiting).state is JobState.QUEUED
+            said = [e.message for e in allocation_events(svc, grower)]
+            assert said == ([f"job {grower} started with 1 of its MAX 4 worker(s): ann's fair share of the "
+                             "pool is 2.0 device(s), of which they held 2; the throughput policy grows it as its "
+                             "measurements show gains"] if policy == "throughput" else []), said
         finally:
             svc.close()
