@@ -137,13 +137,11 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
                          + sum(w.most or w.need for w in waiting if w.user == u) for u in users}, pool)
     why: dict[int, list[str]] = {j.id: [] for j in jobs}
     stays: list[Decision] = []
-    locked: set[int] = set()      # never shrunk
-    frozen: set[int] = set()      # nor grown: resized lately (hysteresis)
+    locked: set[int] = set()
     for j in jobs:
         reason = None
         if j.resized_at is not None and now - j.resized_at < rules.hold_s:
             reason = f"resized less than {rules.hold_s:g} s ago"
-            frozen.add(j.id)
         elif j.model is None:
             reason = j.why_not or "too few measurements"
         elif not j.shrinkable:
