@@ -38,7 +38,9 @@ def job_json(job: JobInfo, *, progress: dict[str, Any] | None = None,
         "priority": job.priority, "harvest": job.harvest, "restarts": job.restarts,
         "queue_reason": job.queue_reason, "exit_code": job.exit_code, "exit_reason": job.exit_reason,
         "created_at": job.created_at, "started_at": job.started_at, "ended_at": job.ended_at,
-        "step": (progress or {}).get("step"), "progress": progress,
+        "step": (progress or job.progress_seen or {}).get("step"), "progress": progress,
+        # issue 28: the step as the owner's last command read it (another user's job: the only one)
+        "progress_seen": job.progress_seen,
         "workers": [worker_json(w, progress) for w in job.workers], "split": job.split,
         "retries": job.retries, "last_crash": job.last_crash, "waiting": [dict(w) for w in job.waiting],
         "forming": forming,   # the coordinator's {generation, since, waiting_for, phase}, or null
@@ -199,7 +201,7 @@ def _job_row(t: Table, j: JobInfo, progress: dict[int, dict[str, Any]], indent: 
         note = f"restarts {j.restarts}" + (f"; {note}" if note else "")
     if j.kind is not None:   # a `gpuflex run` session: its owner is at a terminal
         note = j.kind + (f"; {note}" if note else "")
-    step = (progress.get(j.id) or {}).get("step")
+    step = (progress.get(j.id) or j.progress_seen or {}).get("step")
     left = format_time(j.time_left_s) if j.time_left_s is not None else "-"
     t.add_row(f"  {j.id}" if indent else str(j.id), f"{j.name}[{j.array_index}]" if indent else j.name,
               Text(f"{j.state} (held)" if j.held and j.state is JobState.QUEUED else str(j.state),

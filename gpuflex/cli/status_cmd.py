@@ -104,6 +104,10 @@ def status(
             head += f" step {prog.get('step')} epoch {prog.get('epoch')}"
             if prog.get("samples_per_s"):
                 head += f" {prog['samples_per_s']:.0f} samples/s"
+        elif j.progress_seen and j.state.active:   # another user's job: its coordinator is theirs to ask
+            seen = j.progress_seen
+            head += f" step {seen.get('step')}" + (f" epoch {seen['epoch']}" if "epoch" in seen else "")
+            head += f" ({render.ago(seen.get('at'))} ago, as {j.user}'s last command read it)"
         if render.restarts_text(j):
             head += f" {render.restarts_text(j)}"
         if j.waiting and j.state.active:

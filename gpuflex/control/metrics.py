@@ -204,7 +204,8 @@ def families(session: Session, config: Config, progress: Mapping[int, Mapping[st
         labels = [str(j.id), j.name, j.user]
         f_world.add_metric(labels, j.world_size or 0)
         f_restarts.add_metric(labels, j.restarts or 0)
-        report = progress.get(j.id) or {}
+        # another user's job: its progress as its owner's last command read it (jobs.progress)
+        report = progress.get(j.id) or (j.progress if isinstance(j.progress, dict) else {})
         for family, key in ((f_rate, "samples_per_s"), (f_step, "step")):
             value = report.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -100,6 +100,9 @@ class JobService(Reads):
                 status = lifecycle.reconcile(ops, job)
                 if status is not None and status.progress:
                     self.progress[job.id] = status.progress
+                    kept = views.seen_progress(status.progress, time.time())   # for other users' commands
+                    if kept is not None and (job.progress or {}).get("step") != kept["step"]:
+                        job.progress = kept
                 if status is not None:
                     self.forming[job.id] = status.forming
             session.flush()

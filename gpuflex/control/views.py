@@ -7,6 +7,7 @@ JSON (the contract) and tables show.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Iterable, Iterator, Mapping
 
@@ -114,6 +115,24 @@ class JobInfo:
     venv: str | None = None
     conda: str | None = None
     env_setup: str | None = None
+    # issue 28: the coordinator's progress as the owner's last command read it (jobs.progress:
+    # {step, epoch, samples_per_s, world_size, at}); what other users' commands show
+    progress_seen: dict[str, Any] | None = None
+
+
+PROGRESS_FIELDS = ("step", "epoch", "samples_per_s", "world_size")
+
+
+def seen_progress(progress: Any, at: float) -> dict[str, Any] | None:
+    """What jobs.progress keeps of a coordinator's progress record: its numbers only (a
+    step that is not a whole number: nothing), and `at`, when it was read."""
+    if not isinstance(progress, Mapping):
+        return None
+    kept = {k: progress[k] for k in PROGRESS_FIELDS if isinstance(progress.get(k), (int, float))
+            and not isinstance(progress.get(k), bool) and math.isfinite(progress[k])}
+    if not isinstance(kept.get("step"), int) or kept["step"] < 0:
+        return None
+    return {**kept, "at": at}
 
 
 def worker_info(w: Worker) -> WorkerInfo:
@@ -257,7 +276,8 @@ def _job_info(job: Job, crash: Event | None, waited: Event | None, recent: Itera
         dependency=dict(job.dependency) if job.dependency else None,
         sources=dict(job.sources) if job.sources is not None else None,
         sync=bool(job.sync), code_sha256=job.code_sha256,
-        python=job.python, venv=job.venv, conda=job.conda, env_setup=job.env_setup, image=job.image)
+        python=job.python, venv=job.venv, conda=job.conda, env_setup=job.env_setup, image=job.image,
+        progress_seen=dict(job.progress) if isinstance(job.progress, dict) else None)
 
 
 SPLIT_FIELDS = ("share", "samples_per_s", "relative")

@@ -161,6 +161,9 @@ class Job(Base):
     # issue 33 (migration 0016): `submit --image`: the container image each worker runs in,
     # through its host's engine (gpuflex.hosts.container); None: on the host itself
     image: Mapped[str | None] = mapped_column(Text)
+    # issue 28 (migration 0017): the coordinator's progress as the owner's last command read
+    # it ({step, epoch, samples_per_s, world_size, at}); other users' commands show it
+    progress: Mapped[dict | None] = mapped_column(JSON)
     created_at: Mapped[float] = mapped_column(Float, default=now)
     started_at: Mapped[float | None] = mapped_column(Float)
     ended_at: Mapped[float | None] = mapped_column(Float)

@@ -81,6 +81,7 @@ def seeded(home):
         a = job("a", "alice", JobState.RUNNING, world=1)
         worker(a, 0, "gpu1", [0])
         b = job("b", "bob", JobState.SCALING, world=2, restarts=1)
+        b.progress = {"step": 7, "at": 900.0}   # as bob's last command read it: no live report here
         worker(b, 0, "local", [0])
         worker(b, 1, "local", [1])
         job("c", "alice", JobState.SUCCEEDED)
@@ -119,6 +120,7 @@ def test_the_exposition_matches_the_database(seeded):
     assert value(got, "gpuflex_job_samples_per_second", **a) == 123.5
     assert value(got, "gpuflex_job_step", **a) == 40
     assert value(got, "gpuflex_job_samples_per_second", **b) is None   # no report: no sample
+    assert value(got, "gpuflex_job_step", **b) == 7                     # the step bob's command last read
     assert value(got, "gpuflex_job_restarts_total", **b) == 1
     assert not any(dict(k).get("name") in ("c", "d", "e") for _, k in got)   # only running jobs per job
 

@@ -119,3 +119,49 @@ def test_records_are_the_callers_view(config_path, svc):
         (one,) = list(page.jobs)
     assert one.last_crash and "traceback" not in one.last_crash
     assert views.without_output(one) == one
+
+
+def test_the_kept_progress_is_numbers_only_and_needs_a_whole_step():
+    record = {"step": 12, "epoch": 1, "samples_per_s": 80.5, "world_size": 3, "loss": 0.25,
+              "workers": {"0": {"share": 8}}, "checkpoint_error": "x" * 10_000}
+    assert views.seen_progress(record, 5.0) == {"step": 12, "epoch": 1, "samples_per_s": 80.5,
+                                                "world_size": 3, "at": 5.0}
+    assert views.seen_progress({"step": 3, "epoch": float("nan"), "samples_per_s": True}, 1.0) == \
+        {"step": 3, "at": 1.0}
+    for bad in (None, [], {"step": "12"}, {"step": 1.5}, {"step": -1}, {"epoch": 2}):
+        assert views.seen_progress(bad, 1.0) is None, bad
+
+
+def test_another_users_status_shows_the_step_the_owners_last_command_read(tmp_path, monkeypatch):
+    from gpuflex.cli import render
+    from gpuflex.config import parse_config
+    from gpuflex.control.pool import Pool
+    from tests.control.test_throughput import report
+    from tests.control.test_split import submit
+    from tests.fakes.hosts import FakeHost, World
+
+    world = World(warmup_s=0.0, leave_s=(0.0, 0.0), gpus_per_host=2)
+    cfg = parse_config({"database": {"url": f"sqlite:///{tmp_path}/g.db"},
+                        "hosts": [{"name": "a", "address": "10.9.1.1", "workdir": "/w"}]}, "<test>")
+    monkeypatch.setattr(access, "caller", lambda: "ann")
+    owner = JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
+    try:
+        job_id, token = submit(world, owner, tmp_path)
+        report(world, token, 40.0, 999.0)              # step 40
+        owner.refresh()
+        with owner.sessions() as s:
+            kept = dict(queries.job(s, job_id).progress)
+        assert kept["step"] == 40 and kept["samples_per_s"] == 40.0 and kept["at"] > 0
+        monkeypatch.setattr(access, "caller", lambda: "bob")   # bob's command cannot ask ann's coordinator
+        other = JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
+        try:
+            report(world, token, 40.0, 1000.0, step=41)
+            other.refresh()
+            assert job_id not in other.progress
+            info = other.job(job_id)
+            shown = render.job_json(info, progress=other.progress.get(job_id))
+            assert shown["step"] == 40 and shown["progress"] is None and shown["progress_seen"]["step"] == 40
+        finally:
+            other.close()
+    finally:
+        owner.close()
