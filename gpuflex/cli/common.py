@@ -71,14 +71,27 @@ _HANDLER = _Stderr()
 _HANDLER.setFormatter(logging.Formatter("gpuflex: %(message)s"))
 
 
+_QUIET = logging.NullHandler()
+
+
 def setup_logging(verbose: bool) -> None:
     """The library logs to the "gpuflex" logger and chooses no handler; the CLI does: one
     line per message on stderr, warnings and worse unless --verbose (then debug too:
-    transport errors that were skipped, failed pokes, ...)."""
+    transport errors that were skipped, failed pokes, ...). paramiko's own log (its
+    transport thread logs a failed connection at ERROR with a traceback, one line each)
+    is silent unless --verbose: gpuflex says what failed in its own line. Without a
+    handler of its own, Python's last-resort handler printed that traceback on the
+    terminal (seen in the multi-host soak, as an sshd went down mid-connect)."""
     logger = logging.getLogger("gpuflex")
     logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
     if _HANDLER not in logger.handlers:
         logger.addHandler(_HANDLER)
+    ssh = logging.getLogger("paramiko")
+    ssh.propagate = False
+    for h in (_HANDLER, _QUIET):
+        if h in ssh.handlers:
+            ssh.removeHandler(h)
+    ssh.addHandler(_HANDLER if verbose else _QUIET)
 
 
 @dataclasses.dataclass

@@ -16,8 +16,11 @@ from gpuflex.cli.common import setup_logging
 def restore_level():
     logger = logging.getLogger("gpuflex")
     level = logger.level
+    ssh = logging.getLogger("paramiko")
+    handlers, propagate = list(ssh.handlers), ssh.propagate
     yield
     logger.setLevel(level)
+    ssh.handlers[:], ssh.propagate = handlers, propagate
 
 
 @pytest.mark.parametrize("verbose,shown", [(False, ["gpuflex: a warning"]),
@@ -39,3 +42,17 @@ def test_the_global_verbose_option_turns_on_debug(home, config_path, flag):
     assert logging.getLogger("gpuflex").level == logging.DEBUG
     r = CliRunner().invoke(app, ["--config", str(config_path), "status", "--json"])
     assert r.exit_code == 0 and logging.getLogger("gpuflex").level == logging.WARNING
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_paramikos_traceback_of_a_failed_connection_reaches_the_terminal_only_with_verbose(capsys, verbose):
+    setup_logging(verbose)
+    setup_logging(verbose)
+    log = logging.getLogger("paramiko.transport")   # its transport thread, on a reset banner read
+    log.error("Exception (client): Error reading SSH protocol banner[Errno 104] Connection reset by peer")
+    log.error("Traceback (most recent call last):")
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.splitlines() == (["gpuflex: Exception (client): Error reading SSH protocol banner[Errno 104] "
+                                 "Connection reset by peer", "gpuflex: Traceback (most recent call last):"]
+                                if verbose else [])
