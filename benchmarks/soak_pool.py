@@ -164,7 +164,7 @@ class Chaos:
             if "Traceback" in text and "Fatal Python error: Aborted" not in text:
                 self.problems.append(f"{what}: a traceback: {text[-800:]}")
             elif p.returncode != 0:
-                lines = [ln for ln in out.with_suffix(".err").read_text().splitlines() if ln.strip()]
+                lines = faults.error_lines(out.with_suffix(".err").read_text())
                 if len(lines) != 1:
                     self.problems.append(f"{what}: exit {p.returncode} without one line: {text[-400:]}")
                 self.note("  done", f"{what}: exit {p.returncode}: {lines[-1][:150] if lines else ''}")
@@ -241,7 +241,8 @@ class Chaos:
                 else:
                     done, hit = False, []
             else:
-                text = faults.reboot_down(self.lab.bed, self.jobs, a["host"])
+                text = faults.reboot_down(self.lab.bed, self.jobs, a["host"],
+                                          [d / a["host"] for d in (self.lab.shared / "work").iterdir()])
                 self.timers.append((time.monotonic() + a["hold_s"], "up", a["host"]))
             for j in hit:
                 self.watch_job(kind, j)
