@@ -235,28 +235,36 @@ def stop_processes(ops: Ops, job: Job, grace_s: float | None = None) -> None:
         return t.status([(w.pgid, w.exit_path) for w in workers])
 
     limit = grace + max((h.connect_timeout_s + 2 * h.command_timeout_s for h in hosts), default=0) + 5
+    unstopped: list[str] = []
     for name, result in ops.pool.fan_out(hosts, stop_host, limit).items():
         if not result.ok:
             journal.record(ops.session, job, "host-unreachable", str(result.error), host=name)
+            unstopped.append(name)
             continue
         for w, st in zip(by_host[name], result.value):
             rc = st.returncode
             journal.end_worker(ops.session, job, w, WorkerState.EXITED if rc == 0 else WorkerState.STOPPED, rc)
     for w in job.live_workers:  # never spawned, or host unreachable
         journal.end_worker(ops.session, job, w, WorkerState.LOST, None)
-    stop_coordinator(ops, job)
+    if not stop_coordinator(ops, job) and job.store_host:
+        unstopped.append(job.store_host)
+    # what ran on a host that did not answer runs on: a later command ends it (intents)
+    intents.note_stop(ops.config.database_url, job.id, job.socket_dir, unstopped)
     remove_socket_dirs(ops, job)
 
 
-def stop_coordinator(ops: Ops, job: Job) -> None:
+def stop_coordinator(ops: Ops, job: Job) -> bool:
+    """Stop the job's coordinator; False when its host did not answer (the caller notes
+    the run's processes there for a later command: `intents.note_stop`)."""
     if job.store_pgid is None:
-        return
+        return True
     try:
         ops.pool.transport(job.store_host).stop([job.store_pgid], 5)
     except TransportError as e:
-        log.debug("job %s: cannot stop the coordinator (tried again next time): %s", job.id, e)
-        return
+        log.debug("job %s: cannot stop the coordinator (a later command ends it): %s", job.id, e)
+        return False
     job.store_pgid = None
+    return True
 
 
 def remove_socket_dirs(ops: Ops, job: Job) -> None:

@@ -16,6 +16,11 @@ ops lock, `settle`s the file: a run whose job now records that socket directory 
 committed and is forgotten; any other was not, and `end-run` on each of its hosts kills
 the groups marked there and removes the directory. A host that cannot be reached keeps
 its entry for the next command.
+
+The same file holds the runs whose processes a stop could not reach (`note_stop`: the
+job ended or was requeued while a host of its run did not answer, so its coordinator or
+workers there ran on; seen in the 2-hour multi-host soak, issue 28). Such an entry is
+ended whatever the job records, by the same `end-run`, once its host answers.
 """
 
 from __future__ import annotations
@@ -72,6 +77,27 @@ def note(url: str, job_id: int, socket_dir: str, hosts: list[str]) -> None:
                             hint="Free space there, then run the command again.") from None
 
 
+def note_stop(url: str, job_id: int, socket_dir: str | None, hosts: list[str]) -> None:
+    """Record that a run's processes on `hosts` could not be stopped (the hosts did not
+    answer when its job ended or was requeued): a later command's `settle` ends them there
+    by the run's socket directory once the host answers. Best effort: a file that cannot be
+    written is said in a warning."""
+    if not socket_dir or not hosts:
+        return
+    path = intents_path(url)
+    line = json.dumps({"job": job_id, "socket_dir": socket_dir, "hosts": sorted(set(hosts)), "stop": True}) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        log.warning("job %s: could not note its processes left on %s to stop later (%s): %s",
+                    job_id, ", ".join(sorted(set(hosts))), path, e.strerror or e)
+
+
 def _read(path: Path) -> list[dict[str, Any]]:
     try:
         text = path.read_text()
@@ -97,7 +123,7 @@ def settle(config: Config, pool: Pool, session: Session) -> list[dict[str, Any]]
     ended, kept = [], []
     for entry in entries:
         job = queries.job(session, entry["job"])
-        if job is not None and job.socket_dir == entry["socket_dir"]:
+        if not entry.get("stop") and job is not None and job.socket_dir == entry["socket_dir"]:
             continue   # committed: the database knows this run
         left = [h for h in entry["hosts"] if not _end_run(config, pool, h, entry)]
         if left:
@@ -119,7 +145,10 @@ def _end_run(config: Config, pool: Pool, host_name: str, entry: dict[str, Any]) 
         log.warning("job %s: could not end the uncommitted run %s on %s: %s",
                     entry["job"], entry["socket_dir"], host_name, e)
         return False
-    if killed:
+    if killed and entry.get("stop"):
+        log.warning("job %s: ended process group(s) %s on %s, left running when the run was stopped "
+                    "while %s did not answer", entry["job"], killed, host_name, host_name)
+    elif killed:
         log.warning("job %s: ended process group(s) %s on %s, left by a command that died before it "
                     "recorded them", entry["job"], killed, host_name)
     return True

@@ -191,3 +191,36 @@ def test_a_newcomer_the_coordinator_rejected_is_left_to_end_itself_not_taken_for
     seen = Observation(procs={w: ProcSeen(alive=True) for w in range(5)}, coordinator=parse_status(
         {"desired": [0, 1, 2], "members": [0, 1, 2], "known": [0, 1, 2, 4]}))
     assert [w.wid for w in strays(job, seen, asked_before=0)] == [3]
+
+
+def test_a_run_stopped_while_its_coordinators_host_does_not_answer_is_ended_there_once_it_does(tmp_path):
+    # the 2-hour soak: a job ended while the host of its coordinator and a worker did not
+    # answer; the stop could not reach them, and they ran on after the host came back
+    from gpuflex.control import intents
+
+    world = World(warmup_s=0.0, leave_s=(0.0, 0.0), gpus_per_host=1)
+    cfg = parse_config({"database": {"url": f"sqlite:///{tmp_path}/g.db"}, "jobs": {"cancel_grace_s": 0.2},
+                        "hosts": [{"name": "a", "address": "10.9.1.1", "workdir": "/w"},
+                                  {"name": "b", "address": "10.9.1.2", "workdir": "/w"}]}, "<test>")
+    svc = JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
+    try:
+        job_id = svc.submit(SubmitRequest(argv=["python3", "train.py"], min_workers=2, max_workers=2,
+                                          workdir=str(tmp_path)))
+        on_a = [p for p in world.procs.values() if p.host == "a"]
+        assert {p.coordinator for p in on_a} == {True, False} and all(p.alive for p in world.procs.values())
+        world.down.add("a")
+        svc.cancel(str(job_id))
+        assert svc.job(job_id).state.final
+        coordinator = next(p for p in on_a if p.coordinator)
+        assert coordinator.alive                                   # a did not answer: it runs on
+        assert not any(p.alive for p in world.procs.values() if p.host == "b")
+        (entry,) = intents._read(intents.intents_path(cfg.database_url))
+        assert entry["job"] == job_id and entry["hosts"] == ["a"] and entry["stop"] is True
+        svc.refresh()                                              # a still down: kept for later
+        assert coordinator.alive and len(intents._read(intents.intents_path(cfg.database_url))) == 1
+        world.down.discard("a")
+        svc.refresh()                                              # the next command once a answers
+        assert not any(p.alive for p in world.procs.values())
+        assert intents._read(intents.intents_path(cfg.database_url)) == []
+    finally:
+        svc.close()

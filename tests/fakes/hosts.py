@@ -75,6 +75,7 @@ class World:
         self.blocked: set[tuple[str, int]] = set()
         self.models: dict[str, str] = {}           # host -> its GPUs' model (else MODEL)
         self.progress: dict[str, dict] = {}        # job token -> its coordinator's progress record
+        self.down: set[str] = set()                # hosts that do not answer (their processes run on)
 
     def owner_busy(self, ref: tuple[str, int], now: float) -> bool:
         if ref in self.blocked:
@@ -146,7 +147,12 @@ class FakeHost(Transport):
         super().__init__(cfg)
         self.w = world
 
+    def _answers(self) -> None:
+        if self.host.name in self.w.down:
+            raise TransportError(self.host.name, "connection refused (simulated: the host does not answer)")
+
     def run(self, argv: list[str], *, input: str | None = None, timeout: float | None = None) -> CommandResult:
+        self._answers()
         with self.w.lock:
             now = time.time()
             self.w.advance(now)
@@ -176,6 +182,14 @@ class FakeHost(Transport):
             return CommandResult(0, "29500\n", "")   # the free-port probe
 
     def hostop(self, op: str, request: dict[str, Any], extra_timeout_s: float = 0.0) -> Any:
+        self._answers()
+        if op == "end-run":   # the groups marked in a run's socket directory, killed
+            with self.w.lock:
+                ended = [p for p in self.w.procs.values()
+                         if p.host == self.host.name and p.alive and p.socket_dir == request["socket_dir"]]
+                for p in ended:
+                    self.w.end(p, None)
+                return [p.pgid for p in ended]
         if op == "stop":
             self.hostop("signal", {"pgids": request["pgids"], "signal": signal.SIGTERM})
             end = time.time() + request["grace_s"]
