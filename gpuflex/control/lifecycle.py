@@ -58,7 +58,7 @@ def reconcile(ops: Ops, job: Job) -> CoordinatorStatus | None:
         executor.stop_workers(ops, job, [w for w in job.live_workers if w.wid in stop.wids], stop.why)
     if first.stops:   # read again: a stopped worker is STOPPED, or LOST when its host did not answer
         known, seen = facts(job), first.without_stopped(seen)
-    executor.apply(ops, job, decide(known, seen))
+    executor.apply(ops, job, decide(known, seen, time.time()))
     if job.state == JobState.RUNNING:
         split.follow(ops, job, seen.coordinator)   # re-plan events, a straggler's release
         throughput.note(ops, job, seen.coordinator)   # issue 32: its samples/s at this size

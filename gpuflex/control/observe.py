@@ -25,7 +25,7 @@ from gpuflex.elastic.protocol import run_dir
 from gpuflex.elastic.protocol.wire import CoordinatorStatus, parse_status, status_request
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy import split as split_policy
-from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, FAULT_RELAUNCHES, FORGED_KIND, FORMED_KIND, HISTORY_KINDS,
+from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, CRASH_DEFERRED_KIND, FAULT_RELAUNCHES, FORGED_KIND, FORMED_KIND, HISTORY_KINDS,
                                       LEFT_OUT_KIND, RETRY_CAUSES, STOP_CAUSE, STUCK_RUNS, WAITING_KIND, JobFacts,
                                       Observation, ProcSeen, WorkerFacts, is_crash_exit)
 from gpuflex.states import WorkerState
@@ -146,6 +146,7 @@ def facts(job: Job) -> JobFacts:
     forged = queries.last_event_of(session, job.id, [FORGED_KIND], since)
     waiting = queries.last_event_of(session, job.id, [WAITING_KIND], since)
     left_out = queries.last_event_of(session, job.id, [LEFT_OUT_KIND], since)
+    deferred = queries.last_event_of(session, job.id, [CRASH_DEFERRED_KIND], since)
     restarts = queries.events_by_cause(session, job.id, "state", [*RETRY_CAUSES, STOP_CAUSE])
     run_starts = queries.recent_events(session, job.id, [FORMED_KIND], STUCK_RUNS) if job.restarts else []
     causes = queries.recent_causes(session, job.id, "state", max(STUCK_RUNS - 1, FAULT_RELAUNCHES)) \
@@ -164,6 +165,7 @@ def facts(job: Job) -> JobFacts:
         left_out_recorded=_ints([(left_out.data if left_out else {}).get("n")], default=0)[0],
         store_host=job.store_host, deadline=L.run_deadline(job), resize_asked_at=resize_asked_at(job),
         run_start_steps=tuple(_start_step(e.data) for e in run_starts), restart_causes=tuple(causes),
+        crash_deferred_at=deferred.time if deferred is not None else None,
         waiting=frozenset((e["wid"], tuple(e["for"]), e.get("phase") or "")
                           for e in ((waiting.data if waiting else {}).get("waiting") or ())))
 

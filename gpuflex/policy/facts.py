@@ -64,6 +64,9 @@ class JobFacts:
     run_start_steps: tuple[int | None, ...] = ()
     # the causes of its newest requeues (at most max(STUCK_RUNS - 1, FAULT_RELAUNCHES)), oldest first
     restart_causes: tuple[str, ...] = ()
+    # when this run's first "crash-deferred" event was recorded: a gang's crash waiting for
+    # a peer's host to answer (gpuflex.policy.outcomes.lost_peer); None: none
+    crash_deferred_at: float | None = None
 
     @property
     def phase(self) -> str:

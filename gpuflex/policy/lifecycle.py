@@ -28,6 +28,8 @@ gpuflex.control.executor writes it. In order:
    (worker, host, error, its traceback's last lines), then Requeue (cause "crash") while
    --retries allow, else Finish FAILED at once (the others are stopped). In an in-place
    job a death by signal, or a worker gone without an exit record, stays an elastic fault.
+   A gang's crash beside a peer lost with its host is that loss (a "crash-deferred" event
+   while the peer's host does not answer, at most CRASH_PEER_WAIT_S: outcomes.lost_peer).
 5. The coordinator's "abort" (the same failure repeated max_same_failures times, or an
    in-place job none of whose workers joined the runtime within the formation deadline: a
    plain script), from its status or, once it has ended itself, from the record it left
@@ -51,12 +53,13 @@ from typing import Any, Iterable, Mapping
 from gpuflex.elastic.protocol.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
 from gpuflex.elastic.protocol.wire import CoordinatorStatus, LeftOut
 from gpuflex.policy.outcomes import (  # noqa: F401 (the policy's inputs and actions, re-exported)
-    CRASH_CAUSE, CRASH_KIND, FAULT_RELAUNCHES, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, STOP_CAUSE,
+    CRASH_CAUSE, CRASH_DEFERRED_KIND, CRASH_KIND, FAULT_RELAUNCHES, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, STOP_CAUSE,
     STUCK_RUNS, TRACEBACK_LINES, Action,
     Adopt, Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,
     after_crash, first_crash, gang_failure, instant, is_crash_exit, is_int, one_line, outcome)
 from gpuflex.states import JobState, WorkerState
 
+UNREACHABLE_KIND = "host-unreachable"   # the event of a host that did not answer
 FORMED_KIND = "formed"   # the event of a run's first generation (its timings name the step it started at)
 _KINDS = {"initial": FORMED_KIND, "resize": "scale", "recover": "fault"}
 HISTORY_KINDS = ("scale", "fault", FORMED_KIND, "rollback")   # events that record a generation
@@ -68,8 +71,10 @@ ORPHANED = "its coordinator ended itself, its job gone (no heartbeat or command 
 
 
 # ---- the decision -------------------------------------------------------------------------
-def decide(job: JobFacts, seen: Observation) -> list[Action]:
-    """What one reconcile of `job` should write, in order; see the module docstring."""
+def decide(job: JobFacts, seen: Observation, now: float | None = None) -> list[Action]:
+    """What one reconcile of `job` should write, in order; see the module docstring.
+    `now`: the command's clock, for a gang's crash that waits for a peer's host (None: it
+    does not wait)."""
     actions: list[Action] = []
     workers = {w.wid: w for w in job.workers}
 
@@ -83,7 +88,7 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
     hosts = list(dict.fromkeys(w.host for w in live()))
     for host in hosts:
         if host in seen.unreachable:
-            actions.append(Record("host-unreachable", seen.unreachable[host], {"host": host}))
+            actions.append(Record(UNREACHABLE_KIND, seen.unreachable[host], {"host": host}))
             continue
         for w in [w for w in live() if w.host == host]:
             p = seen.procs.get(w.wid)
@@ -130,7 +135,10 @@ def decide(job: JobFacts, seen: Observation) -> list[Action]:
                         and (w.state is not WorkerState.STARTING or w.wid in dropped_wids):
                     end(w, WorkerState.LOST, None)
     crashed = coord.crashed if coord is not None else ()
-    if job.gang and (ended := gang_failure(job, workers.values(), crashed, seen.log_tails)):
+    if job.gang and (ended := gang_failure(job, workers.values(), crashed, seen.log_tails, seen.unreachable, now)):
+        if isinstance(ended[0], Record) and ended[0].kind == CRASH_DEFERRED_KIND:
+            # it names the silent host: one event that counts its repeats, not two that alternate
+            actions = [a for a in actions if not (isinstance(a, Record) and a.kind == UNREACHABLE_KIND)]
         actions.extend(ended)
         return actions
     abort = coordinator_abort(coord, seen.recorded_abort)

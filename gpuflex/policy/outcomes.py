@@ -17,7 +17,10 @@ here judge the workers' ends:
   the job with that code, unless --retries is left: then the whole gang is relaunched
   (Requeue, cause "gang"). A restart-elastic job relaunches for a fault (a signal, a
   lost worker) without counting it: it resumes from its own checkpoint; its crashes
-  (exit codes) are a gang's.
+  (exit codes) are a gang's. A crash beside a peer lost with its host (no exit record,
+  or a host that does not answer) is that loss, not a crash: its collective failed
+  because the peer was gone; while the peer's host is silent the verdict waits, at most
+  CRASH_PEER_WAIT_S ("crash-deferred"), then the peer is taken as lost.
 - Once no worker lives: Requeue (cause "store-lost", naming the store's host and the
   phase the job was in) when the last generation's members exited with STORE_LOST_EXIT;
   Requeue (cause "shards-lost", naming the member that died) when a sharded run's exited
@@ -59,6 +62,8 @@ FAULT_RELAUNCHES = 5   # a restart job's fault relaunches in a row: the next fau
 STOP_EXIT = 128 + 15     # its exit code then: as a process ended by SIGTERM
 RETRY_CAUSES = (CRASH_CAUSE, GANG_CAUSE)
 LOST_EXIT = 128 + 9      # a gang worker gone without an exit record: as if SIGKILLed
+CRASH_DEFERRED_KIND = "crash-deferred"   # the event of a gang's crash judged once a peer's host answers
+CRASH_PEER_WAIT_S = 60.0   # ... or this long after, that peer then taken as lost with its host
 TRACEBACK_LINES = 10     # the lines of a crash's traceback kept in the job's exit reason
 
 
@@ -195,21 +200,36 @@ def after_stop(job: JobFacts, stopped: Mapping[str, Any]) -> Requeue | Finish:
 
 
 def gang_failure(job: JobFacts, workers: Iterable[WorkerFacts], records: Iterable[Mapping[str, Any]] | None,
-                 log_tails: Mapping[int, tuple[str, ...]]) -> list[Record | Requeue | Finish]:
+                 log_tails: Mapping[int, tuple[str, ...]], unreachable: Mapping[str, str] | None = None,
+                 now: float | None = None) -> list[Record | Requeue | Finish]:
     """A gang's end when one of this run's workers ended badly (see the module's doc):
     [] while none has. The first to end decides: the others often fail because of it (a
     reset connection in their collective). A crash is told as `first_crash` tells it
-    (`records`: the coordinator's crashed list, for a gpuflex.elastic script)."""
-    bad = [w for w in _current(job, workers) if w.state in (WorkerState.FAILED, WorkerState.LOST)]
+    (`records`: the coordinator's crashed list, for a gpuflex.elastic script), unless a
+    peer was lost with its host (`lost_peer`): then the loss decides, and while that
+    peer's host does not answer the verdict waits (a "crash-deferred" event), at most
+    CRASH_PEER_WAIT_S from `now` on (None: no waiting, the crash is judged now)."""
+    current = _current(job, workers)
+    bad = [w for w in current if w.state in (WorkerState.FAILED, WorkerState.LOST)]
     if not bad:
         return []
     w = min(bad, key=lambda w: (w.ended_at if w.ended_at is not None else float("inf"), w.wid))
+    crashed = None
     if is_crash_exit(w.exit_code):
-        crash = first_crash(job, [w], records, log_tails)
-        if crash is not None:
-            return [Record(CRASH_KIND, crash.summary, crash.data()), after_crash(job, crash)]
+        peer = lost_peer(job, w, current, unreachable or {}, now)
+        if isinstance(peer, Record):
+            return [peer]
+        if peer is None:
+            crash = first_crash(job, [w], records, log_tails)
+            if crash is not None:
+                return [Record(CRASH_KIND, crash.summary, crash.data()), after_crash(job, crash)]
+        else:
+            crashed, w = w, peer
     code, how = gang_exit(w)
     summary = f"worker {w.wid} on {w.host} {how}"
+    if crashed is not None:
+        summary += (f"; worker {crashed.wid} on {crashed.host} ended with exit code {crashed.exit_code} beside it "
+                    "(a collective fails when a peer is lost): judged the loss, not a crash")
     data = {"wid": w.wid, "host": w.host, "exit_code": code, "returncode": w.exit_code}
     first = Record(GANG_FAILED_KIND, f"{summary}; the gang is stopped", data)
     if job.elastic == RESTART and (w.exit_code is None or w.exit_code < 0):
@@ -222,6 +242,31 @@ def gang_failure(job: JobFacts, workers: Iterable[WorkerFacts], records: Iterabl
     if job.crash_restarts < job.retries:
         return [first, Requeue(f"{summary}; relaunch {job.crash_restarts + 1} of {job.retries}", GANG_CAUSE)]
     return [first, Finish(JobState.FAILED, code, summary, job.restarts)]
+
+
+def lost_peer(job: JobFacts, crashed: WorkerFacts, current: list[WorkerFacts], unreachable: Mapping[str, str],
+              now: float | None) -> WorkerFacts | Record | None:
+    """Why a gang's crash may not be one: a peer of this run lost with no exit record (its
+    host went down: when it ended is unknown, so it may have been first, and a collective
+    with a lost peer fails with a reset connection), or still live on a host that does not
+    answer. That peer (as lost), once its host answers or CRASH_PEER_WAIT_S after the wait
+    began (`job.crash_deferred_at`); meanwhile a "crash-deferred" Record; None: no such
+    peer, the crash is judged as one."""
+    lost = [p for p in current if p.wid != crashed.wid and p.state is WorkerState.LOST]
+    if lost:
+        return lost[0]
+    silent = [p for p in current if p.wid != crashed.wid and not p.state.final and p.host in unreachable]
+    if not silent or now is None:
+        return None
+    p = silent[0]
+    if job.crash_deferred_at is not None and now - job.crash_deferred_at >= CRASH_PEER_WAIT_S:
+        return dataclasses.replace(p, state=WorkerState.LOST, exit_code=None)
+    return Record(CRASH_DEFERRED_KIND,
+                  f"worker {crashed.wid} on {crashed.host} ended with exit code {crashed.exit_code} while the host "
+                  f"{p.host} of worker {p.wid} does not answer: judged a crash or that host's loss once it answers "
+                  f"(at most {CRASH_PEER_WAIT_S:.0f} s)",
+                  {"wid": crashed.wid, "host": crashed.host, "exit_code": crashed.exit_code, "peer": p.wid,
+                   "peer_host": p.host})
 
 
 def is_fault(w: WorkerFacts) -> bool:

@@ -89,6 +89,19 @@ def test_an_unreachable_host_is_noted_and_its_workers_lost_once_the_job_went_on_
     ]
 
 
+def test_a_gangs_crash_while_a_peers_host_is_silent_is_one_counted_event_then_that_hosts_loss():
+    """The host-unreachable event is left out while the crash waits (the deferral names the
+    host): one event a repeat counts, not two that alternate at every command."""
+    facts = dataclasses.replace(job(w(0, "a"), w(1, "b")), elastic="restart")
+    seen = observed({1: gone(1)}, unreachable={"a": "a: connect timed out"}, coordinator=coord(1, [0, 1]))
+    (wait,) = [a for a in decide(facts, seen, now=500.0) if isinstance(a, Record)]
+    assert wait.kind == "crash-deferred" and wait.data["peer_host"] == "a", wait
+    assert not [a for a in decide(facts, seen, now=500.0) if isinstance(a, (Requeue, Finish))]
+    later = dataclasses.replace(facts, crash_deferred_at=500.0)
+    requeue = decide(later, seen, now=600.0)[-1]
+    assert isinstance(requeue, Requeue) and requeue.cause == "fault" and "worker 0 on a" in requeue.reason, requeue
+
+
 def test_a_starting_newcomer_on_an_unreachable_host_is_lost_once_the_coordinator_left_it_out():
     """FM-ssh's start-up cell: the host died while its newcomer warmed up; the coordinator
     left it out, so the job will never take it in (it used to stay "starting")."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gpuflex.elastic.protocol.keys import ABORTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
-from gpuflex.policy.outcomes import (CRASH_CAUSE, CRASH_KIND, FAULT_CAUSE, GANG_CAUSE, GANG_FAILED_KIND, LOST_EXIT,
+from gpuflex.policy.outcomes import (CRASH_CAUSE, CRASH_DEFERRED_KIND, CRASH_KIND, CRASH_PEER_WAIT_S, FAULT_CAUSE, GANG_CAUSE, GANG_FAILED_KIND, LOST_EXIT,
                                      RESTART, SHARDS_LOST_CAUSE, STOP_CAUSE, STOP_EXIT, STOP_RESTARTS, STUCK_RUNS,
                                      FAULT_RELAUNCHES,
                                      TRACEBACK_LINES, Crash, Finish, JobFacts, Requeue,
@@ -185,6 +185,48 @@ def test_a_gang_crash_is_told_from_the_coordinators_record():
     record, end = gang_failure(job(elastic=None), [worker(0, W.FAILED, 1, ended_at=1.0)], records, {})
     assert record.kind == CRASH_KIND and record.data["traceback"] == ['  File "t.py"', "ValueError: bad"]
     assert end.reason.startswith("worker 0 on h0 crashed (exit code 1, in step): ValueError: bad\n  File")
+
+
+def test_a_crash_beside_a_peer_lost_with_its_host_is_that_loss():
+    """The 2-hour soak's restart job: its worker 0's host rebooted, worker 1's all-reduce
+    then failed with a reset connection (exit 1), known before worker 0's end (its host
+    was down). Judged a crash, it counted against --retries; it is the host's loss."""
+    crashed = worker(1, W.FAILED, 1, ended_at=5.0)
+    lost = worker(0, W.LOST, None)
+    record, end = gang_failure(job(elastic=RESTART), [lost, crashed], None, {})
+    assert record.kind == GANG_FAILED_KIND and record.data["wid"] == 0, record
+    assert isinstance(end, Requeue) and end.cause == FAULT_CAUSE, end
+    assert "worker 1 on h1 ended with exit code 1 beside it" in end.reason and "not a crash" in end.reason
+    # a fixed gang: relaunched for --retries as any lost worker, failed with LOST_EXIT without
+    _, end = gang_failure(job(elastic=None), [lost, crashed], None, {})
+    assert isinstance(end, Finish) and end.exit_code == LOST_EXIT, end
+
+
+def test_a_crash_while_a_peers_host_is_silent_waits_for_it_then_takes_the_peer_as_lost():
+    crashed = worker(1, W.FAILED, 1, ended_at=5.0)
+    silent = worker(0, W.RUNNING, None)
+    down = {"h0": "connect timed out"}
+    (wait,) = gang_failure(job(elastic=RESTART), [silent, crashed], None, {}, down, now=100.0)
+    assert wait.kind == CRASH_DEFERRED_KIND and wait.data == {"wid": 1, "host": "h1", "exit_code": 1, "peer": 0,
+                                                               "peer_host": "h0"}
+    assert "does not answer" in wait.message and f"at most {CRASH_PEER_WAIT_S:.0f} s" in wait.message
+    began = job(elastic=RESTART, crash_deferred_at=100.0)
+    assert gang_failure(began, [silent, crashed], None, {}, down, now=100.0 + CRASH_PEER_WAIT_S - 1)[0].kind \
+        == CRASH_DEFERRED_KIND
+    record, end = gang_failure(began, [silent, crashed], None, {}, down, now=100.0 + CRASH_PEER_WAIT_S)
+    assert record.kind == GANG_FAILED_KIND and record.data["wid"] == 0 and end.cause == FAULT_CAUSE, (record, end)
+    # the host answers, the peer still runs: the crash was one
+    record, end = gang_failure(began, [silent, crashed], None, {}, {}, now=100.0)
+    assert record.kind == CRASH_KIND and record.data["wid"] == 1 and end.reason.startswith("worker 1 on h1 crashed")
+    # no clock given: judged at once, as before
+    assert gang_failure(job(elastic=RESTART), [silent, crashed], None, {}, down)[0].kind == CRASH_KIND
+
+
+def test_a_crash_before_a_peers_signal_stays_a_crash():
+    crashed = worker(1, W.FAILED, 1, ended_at=5.0)
+    killed = worker(0, W.FAILED, -15, ended_at=6.0)
+    record, _ = gang_failure(job(elastic=RESTART), [killed, crashed], None, {})
+    assert record.kind == CRASH_KIND and record.data["wid"] == 1
 
 
 def test_a_crash_from_a_log_tail_names_its_last_line():
