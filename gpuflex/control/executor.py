@@ -62,6 +62,7 @@ def launch_run(ops: Ops, job: Job, assignments: list[Assignment]) -> None:
     first = ops.config.host(assignments[0].host)
     t = ops.pool.transport(first)
     job.started_at = time.time()   # the current run: workers started before it are history
+    job.progress = None   # what commands saw of the last run's progress is not this run's step
     job.store_host = first.name
     job.store_addr = L.store_address(first)
     job.store_port = L.free_port(t)
@@ -293,6 +294,7 @@ def requeue(ops: Ops, job: Job, why: str, cause: str = "requeue", grace_s: float
     stop_processes."""
     stop_processes(ops, job, grace_s)
     job.restarts += 1
+    job.progress = None   # queued: no step until the next run reports one
     journal.set_state(ops.session, job, JobState.QUEUED, why, restarts=job.restarts, cause=cause)
 
 

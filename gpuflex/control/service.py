@@ -103,6 +103,8 @@ class JobService(Reads):
                     kept = views.seen_progress(status.progress, time.time())   # for other users' commands
                     if kept is not None and (job.progress or {}).get("step") != kept["step"]:
                         job.progress = kept
+                else:   # none this time (a new run, a silent coordinator): no older report stands for it
+                    self.progress.pop(job.id, None)
                 if status is not None:
                     self.forming[job.id] = status.forming
             session.flush()

@@ -163,5 +163,15 @@ def test_another_users_status_shows_the_step_the_owners_last_command_read(tmp_pa
             assert shown["step"] == 40 and shown["progress"] is None and shown["progress_seen"]["step"] == 40
         finally:
             other.close()
+        # a new run has no step until it reports one: the last run's is not shown as its step
+        # (the fault matrix waited for "step >= 1 after the restart" and got the old run's)
+        monkeypatch.setattr(access, "caller", lambda: "ann")
+        owner.requeue([str(job_id)])
+        with owner.sessions() as s:
+            assert queries.job(s, job_id).progress is None
+        world.progress.pop(token)   # the new run's coordinator has no progress yet
+        owner.refresh()
+        info = owner.job(job_id)
+        assert info.restarts == 1 and render.job_json(info, progress=owner.progress.get(job_id))["step"] is None
     finally:
         owner.close()
