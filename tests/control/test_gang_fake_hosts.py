@@ -4,20 +4,13 @@ answer, and is the host's loss, not a crash, once it answers with the peer gone.
 
 from __future__ import annotations
 
-from gpuflex.config import parse_config
-from gpuflex.control.pool import Pool
 from gpuflex.control.requests import SubmitRequest
-from gpuflex.control.service import JobService
 from gpuflex.states import JobState
-from tests.fakes.hosts import FakeHost, World
+from tests.fakes.hosts import two_hosts
 
 
 def test_a_restart_jobs_crash_beside_a_rebooted_peer_is_relaunched_as_a_fault(tmp_path):
-    world = World(warmup_s=0.0, leave_s=(0.0, 0.0), gpus_per_host=1)
-    cfg = parse_config({"database": {"url": f"sqlite:///{tmp_path}/g.db"}, "jobs": {"cancel_grace_s": 0.2},
-                        "hosts": [{"name": "a", "address": "10.9.1.1", "workdir": "/w"},
-                                  {"name": "b", "address": "10.9.1.2", "workdir": "/w"}]}, "<test>")
-    svc = JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
+    world, svc = two_hosts(tmp_path)
     try:
         job_id = svc.submit(SubmitRequest(argv=["python3", "train.py"], min_workers=1, max_workers=2,
                                           elastic="restart", retries=0, workdir=str(tmp_path)))

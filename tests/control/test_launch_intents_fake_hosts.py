@@ -23,7 +23,7 @@ from gpuflex.db.locks import database_lock
 from gpuflex.elastic.protocol.env import CONTROL
 from gpuflex.errors import JobError
 from gpuflex.states import WorkerState as W
-from tests.fakes.hosts import FakeHost, World
+from tests.fakes.hosts import FakeHost, World, two_hosts
 
 
 class Killed(BaseException):
@@ -198,11 +198,8 @@ def test_a_run_stopped_while_its_coordinators_host_does_not_answer_is_ended_ther
     # answer; the stop could not reach them, and they ran on after the host came back
     from gpuflex.control import intents
 
-    world = World(warmup_s=0.0, leave_s=(0.0, 0.0), gpus_per_host=1)
-    cfg = parse_config({"database": {"url": f"sqlite:///{tmp_path}/g.db"}, "jobs": {"cancel_grace_s": 0.2},
-                        "hosts": [{"name": "a", "address": "10.9.1.1", "workdir": "/w"},
-                                  {"name": "b", "address": "10.9.1.2", "workdir": "/w"}]}, "<test>")
-    svc = JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
+    world, svc = two_hosts(tmp_path)
+    cfg = svc.config
     try:
         job_id = svc.submit(SubmitRequest(argv=["python3", "train.py"], min_workers=2, max_workers=2,
                                           workdir=str(tmp_path)))

@@ -229,3 +229,17 @@ class FakeHost(Transport):
             return {"ok": True, "generation": job.generation, "members": list(job.members), "history": [],
                     "settled": sorted(job.members) == sorted(job.desired),
                     "progress": self.w.progress.get(token)}
+
+
+def two_hosts(tmp_path) -> tuple[World, Any]:
+    """Simulated hosts a and b with one device each, and a JobService over a fresh SQLite
+    database in `tmp_path` (a cancel's grace 0.2 s); the caller closes the service."""
+    from gpuflex.config import parse_config
+    from gpuflex.control.pool import Pool
+    from gpuflex.control.service import JobService
+
+    world = World(warmup_s=0.0, leave_s=(0.0, 0.0), gpus_per_host=1)
+    cfg = parse_config({"database": {"url": f"sqlite:///{tmp_path}/g.db"}, "jobs": {"cancel_grace_s": 0.2},
+                        "hosts": [{"name": "a", "address": "10.9.1.1", "workdir": "/w"},
+                                  {"name": "b", "address": "10.9.1.2", "workdir": "/w"}]}, "<test>")
+    return world, JobService(cfg, pool=Pool(cfg, lambda host: FakeHost(host, world)))
