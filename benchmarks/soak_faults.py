@@ -67,22 +67,35 @@ class Partition:
             self.group.rmdir()
 
 
-def our_group_alive(pgid: int, root: Path) -> bool:
+def our_group_alive(pgid: int, root: Path, ended_at: float | None = None) -> bool:
     """Whether process group `pgid` still runs something of the soak: a process whose command
     line names the soak's directory, or that runs in it (a supervisor, a worker, a
     coordinator: each starts in its job's directory under the soak's; a gang's `sleep` is in
     its supervisor's group). A group id recorded an hour ago may name another program's
-    group by now: pids wrap around at /proc/sys/kernel/pid_max. (Naming gpuflex was not
-    enough: a test suite run beside the 2-hour soak had its own coordinators counted.)"""
+    group by now: pids wrap around at /proc/sys/kernel/pid_max (32768 here; the second
+    2-hour soak wrapped them, and two succeeded jobs' group ids led newer soak processes at
+    the check), so a process that started after `ended_at` (its job's end) is not the
+    recorded one. (Naming gpuflex was not enough: a test suite run beside the 2-hour soak
+    had its own coordinators counted.)"""
     mark = str(root).encode()
     for pid in group_pids(pgid):
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if ended_at is not None and started_at(pid) > ended_at + 1.0:
+                continue
             if mark in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return True
             cwd = Path(os.readlink(f"/proc/{pid}/cwd"))
             if cwd == root or root in cwd.parents:
                 return True
     return False
+
+
+def started_at(pid: int) -> float:
+    """When process `pid` started, in seconds since the epoch (/proc/PID/stat's start time
+    after the boot time of /proc/stat)."""
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(float(ln.split()[1]) for ln in Path("/proc/stat").read_text().splitlines() if ln.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
 
 
 def error_lines(stderr: str) -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -29,6 +30,11 @@ def test_a_group_is_ours_only_while_one_of_its_processes_names_the_soak(tmp_path
         assert not soak_faults.our_group_alive(other.pid, tmp_path)       # alive, not the soak's
         assert not soak_faults.our_group_alive(named.pid, tmp_path)       # gpuflex, but another's (a test suite's)
         assert not soak_faults.our_group_alive(mine.pid, tmp_path / "x")  # another soak's directory
+        # a group id recorded for a job that ended before this process started: pid reuse
+        started = soak_faults.started_at(mine.pid)
+        assert abs(started - time.time()) < 600, started
+        assert soak_faults.our_group_alive(mine.pid, tmp_path, ended_at=started + 5)
+        assert not soak_faults.our_group_alive(mine.pid, tmp_path, ended_at=started - 60)
     finally:
         for p in (mine, inside, other, named):
             p.kill()
