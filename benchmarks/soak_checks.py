@@ -106,14 +106,14 @@ def summary(chaos, seed: int, stopped: str | None) -> bool:
     live = [(j["id"], w["wid"]) for j in jobs for w in j["workers"] if w["state"] in faults.LIVE]
     sockets = sorted({str(Path(w["control"]).parent) for j in jobs for w in j["workers"] if w.get("control")
                       and Path(w["control"]).parent.exists()})
-    rows = lab.pg.sql("SELECT w.pgid, COALESCE(j.ended_at, 0) FROM workers w JOIN jobs j ON j.id = w.job_id "
-                      "WHERE w.pgid IS NOT NULL UNION SELECT store_pgid, COALESCE(ended_at, 0) FROM jobs "
-                      "WHERE store_pgid IS NOT NULL", chaos.db_name).split()
-    ended: dict[int, float | None] = {}   # pgid -> the latest end of the jobs that recorded it (None: one runs)
-    for row in rows:
-        g, at = (int(row.split("|")[0]), float(row.split("|")[1]) or None)
-        ended[g] = None if at is None or (g in ended and ended[g] is None) else max(ended.get(g) or 0.0, at)
-    alive = [g for g, at in sorted(ended.items()) if faults.our_group_alive(g, lab.root, at)]
+    # each recorded group and the latest end of the jobs that recorded it (0: one has not ended)
+    rows = lab.pg.sql("SELECT pgid, CASE WHEN bool_or(ended_at IS NULL) THEN 0 ELSE max(ended_at) END FROM ("
+                      "SELECT w.pgid, j.ended_at FROM workers w JOIN jobs j ON j.id = w.job_id "
+                      "WHERE w.pgid IS NOT NULL UNION ALL "
+                      "SELECT store_pgid, ended_at FROM jobs WHERE store_pgid IS NOT NULL) g "
+                      "GROUP BY pgid ORDER BY pgid", chaos.db_name).split()
+    alive = [int(g) for g, at in (r.split("|") for r in rows)
+             if faults.our_group_alive(int(g), lab.root, float(at) or None)]
     print(f"left: {len(left)} processes, {len(sockets)} socket directories, {len(live)} live worker rows, "
           f"{len(alive)} process groups alive")
     problems += [f"left running: {x}" for x in left] + [f"socket dir left: {s}" for s in sockets]

@@ -239,7 +239,7 @@ def stop_processes(ops: Ops, job: Job, grace_s: float | None = None) -> None:
     unstopped: list[str] = []
     for name, result in ops.pool.fan_out(hosts, stop_host, limit).items():
         if not result.ok:
-            journal.record(ops.session, job, "host-unreachable", str(result.error), host=name)
+            journal.record(ops.session, job, P.UNREACHABLE_KIND, str(result.error), host=name)
             unstopped.append(name)
             continue
         for w, st in zip(by_host[name], result.value):

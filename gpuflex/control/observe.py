@@ -25,9 +25,9 @@ from gpuflex.elastic.protocol import run_dir
 from gpuflex.elastic.protocol.wire import CoordinatorStatus, parse_status, status_request
 from gpuflex.errors import JobError, TransportError
 from gpuflex.policy import split as split_policy
-from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, CRASH_DEFERRED_KIND, FAULT_RELAUNCHES, FORGED_KIND, FORMED_KIND, HISTORY_KINDS,
-                                      LEFT_OUT_KIND, RETRY_CAUSES, STOP_CAUSE, STUCK_RUNS, WAITING_KIND, JobFacts,
-                                      Observation, ProcSeen, WorkerFacts, is_crash_exit)
+from gpuflex.policy.lifecycle import (CHECKPOINT_FAILED_KIND, CRASH_DEFERRED_KIND, FAULT_RELAUNCHES, FORGED_KIND,
+                                      FORMED_KIND, HISTORY_KINDS, LEFT_OUT_KIND, RETRY_CAUSES, STOP_CAUSE, STUCK_RUNS,
+                                      WAITING_KIND, JobFacts, Observation, ProcSeen, WorkerFacts, is_crash_exit)
 from gpuflex.states import WorkerState
 
 log = logging.getLogger(__name__)

@@ -53,8 +53,8 @@ from typing import Any, Iterable, Mapping
 from gpuflex.elastic.protocol.keys import ABORT_REASON_CHARS, ABORTED_EXIT, ORPHAN_EXIT
 from gpuflex.elastic.protocol.wire import CoordinatorStatus, LeftOut
 from gpuflex.policy.outcomes import (  # noqa: F401 (the policy's inputs and actions, re-exported)
-    CRASH_CAUSE, CRASH_DEFERRED_KIND, CRASH_KIND, FAULT_RELAUNCHES, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES, STOP_CAUSE,
-    STUCK_RUNS, TRACEBACK_LINES, Action,
+    CRASH_CAUSE, CRASH_DEFERRED_KIND, CRASH_KIND, FAULT_RELAUNCHES, GANG_CAUSE, GANG_FAILED_KIND, INPLACE, RETRY_CAUSES,
+    STOP_CAUSE, STUCK_RUNS, TRACEBACK_LINES, Action,
     Adopt, Crash, EndWorker, Finish, JobFacts, Observation, ProcSeen, Record, Requeue, SetState, WorkerFacts,
     after_crash, first_crash, gang_failure, instant, is_crash_exit, is_int, one_line, outcome)
 from gpuflex.states import JobState, WorkerState
