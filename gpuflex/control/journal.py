@@ -93,6 +93,6 @@ def end_worker(session: Session, job: Job, w: Worker, state: WorkerState, rc: in
 
 
 def retiring(w: Worker) -> None:
-    """A worker asked to leave at its next step boundary."""
+    """A worker asked to leave at its next step boundary (and when: `retired_at`)."""
     w.state.check_transition(WorkerState.LEAVING)
-    w.state = WorkerState.LEAVING
+    w.state, w.retired_at = WorkerState.LEAVING, time.time()

@@ -154,7 +154,7 @@ def facts(job: Job) -> JobFacts:
     return JobFacts(
         id=job.id, state=job.state, min_workers=job.min_workers,
         workers=tuple(WorkerFacts(w.wid, w.host, w.state, w.generation, w.started_at, w.exit_code, w.ended_at,
-                                  w.pgid) for w in job.workers),
+                                  w.pgid, w.retired_at is not None) for w in job.workers),
         generation=job.generation, world_size=job.world_size, started_at=job.started_at,
         recorded=frozenset(_ints([(newest_history.data if newest_history else {}).get("generation")])),
         forged_recorded=_ints([(forged.data if forged else {}).get("count")], default=0)[0],

@@ -210,6 +210,9 @@ class Worker(Base):
     exit_code: Mapped[int | None] = mapped_column(Integer)
     started_at: Mapped[float] = mapped_column(Float, default=now)
     ended_at: Mapped[float | None] = mapped_column(Float)
+    # issue 28 (migration 0018): when a shrink asked it to leave; its exit 0 after that is
+    # its leaving, not the end of the training (gpuflex.policy.outcomes). NULL: never asked
+    retired_at: Mapped[float | None] = mapped_column(Float)
     job: Mapped[Job] = relationship(back_populates="workers")
 
     @validates("state")

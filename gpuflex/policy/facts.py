@@ -29,6 +29,7 @@ class WorkerFacts:
     exit_code: int | None = None
     ended_at: float | None = None
     pgid: int | None = None   # its process group (None: its start never recorded one)
+    retired: bool = False     # a shrink asked it to leave (workers.retired_at)
 
 
 @dataclasses.dataclass(frozen=True)

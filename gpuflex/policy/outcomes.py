@@ -135,9 +135,11 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int,
     generation in the current run (workers of an earlier run are history); a crash of any
     worker of this run fails it (or restarts it, see `after_crash`). `stopped`: the
     coordinator's record of a stop agreed before the end of training (None: none, or the
-    training finished)."""
+    training finished). A member a shrink retired that exited 0 had left, not finished:
+    it is not judged with the generation, which may still name it when the coordinator
+    was lost before the shrunk one was heard of."""
     current = _current(job, workers)
-    last = [w for w in current if w.generation == generation]
+    last = [w for w in current if w.generation == generation and not left(w)]
     if any(w.exit_code == STORE_LOST_EXIT for w in last):
         return Requeue(f"the job store on {job.store_host or 'its host'} was lost in {job.phase}; "
                        "restarting from the last checkpoint", "store-lost")
@@ -166,6 +168,11 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int,
     if stopped is not None:
         return after_stop(job, stopped)
     return Finish(JobState.SUCCEEDED, 0, "all workers exited 0", job.restarts)
+
+
+def left(w: WorkerFacts) -> bool:
+    """A worker that a shrink asked to leave and that exited 0: it left."""
+    return w.retired and w.state is WorkerState.EXITED
 
 
 def stuck(job: JobFacts, w: WorkerFacts | None, what: str) -> Finish | None:

@@ -99,6 +99,29 @@ def test_retire_lets_the_given_workers_leave_and_the_job_settles_without_them(si
     assert not world.workers(token)[1].alive
 
 
+def test_a_host_lost_right_after_a_shrink_requeues_the_job_though_a_leaver_had_exited_0(sim, tmp_path):
+    """The 2-hour soak's job 716: shrunk 3 -> 1; before any command heard of the shrunk
+    generation, the host took the kept worker, a leaver and the coordinator; the other
+    leaver had exited 0. That leaver left, it did not finish: the job is requeued."""
+    world, svc, _ = sim
+    job_id, token = one_worker_job(world, svc, tmp_path)
+    with svc.locked() as s:
+        scaling.grow(svc.ops(s), svc.get(s, job_id), [Assignment("pool", (1,)), Assignment("pool", (3,))])
+    svc.refresh()
+    with svc.locked() as s:
+        scaling.retire(svc.ops(s), svc.get(s, job_id), [1, 2], why="owner back")
+    procs = world.workers(token)
+    assert [(w[0], w[1]) for w in workers(svc, job_id)] == [(0, W.RUNNING), (1, W.LEAVING), (2, W.LEAVING)]
+    world.end(procs[2], 0)
+    for p in (procs[0], procs[1], world.coordinator(token)):
+        world.end(p, None)
+    svc.refresh()
+    info = svc.job(job_id)
+    assert (info.state, info.restarts) == (J.RUNNING, 1), [e.message for e in info.events]
+    assert any(e.message.startswith("queued: worker 0 on pool was lost") and "no member is left" in e.message
+               for e in info.events)
+
+
 def test_retiring_every_worker_is_refused(sim, tmp_path):
     world, svc, _ = sim
     job_id, _ = one_worker_job(world, svc, tmp_path)

@@ -4,6 +4,8 @@ through it, these hold each rule on its own."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpuflex.elastic.protocol.keys import ABORTED_EXIT, SHARDS_LOST_EXIT, STORE_LOST_EXIT
@@ -101,6 +103,24 @@ def test_an_inplace_job_whose_last_members_all_faulted_resumes():
     assert outcome(job(), [worker(0, W.LOST, None)], 2).cause == FAULT_CAUSE
     gang = outcome(job(elastic=None), [worker(0, W.LOST, None)], 2)
     assert isinstance(gang, Finish) and gang.state is JobState.FAILED
+
+
+def test_a_leaver_that_exited_0_does_not_make_the_loss_of_the_kept_workers_a_failure():
+    """The 2-hour soak's job 716: shrunk 3 -> 1, then the host of the kept worker 0, of
+    leaver 1 and of the coordinator rebooted; leaver 2 had already exited 0. The database
+    still knew generation 2 {0, 1, 2} only. Leaving is not finishing: the fault requeues."""
+    def retired(wid, state, rc):
+        return dataclasses.replace(worker(wid, state, rc), retired=True)
+    ended = [worker(0, W.LOST, None), retired(1, W.LOST, None), retired(2, W.EXITED, 0)]
+    assert outcome(job(), ended, 2) == Requeue(
+        "worker 0 on h0 was lost (no exit record: killed with its supervisor, or its host went down; exit code "
+        "137) in generation 2, steady, and no member is left; restarting from its checkpoint", FAULT_CAUSE)
+    # a member that exited 0 without being asked to leave had finished: the loss beside it fails the job
+    finished = [worker(0, W.LOST, None), worker(1, W.LOST, None), worker(2, W.EXITED, 0)]
+    assert outcome(job(), finished, 2) == Finish(JobState.FAILED, -9, "worker 0 lost (exit code None)")
+    # the kept worker finished after the leavers left: a success, whatever the leavers did
+    done = [worker(0, W.EXITED, 0), retired(1, W.EXITED, 0), retired(2, W.EXITED, 0)]
+    assert outcome(job(), done, 2) == Finish(JobState.SUCCEEDED, 0, "all workers exited 0")
 
 
 @pytest.mark.parametrize("steps,restarted", [
