@@ -61,7 +61,7 @@ class Chaos:
         self.bg: list[tuple[str, Any, Path, float]] = []   # (what, Popen, out, started)
         self.injected: Counter = Counter()           # faults that hit something
         self.skipped: Counter = Counter()            # planned, but nothing there to hit
-        self.recoveries: dict[str, list[float]] = defaultdict(list)
+        self.recoveries: dict[str, list[soak_plan.Recovered]] = defaultdict(list)
         self.unrecovered: Counter = Counter()
         self.watch: list[dict] = []                   # recoveries being timed
         self.timers: list[tuple[float, str, Any]] = []  # (monotonic, what, arg): heals, sshd back
@@ -128,14 +128,15 @@ class Chaos:
                 continue   # no owner's status has shown this generation's step yet
             if w["after"] is None:
                 if (j["generation"], j["restarts"]) != w["gen"]:
-                    w["after"] = step
+                    w["after"], w["relaunched"] = step, j["restarts"] != w["gen"][1]
             elif step > w["after"]:
-                self.recoveries[w["kind"]].append(time.monotonic() - w["at"])
+                self.recoveries[w["kind"]].append(soak_plan.Recovered(time.monotonic() - w["at"], w["job"],
+                                                                      w["relaunched"]))
                 self.watch.remove(w)
 
     def watch_job(self, kind: str, j: dict) -> None:
         self.watch.append({"kind": kind, "job": j["id"], "gen": (j["generation"], j["restarts"]),
-                           "after": None, "at": time.monotonic()})
+                           "after": None, "relaunched": False, "at": time.monotonic()})
 
     def training(self, min_live: int = 1) -> list[dict]:
         return [j for j in self.jobs if kind_of(j) == "inplace" and j["state"] == "running"
@@ -329,7 +330,7 @@ class Chaos:
             self.problems.append(f"{kind}: gpuflex status did not answer within 60 s")
             self.unrecovered[kind] += 1
         else:
-            self.recoveries[kind].append(time.monotonic() - at)
+            self.recoveries[kind].append(soak_plan.Recovered(time.monotonic() - at))
         self.note(kind, text + (f"; status answered {time.monotonic() - at:.1f} s after" if took is not None else ""))
 
     def fire_timers(self) -> None:

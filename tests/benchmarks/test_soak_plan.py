@@ -75,11 +75,24 @@ def test_percentiles_and_the_recovery_rows():
     assert soak_plan.percentile([3.0, 1.0, 2.0], 50) == 2.0
     assert soak_plan.percentile([float(x) for x in range(1, 101)], 99) == 99.0
     assert soak_plan.pick([], 0.3) is None and soak_plan.pick(["a", "b"], 0.99) == "b"
-    rows = soak_plan.recovery_rows({"kill_worker": [2.0, 4.0]}, {"reboot": 1})
+    R = soak_plan.Recovered
+    rows = soak_plan.recovery_rows({"kill_worker": [R(2.0, 7), R(4.0, 8)]}, {"reboot": 1})
     assert len(rows) == len(FAULTS)
     assert rows[FAULTS.index("kill_worker")].split()[:2] == ["kill_worker", "2"]
     assert "p50    2.0 s" in rows[FAULTS.index("kill_worker")] and "bound 60 s" in rows[FAULTS.index("kill_worker")]
     assert "1 not measured" in rows[FAULTS.index("reboot")]
+    # a recovery over its bound is counted and named; a relaunch is allowed RELAUNCH_S more
+    slow = {"kill_worker": [R(70.0, 7), R(100.0, 8, relaunched=True), R(130.0, 9, relaunched=True)],
+            "kill_coordinator": [R(100.0, 3, relaunched=True)], "pg_restart": [R(31.0)]}
+    rows = soak_plan.recovery_rows(slow, {})
+    assert "(bound 60 s, 120 s through a relaunch; 2 over; 2 through a relaunch)" in rows[FAULTS.index("kill_worker")]
+    assert "(bound 90 s; 1 over; 1 through a relaunch)" in rows[FAULTS.index("kill_coordinator")]
+    assert "(bound 30 s; 1 over)" in rows[FAULTS.index("pg_restart")]
+    assert rows[len(FAULTS):] == [
+        "  over: pg_restart: 31.0 s (bound 30 s)",
+        "  over: kill_worker of job 7: 70.0 s in place (bound 60 s)",
+        "  over: kill_worker of job 9: 130.0 s through a relaunch (bound 120 s)",
+        "  over: kill_coordinator of job 3: 100.0 s through a relaunch (bound 90 s)"]
 
 
 def job(id=5, owner="b", state="running", generation=2, restarts=0, step=None):
