@@ -7,16 +7,21 @@ model fitted on its measured points: gpuflex.policy.throughput), summed over the
 a compute-bound job that doubles its speed with one more worker outweighs a
 communication-bound one that gains 3%. The rules, in order:
 
-1. Stays: a job with too few measurements (one world size or none) is never shrunk, and
-   says why; nor is a job this policy resized less than `hold_s` ago (hysteresis), nor a
-   job that cannot shrink in place (a restart job).
+1. Stays: a job with too few measurements (one world size or none) is not resized for
+   throughput, and says why; nor is a job this policy resized less than `hold_s` ago
+   (hysteresis), nor a job that cannot shrink in place (a restart job). Fair share alone
+   may still shrink the first two (rule 2).
 2. Start the waiting: a queued job that did not fit is given room by shrinking elastic
    jobs (one worker at a time, never below MIN), those that lose the least progress per
    device first, only when what they lose is less than what the queued job gains
    (starting it is worth 1.0, its speedup at MIN, over the devices it needs), or when it
    is of a higher priority, or its user is below their fair share and theirs is above it.
-   A user below fair share is never shrunk for another. If the room cannot be made in
-   full, nothing is shrunk.
+   That last reason needs no measurement: a job left at its size by rule 1 (not measured
+   yet, or resized lately) gives a worker to a below-share user's queued job too, after
+   the jobs rule 1 leaves free, and only while its user stays at or above their share
+   (taken as linear: a worker loses 1/MIN). Without it, a user whose jobs started on a pool
+   nobody else wanted held all of it until they ended. A user below fair share is never
+   shrunk for another. If the room cannot be made in full, nothing is shrunk.
 3. Even out shares: a job of a user below fair share whose next worker gains more than
    the threshold below takes a worker from a job of a user above theirs (never below
    MIN, never of a higher priority, a measured job not held), the one that loses least
@@ -169,22 +174,27 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
         if not may_take(w.user, w.need) or free >= w.need:
             continue
         worth = 1.0 / max(w.need, 1)     # progress per device of starting it
-        trial = dict(size)
+        trial, trial_held = dict(size), dict(held)
         got, steps = free, []
         while got < w.need:
             best = None
             for j in jobs:
                 n = trial[j.id]
-                if j.id in locked or n <= j.min_workers or j.priority > w.priority:
+                if n <= j.min_workers or j.priority > w.priority:
                     continue
                 if below(j.user) and j.user != w.user:
                     continue
-                loss = (speedup(j, n) - speedup(j, n - 1)) * (1 + rules.stall_s / rules.horizon_s)
-                per_device = loss / j.per_worker
                 fair = below(w.user) and not below(j.user)
+                if j.id in locked and not (fair and j.shrinkable and j.user != w.user
+                                           and trial_held.get(j.user, 0) - j.per_worker >= share[j.user]):
+                    continue   # a job left at its size, unless fair share asks (never below the giver's share)
+                # a job not measured yet is taken as linear (its loss the most a worker can lose)
+                lost = (speedup(j, n) - speedup(j, n - 1)) if j.model is not None else 1.0 / j.min_workers
+                loss = lost * (1 + rules.stall_s / rules.horizon_s)
+                per_device = loss / j.per_worker
                 if not (per_device < worth or j.priority < w.priority or fair):
                     continue
-                key = (j.priority, per_device, -n, j.id)
+                key = (j.priority, j.id in locked, per_device, -n, j.id)
                 if best is None or key < best[0]:
                     best = (key, j, loss)
             if best is None:
@@ -192,12 +202,18 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
             _, j, loss = best
             steps.append((j, trial[j.id], loss))
             trial[j.id] -= 1
+            trial_held[j.user] = trial_held.get(j.user, 0) - j.per_worker
             got += j.per_worker
         if got < w.need:
             continue   # nothing shrunk in vain
         for j, n, loss in steps:
             take(j, -1)
-            why[j.id].append(f"one fewer worker loses {max(loss, 0) / speedup(j, n):.0%}; job {w.id} needs {w.need}")
+            if j.id in locked:
+                why[j.id].append(f"{j.user} is above their share and job {w.id} of {w.user}, below theirs, needs "
+                                 f"{w.need}" + ("" if j.model is not None else " (its scaling not measured yet)"))
+            else:
+                why[j.id].append(f"one fewer worker loses {max(loss, 0) / speedup(j, n):.0%}; job {w.id} needs "
+                                 f"{w.need}")
         free = got - w.need
         held[w.user] = held.get(w.user, 0) + w.need
         made_room.append(w.id)
@@ -267,6 +283,7 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
             take(j, -1)
             why[j.id].append(f"one fewer worker is {gain:.0%} faster")
 
+    stays = [d for d in stays if size[d.job] == d.old]   # a fair share's shrink moved it after all
     changes = tuple(Decision(j.id, j.size, size[j.id], f"job {j.id} {j.size}->{size[j.id]}: "
                              + "; ".join(_short(why[j.id])))
                     for j in jobs if size[j.id] != j.size)

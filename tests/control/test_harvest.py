@@ -86,7 +86,8 @@ def test_the_fair_policy_keeps_todays_behaviour_and_records_no_allocation(tmp_pa
         svc.close()
 
 
-def test_a_job_with_too_few_measurements_is_left_at_its_size_and_its_event_says_why(tmp_path):
+def test_a_job_with_too_few_measurements_is_left_at_its_size_unless_fair_share_asks_and_its_events_say_why(
+        tmp_path):
     world, svc = simulated(tmp_path, "throughput")
     try:
         big = submit(svc, tmp_path, "ann")
@@ -96,14 +97,23 @@ def test_a_job_with_too_few_measurements_is_left_at_its_size_and_its_event_says_
         svc.refresh()
         svc.refresh()
         measured(svc, big, Model(1.0, 0.2), 4)               # one size only: no model
-        waiting = submit(svc, tmp_path, "bob")               # bob is below his share, yet
+        mine = submit(svc, tmp_path, "ann")                  # ann's own job waits: no share to even out
         harvest.run_tick(svc)
         assert len([w for w in svc.job(big).workers if w.state is W.RUNNING]) == 4
-        assert svc.job(waiting).state is JobState.QUEUED
+        assert svc.job(mine).state is JobState.QUEUED
         (e,) = allocation_events(svc, big)
         assert e.message == (f"job {big} stays at 4: too few measurements: 2 world sizes needed "
                              "(measured at 4 worker(s) only)")
         assert e.data["resized"] is False
+        # bob's job: bob is below his share and ann above hers, which a shrink asks no measurement for
+        waiting = submit(svc, tmp_path, "bob")
+        harvest.run_tick(svc)
+        e = allocation_events(svc, big)[-1]
+        assert e.message == (f"job {big} 4->3: ann is above their share and job {waiting} of bob, below theirs, "
+                             "needs 1 (its scaling not measured yet)") and e.data["resized"] is True
+        harvest.run_tick(svc)                                # the leaver is gone: bob's job starts, not ann's
+        assert svc.job(waiting).state in (JobState.RUNNING, JobState.SCALING)
+        assert svc.job(mine).state is JobState.QUEUED
     finally:
         svc.close()
 

@@ -3,6 +3,8 @@ shrinks to start a queued job, who stays and why."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from gpuflex.policy.allocation import Elastic, Rules, Waiting, allocate, fair_shares, speedup, starting
 from gpuflex.policy.throughput import Model
 
@@ -61,8 +63,30 @@ def test_a_higher_priority_job_is_never_shrunk_for_a_lower_one():
 def test_too_few_measurements_leave_a_job_at_its_size_saying_why():
     one = Elastic(id=7, user="a", size=3, min_workers=1, max_workers=8, why_not="too few measurements: x",
                   measured=frozenset({3}))
-    a = run([one], [Waiting(8, "b", need=1)], free=0, pool=3)
+    a = run([one], [Waiting(8, "a", need=1)], free=0, pool=3)
     assert a.sizes == {7: 3} and a.stays[0].reason == "job 7 stays at 3: too few measurements: x"
+    assert a.made_room_for == ()
+
+
+def test_fair_share_shrinks_a_job_not_measured_yet_but_never_below_its_users_share():
+    """A user whose jobs started on a pool nobody else wanted holds it all, measured at one
+    size each; another user's job arrives. Without this, it waits until those jobs end
+    (hours in the allocation trace), its user far below their share."""
+    one = Elastic(id=7, user="a", size=8, min_workers=1, max_workers=8, why_not="too few measurements: x",
+                  measured=frozenset({8}))
+    a = run([one], [Waiting(8, "b", need=2)], free=0, pool=8)
+    assert a.sizes == {7: 6} and a.made_room_for == (8,) and a.stays == ()
+    assert a.changes[0].reason == ("job 7 8->6: a is above their share and job 8 of b, below theirs, needs 2 "
+                                   "(its scaling not measured yet)")
+    # shares 4 and 4: a job needing 5 would take a below theirs, so nothing moves
+    b = run([one], [Waiting(8, "b", need=5)], free=0, pool=8)
+    assert b.sizes == {7: 8} and b.made_room_for == () and b.stays[0].reason.startswith("job 7 stays at 8")
+    # a restart job never shrinks, and a measured job held after a resize gives before a held one
+    r = dataclasses.replace(one, shrinkable=False)
+    assert run([r], [Waiting(8, "b", need=2)], free=0, pool=8).sizes == {7: 8}
+    measured = job(9, 4, LINEAR, user="a")
+    c = run([dataclasses.replace(one, size=4), measured], [Waiting(8, "b", need=1)], free=0, pool=8)
+    assert c.sizes == {7: 4, 9: 3}
 
 
 def test_a_job_measured_at_one_size_grows_by_one_only_onto_devices_nobody_measured_wants():

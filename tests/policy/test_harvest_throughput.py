@@ -51,10 +51,15 @@ def test_a_poorly_scaling_job_shrinks_its_newest_worker_so_a_queued_job_can_star
 
 def test_a_job_with_too_few_measurements_stays_and_says_why():
     once = job(3, [w(0, "a:0"), w(1, "a:1")], Model(1.0, 0.5), sizes=(2,), user="a")
-    p = plan([once, job(4, [], state="queued", user="b")], [g("a:0"), g("a:1")], S, NOW)
+    p = plan([once, job(4, [], state="queued", user="a")], [g("a:0"), g("a:1")], S, NOW)
     assert not p.of(Shrink)
     assert [n.reason for n in p.of(Note)] == \
         ["job 3 stays at 2: too few measurements: 2 world sizes needed (measured at 2 worker(s) only)"]
+    # another user's job waiting while a holds the pool: fair share shrinks it all the same
+    fair = plan([once, job(4, [], state="queued", user="b")], [g("a:0"), g("a:1")], S, NOW)
+    assert [(s.job, s.wids) for s in fair.of(Shrink)] == [(3, (1,))]
+    assert fair.of(Shrink)[0].reason == ("job 3 2->1: a is above their share and job 4 of b, below theirs, "
+                                         "needs 1 (its scaling not measured yet)")
 
 
 def test_a_job_resized_lately_is_left_alone():
