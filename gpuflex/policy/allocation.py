@@ -22,8 +22,10 @@ communication-bound one that gains 3%. The rules, in order:
    (taken as linear: a worker loses 1/MIN). Without it, a user whose jobs started on a pool
    nobody else wanted held all of it until they ended. A user below fair share is never
    shrunk for another. If the room cannot be made in full, nothing is shrunk.
-3. Even out shares: a job of a user below fair share whose next worker gains more than
-   the threshold below takes a worker from a job of a user above theirs (never below
+3. Even out shares: a job of a user below fair share whose next worker pays for the
+   resize's stall (gain >= stall_s / horizon_s; `min_gain`, the noise threshold, is not
+   asked: the move is for fairness, and the rule below keeps it from being undone)
+   takes a worker from a job of a user above theirs (never below
    MIN, never of a higher priority, a measured job not held), the one that loses least
    first, when the taker's deficit and the giver's surplus come to more than the worker
    (the move narrows the gap between them, and the move back would not: never undone the
@@ -33,8 +35,8 @@ communication-bound one that gains 3%. The rules, in order:
 4. Grow: idle devices go one worker at a time to the job whose next worker adds the most
    progress per device (higher priority first, then a user below fair share), within
    MAX and its user's quota. A worker is added only when its relative gain pays for the
-   resize's stall within the horizon (gain >= stall_s / horizon_s) and is above
-   `min_gain` (noise). A job measured at one size only may grow by one worker onto
+   resize's stall within the horizon (gain >= stall_s / horizon_s) and, unless its user
+   is below their fair share, is above `min_gain` (noise). A job measured at one size only may grow by one worker onto
    devices no measured job wants (before the measured jobs of users at or above their
    share when its user is below theirs), to measure a second size (it never shrinks).
 5. Shrink what loses: a job whose one fewer worker is faster by more than `min_gain`
@@ -254,7 +256,7 @@ def allocate(jobs: Sequence[Elastic], waiting: Sequence[Waiting], free: int, *, 
                 best = best if best is not None and best[0] < key else (key, j, None)
                 continue
             gain = speedup(j, n + 1) / speedup(j, n) - 1
-            if gain < rules.threshold:
+            if gain < (rules.stall_s / rules.horizon_s if below(j.user) else rules.threshold):
                 continue
             per_device = (speedup(j, n + 1) - speedup(j, n)) / j.per_worker
             key = (0, -j.priority, not below(j.user), -per_device, j.id)
@@ -306,7 +308,7 @@ def _rebalance(jobs: Sequence[Elastic], size: Mapping[int, int], held: Mapping[s
                 or not may_take(j.user, j.per_worker)):
             continue
         gain = speedup(j, n + 1) / speedup(j, n) - 1
-        if gain < rules.threshold:
+        if gain < rules.stall_s / rules.horizon_s:
             continue
         for k in jobs:
             m = size[k.id]

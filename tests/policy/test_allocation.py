@@ -12,6 +12,7 @@ LINEAR = Model(1.0, 0.0)            # compute-bound: n workers, n times as fast
 FLAT = Model(0.2, 0.15)             # communication-bound: a second worker already loses
 WEAK = Model(1.0, 0.2)              # 3 workers no faster than 2
 MILD = Model(1.0, 0.05)             # best at 5, and 6 within noise of it
+NEAR = Model(1.0, 0.07)             # 3 -> 4 adds 2.9%: under min_gain, over a resize's stall
 RULES = Rules(horizon_s=900, stall_s=5, min_gain=0.05, hold_s=300)
 
 
@@ -132,6 +133,20 @@ def test_a_user_below_their_share_takes_a_worker_from_one_above_it_and_the_move_
     # the next tick, from the new sizes: nobody moves back
     again = run([job(1, 4, MILD, user="alice"), job(2, 4, LINEAR, user="bob")], free=0, pool=8)
     assert again.sizes == {1: 4, 2: 4} and again.changes == ()
+
+
+def test_a_user_below_their_share_needs_a_gain_that_pays_for_the_resize_not_one_above_the_noise_threshold():
+    j = job(2, 3, NEAR, user="bob")
+    gain = speedup(j, 4) / speedup(j, 3) - 1
+    assert RULES.stall_s / RULES.horizon_s < gain < RULES.min_gain
+    # evening out: bob (3 of a share of 4) takes alice's fifth worker
+    assert run([job(1, 5, MILD, user="alice"), j], free=0, pool=8).sizes == {1: 4, 2: 4}
+    # an idle device: bob's job is grown onto it
+    assert run([job(1, 4, LINEAR, lo=4, hi=4, user="alice"), j], free=1, pool=8).sizes == {1: 4, 2: 4}
+    # the same job of a user at or above their share is not: the gain is within noise
+    alice = [job(1, 3, NEAR, user="alice"), job(2, 2, LINEAR, lo=2, hi=2, user="alice"),
+             job(3, 2, FLAT, lo=2, user="bob")]
+    assert run(alice, free=1, pool=8).sizes == {1: 3, 2: 2, 3: 2}
 
 
 def test_evening_out_shares_takes_nothing_a_job_would_not_gain_from_nor_below_min_nor_from_a_higher_priority():
