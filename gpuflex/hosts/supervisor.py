@@ -18,7 +18,7 @@ import pwd
 import signal
 import subprocess
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from gpuflex.hosts import container
 from gpuflex.hosts.private import exclusive_dir, open_private, private_dir
@@ -58,6 +58,13 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
         private_dir(d)
     if spec.get("socket_dir"):
         exclusive_dir(spec["socket_dir"])
+    from gpuflex.hosts import warm   # it imports this module
+    if warm.warmable(spec):   # forked from the run's warm interpreter, when it answers in time
+        reply = warm.spawn({**spec, "time_left_s": None}, float(spec.get("warm_ready_s") or warm.READY_S))
+        if reply is not None:
+            if "error" in reply:
+                raise SpawnError(str(reply["error"]))
+            return {"pid": int(reply["pid"]), "pgid": int(reply["pgid"])}
     log_fd = open_private(log_path, os.O_WRONLY | os.O_APPEND)
     read_fd, write_fd = os.pipe()
     first = os.fork()
@@ -89,7 +96,18 @@ def local_deadline(spec: dict[str, Any], now: float) -> float | None:
     return None if spec.get("deadline") is None else float(spec["deadline"])
 
 
-def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int) -> None:
+def _popen(argv: list[str], cwd: str, env: dict[str, str], log_fd: int) -> Any:
+    """The worker as a new process of its own: `argv` executed."""
+    return subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
+                            stderr=subprocess.STDOUT)
+
+
+def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int,
+               start: Callable[[list[str], str, dict[str, str], int], Any] = _popen) -> None:
+    """The supervisor's life: start the worker (`start`: a process with `pid` and
+    `wait(timeout)`; gpuflex.hosts.warm forks it from a warm interpreter instead), report
+    its pid and group on `report_fd`, wait for it (the run's deadline kept) and write its
+    exit record."""
     if spec.get("socket_dir"):
         mark_group(spec["socket_dir"])   # before the process exists: see end_run
     argv = list(spec["argv"])
@@ -101,10 +119,7 @@ def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int
         argv, env = container.spec_argv(spec, argv, cwd, env, os.getpgrp()), \
             container.client_environment(spec["container"]["engine"], env, os.environ)
     try:
-        proc = subprocess.Popen(
-            argv, cwd=cwd, env=env,
-            stdin=subprocess.DEVNULL, stdout=log_fd, stderr=subprocess.STDOUT,
-        )
+        proc = start(argv, cwd, env, log_fd)
     except OSError as e:
         error = f"cannot start {spec['argv'][0]!r}: {e.strerror}"
         if not os.access(cwd, os.R_OK | os.X_OK):   # issue 33: say whose view of which directory failed
