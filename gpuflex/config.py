@@ -88,9 +88,9 @@ class JobSettings:
     # the packed submit directory may hold (gpuflex.hosts.sync)
     sync: StrictBool = False
     sync_cap_mib: Number = Field(100, gt=0, le=1 << 20)
-    # issue 27: a run's Python workers on a host forked from one interpreter that imported
-    # torch once (gpuflex.hosts.warm); false: each worker its own interpreter
-    warm_start: StrictBool = True
+    # issue 27: an in-place run's workers on a host forked from one interpreter that
+    # imported torch once (gpuflex.hosts.zygote); false: each worker its own interpreter
+    fork_start: StrictBool = True
 
 
 @dataclass(frozen=True, config=_TABLE)

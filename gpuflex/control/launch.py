@@ -225,9 +225,12 @@ def worker_spec(config: Config, host: HostConfig, job: Job, worker: Worker, rank
                      private_dirs=[d, contract.checkpoint_dir], socket_dir=socket_dir(job),
                      clean_env=job.submit_env is not None,
                      deadline=run_deadline(job), grace_s=config.jobs.cancel_grace_s,
-                     container=container_spec(host, job), warm=config.jobs.warm_start,
-                     # a starting warm interpreter is waited for, well within the spawn's own timeout
-                     warm_ready_s=min(30.0, host.command_timeout_s / 3))
+                     container=container_spec(host, job),
+                     # an in-place job's workers all import torch and gpuflex's runtime: forked
+                     # from one interpreter per host that did, waited for well within the spawn's
+                     # own timeout while it starts (gpuflex.hosts.zygote)
+                     fork_start=config.jobs.fork_start and not is_gang(job),
+                     fork_ready_s=min(30.0, host.command_timeout_s / 3))
 
 
 def container_spec(host: HostConfig, job: Job) -> dict[str, Any] | None:

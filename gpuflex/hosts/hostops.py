@@ -6,7 +6,8 @@ always runs as its own process because it forks. Standard library only: remote h
 need nothing but gpuflex itself importable by their `python`.
 
 `spawn` starts a worker under its supervisor (gpuflex.hosts.supervisor), which records
-the worker's exit in an exit file; the rest here asks about and acts on what runs:
+the worker's exit in an exit file (forked from the run's warm interpreter when it can
+be: gpuflex.hosts.zygote); the rest here asks about and acts on what runs:
 `status` (is the group alive, what did the exit file say), signals and stops of groups,
 reads of logs, the end of a run whose command died, and the clean-up of socket
 directories.
@@ -27,7 +28,8 @@ from typing import Any
 
 from gpuflex.hosts import container
 from gpuflex.hosts.private import remove_own_dir
-from gpuflex.hosts.supervisor import GROUP_MARK, SpawnError, proc_stats, spawn
+from gpuflex.hosts.supervisor import GROUP_MARK, SpawnError, proc_stats
+from gpuflex.hosts.zygote import spawn
 
 log = logging.getLogger(__name__)
 

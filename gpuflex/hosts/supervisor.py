@@ -38,6 +38,21 @@ class SpawnError(RuntimeError):
     hostops replies them as they are, without the exception's name."""
 
 
+def prepare(spec: dict[str, Any]) -> dict[str, Any]:
+    """What every spawn does first: the run's deadline on this host's clock (the time this
+    command took to get here is the run's, not the limit's; `time_left_s` is spent), and
+    its directories made private (NotPrivate, an OSError, when one of them is another
+    user's or a symlink). The spec to start the worker from."""
+    spec = {**spec, "deadline": local_deadline(spec, time.time()), "time_left_s": None}
+    log_path = os.path.expanduser(spec["log"])
+    exit_path = os.path.expanduser(spec["exit_path"])
+    for d in [os.path.dirname(log_path), os.path.dirname(exit_path), *(spec.get("private_dirs") or ())]:
+        private_dir(d)
+    if spec.get("socket_dir"):
+        exclusive_dir(spec["socket_dir"])
+    return spec
+
+
 def spawn(spec: dict[str, Any]) -> dict[str, int]:
     """Start `spec["argv"]` detached; returns {"pid": worker pid, "pgid": group id}.
 
@@ -50,29 +65,19 @@ def spawn(spec: dict[str, Any]) -> dict[str, int]:
     which its own outputs follow, is left alone. Raises NotPrivate (an OSError) when one
     of them is another user's or a symlink.
     """
-    # first thing: the time this command took to get here is the run's, not the limit's
-    spec = {**spec, "deadline": local_deadline(spec, time.time())}
-    log_path = os.path.expanduser(spec["log"])
-    exit_path = os.path.expanduser(spec["exit_path"])
-    for d in [os.path.dirname(log_path), os.path.dirname(exit_path), *(spec.get("private_dirs") or ())]:
-        private_dir(d)
-    if spec.get("socket_dir"):
-        exclusive_dir(spec["socket_dir"])
-    from gpuflex.hosts import warm   # it imports this module
-    if warm.warmable(spec):   # forked from the run's warm interpreter, when it answers in time
-        reply = warm.spawn({**spec, "time_left_s": None}, float(spec.get("warm_ready_s") or warm.READY_S))
-        if reply is not None:
-            if "error" in reply:
-                raise SpawnError(str(reply["error"]))
-            return {"pid": int(reply["pid"]), "pgid": int(reply["pgid"])}
-    log_fd = open_private(log_path, os.O_WRONLY | os.O_APPEND)
+    return start(prepare(spec))
+
+
+def start(spec: dict[str, Any]) -> dict[str, int]:
+    """Fork the supervisor of a `prepare`d spec and return what it reports."""
+    log_fd = open_private(os.path.expanduser(spec["log"]), os.O_WRONLY | os.O_APPEND)
     read_fd, write_fd = os.pipe()
     first = os.fork()
     if first == 0:  # the future supervisor
         os.close(read_fd)
         try:
             os.setsid()
-            _supervise(spec, log_fd, exit_path, write_fd)
+            supervise(spec, log_fd, os.path.expanduser(spec["exit_path"]), write_fd)
         finally:
             os._exit(0)
     os.close(write_fd)
@@ -102,10 +107,10 @@ def _popen(argv: list[str], cwd: str, env: dict[str, str], log_fd: int) -> Any:
                             stderr=subprocess.STDOUT)
 
 
-def _supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int,
+def supervise(spec: dict[str, Any], log_fd: int, exit_path: str, report_fd: int,
                start: Callable[[list[str], str, dict[str, str], int], Any] = _popen) -> None:
     """The supervisor's life: start the worker (`start`: a process with `pid` and
-    `wait(timeout)`; gpuflex.hosts.warm forks it from a warm interpreter instead), report
+    `wait(timeout)`; gpuflex.hosts.zygote forks it from a warm interpreter instead), report
     its pid and group on `report_fd`, wait for it (the run's deadline kept) and write its
     exit record."""
     if spec.get("socket_dir"):

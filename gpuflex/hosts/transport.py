@@ -65,8 +65,9 @@ class SpawnSpec:
     runs `argv` in that image through the host's engine (gpuflex.hosts.container), with
     `cwd`, `private_dirs` and `socket_dir` mounted and the environment passed in.
 
-    `warm` (a worker's spec): fork it from the run's warm interpreter on the host when it
-    can be (gpuflex.hosts.warm), waiting at most `warm_ready_s` for one that is starting.
+    `fork_start` (an in-place job's worker): fork it from the run's warm interpreter on the
+    host when it can be (gpuflex.hosts.zygote), waiting at most `fork_ready_s` for one that
+    is starting.
     """
 
     argv: list[str]
@@ -80,8 +81,8 @@ class SpawnSpec:
     deadline: float | None = None
     grace_s: float = 0.0
     container: dict[str, Any] | None = None
-    warm: bool = False
-    warm_ready_s: float = 0.0
+    fork_start: bool = False
+    fork_ready_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -108,7 +108,7 @@ def test_the_ssh_module_is_loaded_only_for_the_first_ssh_host():
 # by one that does), where gpuflex's dependencies may be missing
 HOST_SIDE = ["gpuflex.hosts.relay", "gpuflex.hosts.hostops", "gpuflex.hosts.supervisor", "gpuflex.hosts.private", "gpuflex.hosts.container",
              "gpuflex.hosts.gather", "gpuflex.hosts.unpack", "gpuflex.hosts.attach", "gpuflex.hosts.envsetup",
-             "gpuflex.hosts.terminal"]
+             "gpuflex.hosts.terminal", "gpuflex.hosts.zygote", "gpuflex.hosts.forkrun"]
 
 
 @pytest.mark.parametrize("module", HOST_SIDE)

@@ -1,4 +1,4 @@
-"""gpuflex.hosts.warm: a run's Python workers forked from one warm interpreter, through the
+"""gpuflex.hosts.zygote: a run's Python workers forked from one warm interpreter, through the
 real `hostops spawn` (a process of its own, as every transport runs it), each behaving as
 `python SCRIPT` or `python -m MODULE` would: argv, sys.path[0], directory, environment,
 torch's threads, exit codes, tracebacks, signals; the exit record its supervisor writes;
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from gpuflex.hosts import warm
+from gpuflex.hosts import zygote
 from gpuflex.hosts.transport import SpawnSpec, spawn_request
 
 pytestmark = pytest.mark.e2e   # hostops spawn, the zygote and its workers are processes
@@ -49,11 +49,11 @@ def run(tmp_path):
     (code / "pkgmod.py").write_text(SCRIPT)
     groups: list[int] = []
 
-    def spawn(name: str, argv: list[str], *, env: dict | None = None, warm_start: bool = True) -> dict:
+    def spawn(name: str, argv: list[str], *, env: dict | None = None, fork_start: bool = True) -> dict:
         spec = SpawnSpec(argv=argv, cwd=str(code), env={"MINE": "job", "GPUFLEX_WORKER_ID": name, "OMP_NUM_THREADS": "1", **(env or {})},
                          log=str(tmp_path / "logs" / f"{name}.log"), exit_path=str(tmp_path / "logs" / f"{name}.exit"),
-                         private_dirs=[str(tmp_path / "logs")], socket_dir=str(sock), warm=warm_start,
-                         warm_ready_s=60.0)
+                         private_dirs=[str(tmp_path / "logs")], socket_dir=str(sock), fork_start=fork_start,
+                         fork_ready_s=60.0)
         p = subprocess.run([sys.executable, "-m", "gpuflex.hosts.hostops", "spawn"], text=True,
                            input=json.dumps(spawn_request(spec, time.time())), capture_output=True, timeout=120)
         reply = json.loads(p.stdout.strip().splitlines()[-1])
@@ -101,8 +101,8 @@ def test_workers_fork_from_one_warm_interpreter_and_run_as_python_would(run):
     # them is a worker's own: GPUFLEX_*, OMP_NUM_THREADS), in a group of its own
     assert a["pgid"] != b["pgid"] and a["pid"] != a["pgid"]
     (pid_file,) = (tmp / "sock").glob("zygote-*.pid")
-    zygote = int(pid_file.read_text())
-    assert os.getpgid(zygote) not in (a["pgid"], b["pgid"])
+    zygote_pid = int(pid_file.read_text())
+    assert os.getpgid(zygote_pid) not in (a["pgid"], b["pgid"])
     assert (tmp / "logs" / "zygote.log").read_text().count("serving") == 1
     # another environment (what a worker's imports may have read): another zygote
     spawn("c", [sys.executable, "train.py"], env={"MINE": "other"})
@@ -113,7 +113,7 @@ def test_workers_fork_from_one_warm_interpreter_and_run_as_python_would(run):
         f.unlink()
     (tmp / "sock").rmdir()
     end = time.monotonic() + 30
-    while warm._alive(zygote):
+    while zygote._alive(zygote_pid):
         assert time.monotonic() < end, "the zygote outlived its run's directory"
         time.sleep(0.1)
 
@@ -129,7 +129,7 @@ def test_a_module_a_traceback_and_a_signal_end_as_they_would_in_a_fresh_interpre
     assert exit_record(tmp, "boom")["returncode"] == 1
     log = (tmp / "logs" / "boom.log").read_text()
     assert log.splitlines()[-1] == "RuntimeError: boom at step 3"
-    assert "Traceback (most recent call last):" in log and "runpy" not in log and "warm.py" not in log
+    assert "Traceback (most recent call last):" in log and "runpy" not in log and "forkrun.py" not in log and "zygote.py" not in log
     assert 'train.py", line' in log and "in inner" in log
     end = time.monotonic() + 60
     while not (tmp / "logs" / "sleep.log").read_text():
@@ -139,19 +139,15 @@ def test_a_module_a_traceback_and_a_signal_end_as_they_would_in_a_fresh_interpre
     assert exit_record(tmp, "sleep")["returncode"] == -signal.SIGTERM
 
 
-def test_what_a_warm_start_cannot_run_the_same_way_starts_cold(run):
+def test_what_a_fork_cannot_run_the_same_way_starts_cold(run):
     spawn, tmp = run
-    for name, argv, warm_start in (("shell", ["sh", "-c", "echo cold; exit 4"], True),
+    for name, argv, fork_start in (("shell", ["sh", "-c", "echo cold; exit 4"], True),
                                    ("flag", [sys.executable, "-X", "dev", "train.py", "4"], True),
                                    ("off", [sys.executable, "train.py", "4"], False)):
-        assert "ok" in spawn(name, argv, warm_start=warm_start)
+        assert "ok" in spawn(name, argv, fork_start=fork_start)
         assert exit_record(tmp, name)["returncode"] == 4
     assert not list((tmp / "sock").glob("zygote-*.pid"))
     assert output(tmp, "flag")["warm"] is False
-    assert warm.parse_python_argv(["python3", "-m", "mod", "x"]) == ("module", "mod", ["x"], False)
-    assert warm.parse_python_argv(["/v/bin/python3.11", "-u", "t.py"]) == ("script", "t.py", [], True)
-    for argv in (["python3"], ["python3", "-c", "x"], ["python3", "-m"], ["bash", "t.py"], ["python3", "-O", "t.py"]):
-        assert warm.parse_python_argv(argv) is None
 
 
 def test_a_worker_that_cannot_start_is_a_spawn_error_and_a_failed_zygote_leaves_spawns_cold(run, tmp_path):
