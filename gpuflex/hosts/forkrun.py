@@ -84,6 +84,38 @@ class Forked:
         return True
 
 
+# room the zygote's own argv and environment keep for its workers' (`retitle`): its
+# `--room` argument and this variable, blanks
+ARGV_ROOM, ENV_ROOM = 16 << 10, 64 << 10
+ROOM_VARIABLE = "GPUFLEX_ZYGOTE_ROOM"
+
+
+def retitle(argv: Sequence[str], env: dict[str, str]) -> bool:
+    """Write `argv` and `env` over this process's original argument and environment areas,
+    where /proc/PID/cmdline and /proc/PID/environ read them (what `ps`, a lab's accounting
+    and gpuflex's own tools see of a process), the rest of each area zeros: a forked worker
+    shows its own command line and environment there, not the zygote's. Safe only once
+    nothing points into the old environment block (os.environ cleared and refilled);
+    whether both fitted (an area too small is left as it was)."""
+    import ctypes
+
+    try:
+        with open("/proc/self/stat") as f:
+            stat = f.read()
+        fields = stat[stat.rfind(")") + 2:].split()
+        arg0, arg1, env0, env1 = (int(fields[n - 3]) for n in (48, 49, 50, 51))   # proc(5)'s field numbers
+    except (OSError, ValueError, IndexError):
+        return False
+    fitted = True
+    for start, end, items in ((arg0, arg1, argv), (env0, env1, [f"{k}={v}" for k, v in env.items()])):
+        blob = b"".join(os.fsencode(x) + b"\0" for x in items)
+        if not start or len(blob) > end - start:
+            fitted = False
+            continue
+        ctypes.memmove(start, blob + bytes(end - start - len(blob)), end - start)
+    return fitted
+
+
 def fork_worker(argv: list[str], cwd: str, env: dict[str, str], log_fd: int, not_its: Sequence[int] = ()) -> Forked:
     """Fork the worker of `argv` (what parse_python_argv takes); `not_its`: descriptors it
     must not keep. OSError, as a cold start's exec would raise, when it cannot start. The
@@ -100,6 +132,7 @@ def fork_worker(argv: list[str], cwd: str, env: dict[str, str], log_fd: int, not
             for fd in not_its:
                 os.close(fd)
             _become(cwd, env, log_fd, parsed[3])
+            retitle(argv, env)
         except BaseException:   # noqa: BLE001 - nothing of the script ran: never the supervisor's code
             os._exit(127)
         run_main(parsed)
@@ -118,7 +151,7 @@ def _become(cwd: str, env: dict[str, str], log_fd: int, unbuffered: bool) -> Non
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.chdir(cwd)
-    os.environ.clear()
+    os.environ.clear()   # libc's environ then points into Python's strings only (see _retitle)
     os.environ.update(env)
     if unbuffered or env.get("PYTHONUNBUFFERED"):
         for stream in (sys.stdout, sys.stderr):

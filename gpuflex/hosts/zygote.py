@@ -76,7 +76,9 @@ def spawn(req: dict[str, Any]) -> dict[str, int]:
     could not start, NotPrivate for a directory that is not ours."""
     spec = supervisor.prepare(req)
     if forkable(spec):
-        reply = fork_spawn(spec, float(spec.get("fork_ready_s") or READY_S))
+        # the worker's whole environment as this process would give it, not the zygote's
+        full = {**spec, "env": supervisor.spawn_env(spec), "clean_env": True}
+        reply = fork_spawn(full, float(spec.get("fork_ready_s") or READY_S))
         if reply is not None:
             if "error" in reply:
                 raise supervisor.SpawnError(str(reply["error"]))
@@ -182,11 +184,12 @@ def _start(spec: dict[str, Any], path: str, pid_path: str) -> int | None:
     """Start a zygote for `spec` (its interpreter, its common environment) serving `path`;
     its pid (recorded at `pid_path`), or None when it cannot be started."""
     argv0 = os.path.expanduser(spec["argv"][0])
-    env = zygote_env(supervisor.spawn_env(spec))
+    env = {**zygote_env(supervisor.spawn_env(spec)), forkrun.ROOM_VARIABLE: " " * forkrun.ENV_ROOM}
     log_dir = os.path.dirname(os.path.expanduser(spec["log"]))
     log_fd = open_private(os.path.join(log_dir, ZYGOTE_LOG), os.O_WRONLY | os.O_APPEND)
     try:
-        proc = subprocess.Popen([argv0, "-m", "gpuflex.hosts.zygote", "--socket", path],
+        proc = subprocess.Popen([argv0, "-m", "gpuflex.hosts.zygote", "--socket", path, "--room",
+                                 " " * forkrun.ARGV_ROOM],   # its workers' command lines take its place
                                 cwd=os.path.dirname(path), env=env, stdin=subprocess.DEVNULL, stdout=log_fd,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     except OSError:
@@ -335,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--socket", required=True)
     ap.add_argument("--idle-s", type=float, default=IDLE_S)
     ap.add_argument("--preload", default=",".join(PRELOAD))
+    ap.add_argument("--room", default="", help="blanks: room for a worker's command line (forkrun.retitle)")
     args = ap.parse_args(argv)
     return serve(args.socket, tuple(m for m in args.preload.split(",") if m), args.idle_s)
 

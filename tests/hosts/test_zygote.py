@@ -135,6 +135,13 @@ def test_a_module_a_traceback_and_a_signal_end_as_they_would_in_a_fresh_interpre
     while not (tmp / "logs" / "sleep.log").read_text():
         assert time.monotonic() < end
         time.sleep(0.05)
+    # what /proc shows of the forked worker (ps, a lab's accounting): its own command line
+    # and environment, not the zygote's
+    cmdline = Path(f"/proc/{sleeper['pid']}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+    assert cmdline == [sys.executable.encode(), b"train.py", b"sleep"]
+    environ = dict(v.split(b"=", 1) for v in Path(f"/proc/{sleeper['pid']}/environ").read_bytes().split(b"\0")
+                   if b"=" in v)
+    assert environ[b"GPUFLEX_WORKER_ID"] == b"sleep" and b"GPUFLEX_ZYGOTE_ROOM" not in environ
     os.killpg(sleeper["pgid"], signal.SIGTERM)   # the supervisor ignores it; the worker dies of it
     assert exit_record(tmp, "sleep")["returncode"] == -signal.SIGTERM
 
