@@ -256,11 +256,11 @@ def serve(path: str, preload: tuple[str, ...] = PRELOAD, idle_s: float = IDLE_S)
         if not ready:
             continue
         conn, _ = listener.accept()
-        last = time.monotonic()
         try:
             pid = _handle(conn, listener)
-            if pid is not None:
+            if pid is not None:   # a spawn (a probe of whether the socket is served is no use)
                 children.add(pid)
+                last = time.monotonic()
         finally:
             conn.close()
 
