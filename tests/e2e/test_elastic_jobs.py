@@ -83,8 +83,9 @@ def elastic_cli(home: Path, jobs: str = "") -> GpuflexCLI:
 
 @pytest.fixture
 def ej(home):
-    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints."""
-    cli = elastic_cli(home)
+    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints, workers forked
+    from one warm interpreter per run ([jobs] fork_start)."""
+    cli = elastic_cli(home, "fork_start = true\n")
     yield cli
     cleanup_jobs(cli, home / "g.db")
 
@@ -117,6 +118,12 @@ def test_resize_1_3_2_4_in_place_matches_the_reference(ej, tmp_path_factory, hom
     running = ej.json("status", str(job["id"]))
     assert running["world_size"] == 4 and len(live_members(running)) == 4
     assert live_members(running)[0]["pid"] == survivor_pid   # the survivor kept its process
+    # forked from the run's warm interpreter (fork_start), newcomers too, each showing its own
+    # command line
+    (zygote_log,) = (home / "work" / "jobs").glob("*/zygote.log")
+    assert zygote_log.read_text().count("serving") == 1
+    for w in live_members(running):
+        assert str(EXAMPLE).encode() in Path(f"/proc/{w['pid']}/cmdline").read_bytes()
 
     # the control socket of a live worker: status, and garbage is answered, not fatal
     ctl = live_members(running)[1]["control"]
