@@ -62,6 +62,20 @@ def pg_checks(lab: soak_lab.Lab, db: str) -> list[str]:
     return bad
 
 
+def job_events(lab, db: str, job_id: int, last: int = 25) -> str:
+    """The last `last` events of a job and its workers' rows, as lines for the log (the
+    lab's directory, database included, is removed after a run that passes)."""
+    try:
+        events = lab.pg.sql(f"SELECT round(time::numeric, 1), kind, left(replace(message, E'\\n', ' '), 160) "
+                            f"FROM events WHERE job_id = {int(job_id)} ORDER BY id DESC LIMIT {int(last)}", db)
+        workers = lab.pg.sql(f"SELECT wid, host, state, generation, exit_code, retired_at IS NOT NULL "
+                             f"FROM workers WHERE job_id = {int(job_id)} ORDER BY wid", db)
+    except Exception as e:   # noqa: BLE001 - evidence only: never what ends the summary
+        return f"      (its events could not be read: {e})"
+    lines = [f"      event {r}" for r in reversed(events.splitlines())]
+    return "\n".join(lines + [f"      worker {r}" for r in workers.splitlines()])
+
+
 def summary(chaos, seed: int, stopped: str | None) -> bool:
     lab = chaos.lab
     problems = list(chaos.problems)
@@ -75,6 +89,8 @@ def summary(chaos, seed: int, stopped: str | None) -> bool:
             problems.append(f"job {j['id']} ({j['name']}) is {j['state']}, reason {j.get('exit_reason')!r}")
         elif j["state"] != "succeeded":
             print(f"   job {j['id']} {j['name']} {j['state']}: {j['exit_reason'][:150]}")
+            if kind_of(j) in ("inplace", "restart"):   # built to outlive its faults: its evidence, kept
+                print(job_events(lab, chaos.db_name, j["id"]))
     print("faults injected: " + ", ".join(f"{k} {chaos.injected.get(k, 0)}" for k in soak_plan.FAULTS)
           + f", clock_skew 1 ({soak_lab.SKEWED_HOST} {soak_lab.SKEW_S} s ahead, the whole run)")
     print("planned but nothing there to hit (no victim, no process on the host): "
