@@ -25,6 +25,7 @@ from tests.conftest import GpuflexCLI, cleanup_jobs, db_rows, wait_for  # noqa: 
 pytestmark = pytest.mark.e2e   # jobs of real workers and coordinators
 
 EXAMPLE = str(REPO / "examples" / "elastic_mlp.py")
+FORK_START = True   # this module's jobs: workers forked from a warm interpreter (the `ej` fixture)
 CORRUPT_COPY = str(TESTS / "fakes" / "runtime_corrupt_copy.py")
 DEADLINE_S = 300
 ARGS = ["--hidden", "32", "--global-batch-size", "64", "--seed", "3"]
@@ -82,10 +83,12 @@ def elastic_cli(home: Path, jobs: str = "") -> GpuflexCLI:
 
 
 @pytest.fixture
-def ej(home):
-    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints, workers forked
-    from one warm interpreter per run ([jobs] fork_start)."""
-    cli = elastic_cli(home, "fork_start = true\n")
+def ej(home, request):
+    """CLI with a config for elastic jobs: 4 CPU slots, 1 s checkpoints; workers forked
+    from one warm interpreter per run ([jobs] fork_start) in a module that sets
+    FORK_START (this one: the others that share this fixture time their first
+    generation by cold starts)."""
+    cli = elastic_cli(home, "fork_start = true\n" if getattr(request.module, "FORK_START", False) else "")
     yield cli
     cleanup_jobs(cli, home / "g.db")
 
