@@ -27,7 +27,7 @@ from gpuflex.control.executor import Ops
 from gpuflex.db import queries
 from gpuflex.db.models import Job
 from gpuflex.errors import GpuflexError
-from gpuflex.policy import allocation, fairshare
+from gpuflex.policy import fairshare, shares
 from gpuflex.policy.placement import Assignment, HostFree, Placement, place
 from gpuflex.policy.preemption import (AFTERANY, AFTERNOTOK, AFTEROK, Dependency, Gate, HeldWorker, Shrink,
                                        Stop, Victim, array_gate, could_preempt, dependency_gate, plan_preemption,
@@ -58,14 +58,14 @@ def placing_order(ops: Ops, jobs: Iterable[Job], now: Room | None = None) -> lis
     return sorted(order, key=lambda j: (-j.priority, starts.behind(j.user)))
 
 
-def starting(ops: Ops, free: list[HostFree]) -> allocation.Starting | None:
+def starting(ops: Ops, free: list[HostFree]) -> shares.Starting | None:
     """Under `[harvest] policy = "throughput"`: each user's fair share of the pool (the
-    devices jobs hold and the `free` ones) and the devices they hold (allocation.Starting),
+    devices jobs hold and the `free` ones) and the devices they hold (shares.Starting),
     for the start sizes and the order; else None."""
     if ops.config.harvest.policy != "throughput":
         return None
     jobs = queries.jobs(ops.session, (*queries.ACTIVE, JobState.QUEUED))
-    return allocation.starting(((j.user, j.max_workers * max(j.gpus_per_worker, 1),
+    return shares.starting(((j.user, j.max_workers * max(j.gpus_per_worker, 1),
                                  sum(len(w.gpus) for w in j.members) if j.state is not JobState.QUEUED else 0)
                                 for j in jobs), sum(len(h.devices) for h in free))
 
@@ -75,7 +75,7 @@ def over_quota(ops: Ops, job: Job) -> str | None:
     return quotas.quota_of(ops, job.user).refusal(job.min_workers, job.gpus_per_worker)
 
 
-def started_below_max(job: Job, starts: allocation.Starting | None, workers: int) -> str | None:
+def started_below_max(job: Job, starts: shares.Starting | None, workers: int) -> str | None:
     """Why a --harvest job just started with `workers` is below its MAX under the
     throughput policy (its owner's fair share; the "allocation" event), or None."""
     if starts is None or not job.harvest or job.target_workers or workers >= job.max_workers:
@@ -88,11 +88,11 @@ def started_below_max(job: Job, starts: allocation.Starting | None, workers: int
             f"{starts.held.get(job.user, 0)}; the throughput policy grows it as its measurements show gains")
 
 
-def placement(ops: Ops, job: Job, free: list[HostFree], starts: allocation.Starting | None = None) -> Placement:
+def placement(ops: Ops, job: Job, free: list[HostFree], starts: shares.Starting | None = None) -> Placement:
     """Where the job's workers would go on `free` devices: MIN up to its target (else MAX),
     no more than its owner's quota leaves; under the throughput policy (`starts`: the
     pass's Room.starts) a --harvest job without a target no bigger than what its owner's
-    fair share leaves (allocation.Starting.most)."""
+    fair share leaves (shares.Starting.most)."""
     most = max(job.target_workers or job.max_workers, job.min_workers)
     if starts is not None and job.harvest and not job.target_workers:
         most = starts.most(job.user, most, job.min_workers, job.gpus_per_worker)
@@ -111,7 +111,7 @@ class Room:
     free: list[HostFree]
     leaving: list[HeldWorker]
     running: list[Victim]
-    starts: allocation.Starting | None = None   # the throughput policy's shares (`starting`)
+    starts: shares.Starting | None = None   # the throughput policy's shares (`starting`)
 
     def could_start(self, priority: int) -> bool:
         """Whether a job of `priority` might start: a device is free, a leaver is giving

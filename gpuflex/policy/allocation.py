@@ -42,11 +42,11 @@ communication-bound one that gains 3%. The rules, in order:
 5. Shrink what loses: a job whose one fewer worker is faster by more than `min_gain`
    (past its communication-bound optimum) gives that worker back.
 
-A user's fair share is max-min fair (`fair_shares`): the pool's devices split equally
+A user's fair share is max-min fair (`shares.fair_shares`): the pool's devices split equally
 among the users with work, except that a user whose jobs could use less (the sum of
 their MAX) gets that and the rest is split among the others. Queued --harvest jobs start
 no bigger than what their user's share leaves (never below MIN), the user furthest below
-their share first (`Starting`, used by the harvest plan and by the real placement,
+their share first (`shares.Starting`, used by the harvest plan and by the real placement,
 gpuflex.control.queueing): a job started at its MAX holds devices it has not shown it can
 use, and cannot be shrunk until it has measured two sizes.
 
@@ -56,8 +56,9 @@ Every change carries its reason ("job 12 3->2: one fewer worker loses 1%; job 15
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping, Sequence
+from typing import Mapping, Sequence
 
+from gpuflex.policy.shares import fair_shares
 from gpuflex.policy.throughput import Model, fit, merge, why_not
 
 
@@ -323,61 +324,6 @@ def _rebalance(jobs: Sequence[Elastic], size: Mapping[int, int], held: Mapping[s
             if best is None or key < best[0]:
                 best = (key, (j, k, gain, loss))
     return None if best is None else best[1]
-
-
-def fair_shares(demand: Mapping[str, float], pool: float) -> dict[str, float]:
-    """Max-min fair shares of `pool` devices among users who could use `demand` each
-    (the sum of their jobs' MAX): equal, except that a user who could use less than an
-    equal part gets what they could use and the rest is split among the others."""
-    out = {u: 0.0 for u in demand}
-    left, active = float(pool), sorted(u for u in demand if demand[u] > 0)
-    while active and left > 1e-9:
-        each = left / len(active)
-        short = [u for u in active if demand[u] - out[u] <= each]
-        if not short:
-            for u in active:
-                out[u] += each
-            break
-        for u in short:
-            left -= demand[u] - out[u]
-            out[u] = float(demand[u])
-            active.remove(u)
-    return out
-
-
-@dataclasses.dataclass
-class Starting:
-    """How the throughput policy starts queued --harvest jobs: no bigger than their user's
-    fair share (it grows them from there as they measure well), the user furthest below
-    their share first. From `starting`."""
-
-    share: dict[str, float]
-    held: dict[str, int]
-
-    def behind(self, user: str) -> float:
-        """The user's devices over their share (0: none held; the lowest go first)."""
-        s = self.share.get(user, 0.0)
-        return self.held.get(user, 0) / s if s > 0 else 0.0
-
-    def most(self, user: str, most: int, min_workers: int, per_worker: int) -> int:
-        """Workers to start with, at most `most`: what the user's share leaves, never below MIN."""
-        left = self.share.get(user, 0.0) - self.held.get(user, 0)
-        return max(min_workers, min(most, int(left // max(per_worker, 1))))
-
-    def took(self, user: str, devices: int) -> None:
-        """A job of the user started on `devices` (the next placements see it)."""
-        self.held[user] = self.held.get(user, 0) + devices
-
-
-def starting(jobs: Iterable[tuple[str, int, int]], idle: int) -> Starting:
-    """`jobs`: (user, devices at its MAX, devices it holds) of every running and queued job;
-    `idle`: the devices nobody holds. Shares are max-min fair over all those devices."""
-    demand: dict[str, int] = {}
-    held: dict[str, int] = {}
-    for user, most, holds in jobs:
-        demand[user] = demand.get(user, 0) + most
-        held[user] = held.get(user, 0) + holds
-    return Starting(fair_shares(demand, sum(held.values()) + idle), held)
 
 
 def _short(reasons: list[str]) -> list[str]:

@@ -14,7 +14,7 @@ One tick of `gpuflex harvest` asks `plan()` what to do and an executor
    decayed usage, then age, each within its owner's quota (what `lifecycle.place_queued`
    will do; listed so a dry run shows it). Under the throughput policy a --harvest job
    starts no bigger than its owner's fair share, the user furthest below theirs first
-   (gpuflex.policy.allocation.Starting).
+   (gpuflex.policy.shares.Starting).
 4. Grow: `--harvest` jobs grow onto idle GPUs of owned hosts, one worker at a time, up to
    their MAX and within their owner's quota: higher priority first, then the job of the
    user with the least decayed usage (fair share between users, gpuflex.policy.fairshare),
@@ -38,7 +38,7 @@ from typing import Iterable, Mapping, Sequence
 
 from gpuflex.config import HarvestSettings
 from gpuflex.elastic.protocol.wire import CoordinatorStatus
-from gpuflex.policy import allocation
+from gpuflex.policy import allocation, shares
 from gpuflex.policy.fairshare import Quota
 from gpuflex.policy.harvest_actions import Action, GpuRef, Grow, HostDown, Note, Place, Plan, Requeue, Shrink, Yield
 from gpuflex.policy.placement import HostFree, place
@@ -285,9 +285,9 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
     return Plan(tuple(actions))
 
 
-def starting(jobs: Sequence[JobView], free: Mapping[str, list[int]]) -> allocation.Starting:
-    """The throughput policy's start sizes and order (allocation.Starting) for this pool."""
-    return allocation.starting(((j.user, j.max_workers * max(j.gpus_per_worker, 1),
+def starting(jobs: Sequence[JobView], free: Mapping[str, list[int]]) -> shares.Starting:
+    """The throughput policy's start sizes and order (shares.Starting) for this pool."""
+    return shares.starting(((j.user, j.max_workers * max(j.gpus_per_worker, 1),
                                  sum(len(w.gpus) for w in j.members) if j.state in ACTIVE else 0)
                                 for j in jobs if j.state in ACTIVE or j.state == JobState.QUEUED),
                                sum(len(d) for d in free.values()))

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from gpuflex.policy.allocation import Elastic, Rules, Waiting, allocate, fair_shares, speedup, starting
+from gpuflex.policy.allocation import Elastic, Rules, Waiting, allocate, speedup
+from gpuflex.policy.shares import fair_shares, starting
 from gpuflex.policy.throughput import Model
 
 LINEAR = Model(1.0, 0.0)            # compute-bound: n workers, n times as fast
