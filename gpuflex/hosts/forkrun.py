@@ -28,6 +28,8 @@ import time
 import traceback
 from typing import Any, NoReturn, Sequence
 
+from gpuflex.hosts.supervisor import stat_fields
+
 Parsed = tuple[str, str, list[str], bool]   # ("script" | "module", target, its args, unbuffered)
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?$")
 _RESET = ("SIGTERM", "SIGHUP", "SIGCHLD", "SIGUSR1", "SIGUSR2", "SIGALRM", "SIGQUIT")
@@ -99,12 +101,10 @@ def retitle(argv: Sequence[str], env: dict[str, str]) -> bool:
     whether both fitted (an area too small is left as it was)."""
     import ctypes
 
+    fields = stat_fields("self")
     try:
-        with open("/proc/self/stat") as f:
-            stat = f.read()
-        fields = stat[stat.rfind(")") + 2:].split()
         arg0, arg1, env0, env1 = (int(fields[n - 3]) for n in (48, 49, 50, 51))   # proc(5)'s field numbers
-    except (OSError, ValueError, IndexError):
+    except (TypeError, ValueError, IndexError):   # unreadable (None) or a kernel without them
         return False
     fitted = True
     for start, end, items in ((arg0, arg1, argv), (env0, env1, [f"{k}={v}" for k, v in env.items()])):

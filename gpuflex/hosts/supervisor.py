@@ -208,17 +208,23 @@ def mark_group(socket_dir: str) -> None:
     os.close(fd)
 
 
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (Linux; PID may be "self"):
+    proc(5)'s field n at index n - 3, the state first. None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name may hold spaces and parentheses: split after the last ')'
+    return stat[stat.rfind(")") + 2:].split()
+
+
 def proc_stats() -> Iterator[tuple[int, str, int, int]]:
     """(pid, state, ppid, pgrp) of each process in /proc (Linux), read lazily."""
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # the command name may hold spaces and parentheses: split after the last ')'
-        fields = stat[stat.rfind(")") + 2:].split()
-        if len(fields) > 2:
+        fields = stat_fields(entry.name)
+        if fields is not None and len(fields) > 2:
             yield int(entry.name), fields[0], int(fields[1]), int(fields[2])

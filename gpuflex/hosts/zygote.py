@@ -172,12 +172,8 @@ def _read_pid(path: str) -> int | None:
 
 def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie does not)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-    except OSError:
-        return False
-    return stat[stat.rfind(")") + 2:].split()[0] != "Z"
+    fields = supervisor.stat_fields(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 def _start(spec: dict[str, Any], path: str, pid_path: str) -> int | None:
