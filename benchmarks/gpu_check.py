@@ -25,6 +25,10 @@ to be fixtures under tests/fakes/samples/, and the job logs of any part that fai
   distributed checkpoint.
 - throughput: steps/s of the MLP at --hidden 4096 (a global batch of 4096), plain training,
   gpuflex (one worker, nccl) and DDP under torchrun (one process, nccl), one after another.
+- profile: torch.profiler over 30 steps at --hidden 4096: plain, the runtime standalone and a
+  one-worker job.
+- cost: steps/s at --hidden 4096 of the runtime standalone in the default and bitwise modes,
+  and of a one-worker job checkpointing every 2 s against every 60 s.
 - stall: the in-place grow 1 -> 2 of workers sharing the GPU (gloo) at 100 MB and 1 GB of
   state on the GPU: the scale event's phase timings.
 
@@ -50,12 +54,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = str(ROOT / "benchmarks" / "gpu_train.py")
 FAKE_SMI = str(ROOT / "tests" / "fakes" / "nvidia-smi")
-PARTS = ("smi", "nccl1", "gloo3", "bitwise", "throughput", "stall", "fsdp", "profile")
+PARTS = ("smi", "nccl1", "gloo3", "bitwise", "throughput", "stall", "fsdp", "profile", "cost")
 # bitwise (issue 31's check) and profile (a diagnosis) only when asked: the rest, issue 29's
 # check, takes about 7 minutes on an H200
-DEFAULT_PARTS = tuple(p for p in PARTS if p not in ("bitwise", "profile"))
+DEFAULT_PARTS = tuple(p for p in PARTS if p not in ("bitwise", "profile", "cost"))
 BUDGET_S = {"smi": 45, "nccl1": 60, "gloo3": 100, "bitwise": 100, "throughput": 100, "stall": 100, "fsdp": 150,
-            "profile": 90}
+            "profile": 90, "cost": 120}
 # beside the default (half the worker's share of the cores on a GPU host: 8 of 16 on an H200),
 # one thread: 1, 4 and 8 ran alike there, 16 (the old default) at 0.74 of plain (docs/benchmarks.md)
 OMP_MODES = ("gpuflex-omp1",)
@@ -128,8 +132,8 @@ class Check:
                  + json.dumps({k: v for k, v in res.items() if k not in ("traceback", "raw")}, default=str)[:1500])
         (self.out / "gpu_check.json").write_text(json.dumps(self.results, indent=1, default=str))
 
-    def pool(self, name: str, gpus: str) -> "Pool":
-        return Pool(self, name, gpus)
+    def pool(self, name: str, gpus: str, checkpoint_s: float = 2) -> "Pool":
+        return Pool(self, name, gpus, checkpoint_s)
 
     def reference(self, name: str, args: list[str]):
         """The standalone run of the training script on the GPU (one process, no gpuflex),
@@ -180,13 +184,13 @@ class Check:
 class Pool:
     """A throw-away gpuflex setup with one local host, driven through its CLI."""
 
-    def __init__(self, check: Check, name: str, gpus: str) -> None:
+    def __init__(self, check: Check, name: str, gpus: str, checkpoint_s: float = 2) -> None:
         self.check, self.name = check, name
         self.dir = check.work / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.config = self.dir / "gpuflex.toml"
         self.config.write_text(
-            f'[database]\nurl = "sqlite:///{self.dir}/g.db"\n\n[jobs]\ncheckpoint_interval_s = 2\ncancel_grace_s = 10\n'
+            f'[database]\nurl = "sqlite:///{self.dir}/g.db"\n\n[jobs]\ncheckpoint_interval_s = {checkpoint_s}\ncancel_grace_s = 10\n'
             f'heartbeat_timeout_s = 3\n\n[[hosts]]\nname = "{name}"\ngpus = "{gpus}"\nworkdir = "{self.dir}/work"\n'
             f'nvidia_smi = "{check.smi}"\n')
 
@@ -535,6 +539,42 @@ def part_profile(c: Check) -> dict:
     return res
 
 
+def part_cost(c: Check) -> dict:
+    """Steps/s at --hidden 4096 of the runtime standalone, default against bitwise mode (8
+    units a step, deterministic algorithms), and of a one-worker job checkpointing every 2 s
+    against every 60 s (the profile part's job lost ~11 % to plain: is it the checkpoints?)."""
+    hidden, batch, steps = (4096, 4096, 500) if not c.dry else (256, 256, 160)
+    args = ["--hidden", str(hidden), "--global-batch-size", str(batch), "--samples", str(batch * 16),
+            "--steps", str(steps)]
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}, "CUDA_VISIBLE_DEVICES": "0"}
+    res: dict = {"rates": {}}
+    for mode in ("standalone", "standalone-bitwise", "job-ckpt2", "job-ckpt60"):
+        if c.left() < 15:
+            break
+        times = c.work / f"cost-{mode}.txt"
+        times.unlink(missing_ok=True)
+        argv = [sys.executable, TRAIN, "--mode", "elastic", *args, "--step-times", str(times)]
+        if mode.startswith("standalone"):
+            bitwise = mode.endswith("bitwise")   # profiled over steps 100..129, as the profile part
+            (c.files / "profile").mkdir(exist_ok=True)
+            c.run(argv + (["--exact", "bitwise", "--profile", str(c.files / "profile" / "bitwise.txt")] if bitwise else []),
+                  env=env)
+        else:
+            pool = c.pool(f"cost-{mode}", "all", checkpoint_s=float(mode.removeprefix("job-ckpt")))
+            job = pool.submit(argv, "--workers", "1:1")
+            if pool.wait_quietly(job, times, steps)["state"] != "succeeded":
+                pool.keep_logs(job, f"cost-{mode}")
+        res["rates"][mode], _ = rate(times, skip=140)   # after the profiled steps
+        res["rates"][mode] = round(res["rates"][mode], 2)
+    r = res["rates"]
+    if r.get("standalone") and r.get("standalone-bitwise"):
+        res["bitwise/default"] = round(r["standalone-bitwise"] / r["standalone"], 3)
+    if r.get("job-ckpt2") and r.get("job-ckpt60"):
+        res["ckpt2/ckpt60"] = round(r["job-ckpt2"] / r["job-ckpt60"], 3)
+    res["ok"] = len(r) == 4 and all(r.values())
+    return res
+
+
 def part_stall(c: Check) -> dict:
     sizes = (100e6, 1e9) if not c.dry else (4e6, 20e6)
     res: dict = {"ok": True, "sizes": []}
@@ -566,7 +606,7 @@ def main() -> None:
     ap.add_argument("out", type=Path)
     ap.add_argument("--cpu-dry-run", action="store_true", help="the same flow without a GPU (fake nvidia-smi, CPU)")
     ap.add_argument("--parts", default=",".join(DEFAULT_PARTS),
-                    help=f"a comma list of: {', '.join(PARTS)} (default: all but bitwise and profile)")
+                    help=f"a comma list of: {', '.join(PARTS)} (default: all but bitwise, profile and cost)")
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = [p for p in parts if p not in PARTS]
@@ -579,7 +619,7 @@ def main() -> None:
     c.results["environment"] = c.environment()
     c.say("environment: " + json.dumps(c.results["environment"]))
     fns = {"smi": part_smi, "nccl1": part_nccl1, "gloo3": part_gloo3, "bitwise": part_bitwise,
-           "throughput": part_throughput, "stall": part_stall, "fsdp": part_fsdp, "profile": part_profile}
+           "throughput": part_throughput, "stall": part_stall, "fsdp": part_fsdp, "profile": part_profile, "cost": part_cost}
     for name in parts:
         c.part(name, lambda: fns[name](c))
     subprocess.run(["pkill", "-9", "-f", TRAIN], check=False)   # whatever a part left running

@@ -101,6 +101,12 @@ def pin_threads(environ: Mapping[str, str] | None = None) -> int:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # cuBLAS' deterministic mode
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(True)
+    # which torch follows by filling every new tensor (NaN, or an integer's largest value) so
+    # that a read of memory nothing wrote is reproducible: a kernel launch per allocation, ~450
+    # a step of the MLP's 8 units on an H200, where they and the other small launches held
+    # bitwise mode to 0.22 of the default's steps/s. No op of torch's or ours reads what it did
+    # not write; a script that wants the fill back sets it after ElasticRun is made.
+    torch.utils.deterministic.fill_uninitialized_memory = False
     return threads
 
 

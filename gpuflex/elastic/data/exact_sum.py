@@ -52,9 +52,12 @@ FAST_K = range(-126, 128)
 
 BUCKET = 1 << 21  # elements (16 MiB of int64) of the integer sum all-reduced at a time: the
 # buckets' all-reduces overlap the quantization of the next and the way back of the previous
-CHUNK = 1 << 17   # elements: a gradient larger than this is quantized, summed and turned back a
-# piece at a time, so each piece's float and int64 copies stay in the CPU's cache (1 MiB of L2
-# a core here) instead of streaming model-sized temporaries through memory; same ops, same bits
+CHUNK = 1 << 17   # elements: on the CPU, a gradient larger than this is quantized, summed and
+# turned back a piece at a time, so each piece's float and int64 copies stay in the CPU's cache
+# (1 MiB of L2 a core here) instead of streaming model-sized temporaries through memory; same
+# ops, same bits. On a GPU each gradient is one piece: there every piece is a few kernel
+# launches a unit, and at 64 MB of gradients 128 pieces x 8 units of launches cost an H200
+# 86 % of its steps/s (docs/benchmarks.md, "On a real GPU")
 
 
 class UnitGrads:
@@ -76,6 +79,8 @@ class UnitGrads:
         self.small = [i for i, p in enumerate(params) if p.numel() <= CHUNK]
         self.large = [i for i, p in enumerate(params) if p.numel() > CHUNK]
         self.small_n = sum(params[i].numel() for i in self.small)
+        on_cpu = all(p.device.type == "cpu" for p in params)
+        self.chunk = CHUNK if on_cpu else max([params[i].numel() for i in self.large], default=CHUNK)
         self.offsets: list[int] = [0] * len(params)   # each parameter's place in the integer sum
         off = 0
         for i in self.small + self.large:
@@ -90,9 +95,13 @@ class UnitGrads:
             p.grad = None
         # aminmax, not abs().max() or an inf-norm: one vectorized pass, no copy (~17x faster
         # at 50 MB); NaN where any gradient is NaN
-        ends = [torch.aminmax(g.reshape(-1)) for g in grads if g.numel()]
-        peak = (torch.stack([e.to(torch.float64).abs() for mm in ends for e in mm]).max() if ends
-                else torch.zeros((), dtype=torch.float64))
+        ends = [e for g in grads if g.numel() for e in torch.aminmax(g.reshape(-1))]
+        if not ends:
+            peak = torch.zeros((), dtype=torch.float64)
+        elif len({e.dtype for e in ends}) == 1:   # |x| and max are exact in any float dtype: one
+            peak = torch.stack(ends).abs().max().to(torch.float64)   # stack, abs, max and cast a unit
+        else:
+            peak = torch.stack([e.to(torch.float64) for e in ends]).abs().max()
         self.units.append(grads)
         self.peaks.append(peak)
 
@@ -111,7 +120,7 @@ class UnitGrads:
         device = self.params[0].device if self.params else None
         if self._total is None or self._total.numel() != n + extra or self._total.device != torch.device(device or "cpu"):
             self._total = torch.empty(n + extra, dtype=torch.int64, device=device)
-            self._scratch = torch.empty(max(self.small_n, min(n, CHUNK)), dtype=torch.int64, device=device)
+            self._scratch = torch.empty(max(self.small_n, min(n, self.chunk)), dtype=torch.int64, device=device)
         return self._total, self._scratch
 
     def _views(self, flat: torch.Tensor, which: list[int]) -> list[torch.Tensor]:
@@ -125,7 +134,7 @@ class UnitGrads:
         pieces = [(0, self.small_n, -1)] if self.small_n else []
         for i in self.large:
             off, m = self.offsets[i], self.params[i].numel()
-            pieces += [(off + a, off + min(a + CHUNK, m), i) for a in range(0, m, CHUNK)]
+            pieces += [(off + a, off + min(a + self.chunk, m), i) for a in range(0, m, self.chunk)]
         return pieces
 
     def _quantize_piece(self, total: torch.Tensor, scratch: torch.Tensor, piece: tuple[int, int, int],
@@ -193,7 +202,7 @@ class UnitGrads:
 
     def _wide(self, total: torch.Tensor) -> torch.Tensor:
         """Float64 room for the small block or one chunk: the int64 scratch (the same width)."""
-        need = max(self.small_n, min(self.size(), CHUNK))
+        need = max(self.small_n, min(self.size(), self.chunk))
         if self._scratch is None or self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.int64, device=total.device)
         return self._scratch.view(torch.float64)

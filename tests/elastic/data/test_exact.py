@@ -252,12 +252,14 @@ def test_an_epochs_last_batch_is_cut_at_unit_boundaries_and_ends_in_a_short_unit
 def pinned(monkeypatch):
     """Bitwise mode pins torch's threads and deterministic kernels: put them back after."""
     threads, det = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     monkeypatch.delenv("GPUFLEX_EXACT", raising=False)
     monkeypatch.delenv("GPUFLEX_UNIT", raising=False)
     yield
     torch.set_num_threads(threads)
     torch.use_deterministic_algorithms(det)
+    torch.utils.deterministic.fill_uninitialized_memory = fill
 
 
 def make_run(model=None, **kw) -> ElasticRun:
