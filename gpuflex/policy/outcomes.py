@@ -25,10 +25,13 @@ here judge the workers' ends:
   phase the job was in) when the last generation's members exited with STORE_LOST_EXIT;
   Requeue (cause "shards-lost", naming the member that died) when a sharded run's exited
   with SHARDS_LOST_EXIT: it resumes from its last distributed checkpoint, not counted;
-  FAILED when one exited ABORTED_EXIT. In an in-place job whose last members ended by a
-  fault (a signal, no exit record: kill -9 of its only worker, a lost host) and none exited
-  0: Requeue (cause "fault", not counted against --retries: it resumes from its
-  checkpoint, as a restart job's gang does). Members that all exited 0 because a stop was
+  FAILED when one exited ABORTED_EXIT. In an in-place job where one of the last members
+  ended by a fault (a signal, no exit record: kill -9 of its only worker, a lost host):
+  Requeue (cause "fault", not counted against --retries: it resumes from its checkpoint,
+  as a restart job's gang does), also beside members that exited 0: those finished the
+  training (a member only leaves mid-run when a shrink retires it, `left`, or a stop is
+  agreed), but the faulted one did not finish the script's work after it (rank 0's report,
+  say); the restart resumes from the last step's checkpoint and runs only that. Members that all exited 0 because a stop was
   agreed before the end of training (the coordinator's `stopped`: a worker got a SIGTERM that
   no cancel, time limit or requeue of gpuflex's sent, e.g. a host shutting down or someone's
   `kill`) did not finish it: Requeue (cause "stopped", not counted against --retries) up to
@@ -156,9 +159,11 @@ def outcome(job: JobFacts, workers: list[WorkerFacts], generation: int,
         return Finish(JobState.FAILED, ABORTED_EXIT, "aborted by its coordinator: the same failure repeated",
                       job.restarts)
     faults = [w for w in last if is_fault(w)]
-    if not job.gang and faults and not any(w.state is WorkerState.EXITED for w in last):
+    if not job.gang and faults:
         w = faults[0]
-        what = f"worker {w.wid} on {w.host} {gang_exit(w)[1]} in {job.phase}, and no member is left"
+        beside = ("beside members that exited 0" if any(x.state is WorkerState.EXITED for x in last)
+                  else "and no member is left")
+        what = f"worker {w.wid} on {w.host} {gang_exit(w)[1]} in {job.phase}, {beside}"
         return stuck(job, w, what) or Requeue(f"{what}; restarting from its checkpoint", FAULT_CAUSE)
     failed = [w for w in last or current if w.state is not WorkerState.EXITED]
     if failed:

@@ -221,6 +221,26 @@ def test_kill_9_of_rank_0_and_of_a_worker_mid_resize_then_of_the_store_then_a_si
     assert resumed_at >= 30
 
 
+def test_a_member_killed_after_the_last_step_resumes_the_job_from_its_last_checkpoint(ej, tmp_path_factory, home):
+    """Issue 28's third 2-hour soak: two in-place jobs failed "worker N failed (exit code -9)"
+    after one worker was kill -9ed while its peers exited 0. The failpoint kills worker 1
+    once the last step is committed and checkpointed: the job is requeued for the fault
+    (not counted), the restart resumes from that checkpoint with nothing left to train, and
+    the report (rank 0's, written after the loop) matches the reference."""
+    report = home / "r.json"
+    job = ej.submit(example_argv(report, epochs=2, sleep=0.02), "--workers", "1:2",
+                    "--env", "GPUFLEX_FAILPOINTS=training.finished@wid=1=kill")
+    done = ej.wait_final(job["id"], DEADLINE_S)
+    events = ej.json("events", str(job["id"]))
+    assert done["state"] == "succeeded" and done["restarts"] == 1, (done, [(e["kind"], e["message"]) for e in events])
+    assert worker_of(done, 1)["exit_code"] == -9
+    (requeue,) = [e for e in events if e["kind"] == "state" and e["data"].get("cause") == "fault"]
+    assert "worker 1 on local was killed by signal 9" in requeue["message"] and "beside members that exited 0" \
+        in requeue["message"], requeue
+    assert "resumed from checkpoint at step 64" in ej.ok("logs", str(job["id"])).stdout
+    assert_matches_reference(json.loads(report.read_text()), reference(tmp_path_factory, 2))
+
+
 def worker_of(job: dict, wid: int) -> dict:
     (w,) = [w for w in job["workers"] if w["wid"] == wid]
     return w

@@ -150,7 +150,8 @@ def test_a_settled_job_below_its_minimum_is_requeued():
     ([w(0, state=W.EXITED, rc=0), w(1, state=W.FAILED, rc=3)],
      Finish(J.FAILED, 3, "worker 1 failed (exit code 3)")),
     ([w(0, state=W.LOST), w(1, state=W.EXITED, rc=0)],
-     Finish(J.FAILED, -9, "worker 0 lost (exit code None)")),
+     Requeue("worker 0 on a was lost (no exit record: killed with its supervisor, or its host went down; exit code "
+             "137) in generation 1, steady, beside members that exited 0; restarting from its checkpoint", "fault")),
     ([w(0, state=W.FAILED, rc=STORE_LOST_EXIT), w(1, state=W.FAILED, rc=STORE_LOST_EXIT)],
      Requeue("the job store on its host was lost in generation 1, steady; restarting from the last checkpoint",
              "store-lost")),
@@ -511,6 +512,19 @@ def test_members_that_exited_0_after_an_outside_stop_are_requeued_unless_the_tra
     assert isinstance(last, kind) and (kind is Finish) == (last == Finish(J.SUCCEEDED, 0, "all workers exited 0"))
 
 
-def test_an_in_place_job_whose_other_member_finished_is_not_requeued_for_a_late_kill():
+def test_an_in_place_job_whose_member_was_killed_after_the_others_finished_resumes_from_its_checkpoint():
+    """The third 2-hour soak's jobs 343 and 502: a worker kill -9ed while its peers exited 0,
+    and the job failed "worker N failed (exit code -9)". The training ended,
+    the killed member's part of the script after it did not (rank 0's report, say): the
+    restart from the last step's checkpoint runs only that. A gang fails as before, and a
+    fault that keeps coming back there ends the job (`stuck`)."""
     ended = [w(0, state=W.EXITED, rc=0), w(1, state=W.FAILED, rc=-9)]
-    assert outcome(job(*ended), ended, generation=1) == Finish(J.FAILED, -9, "worker 1 failed (exit code -9)")
+    assert outcome(job(*ended), ended, generation=1) == Requeue(
+        "worker 1 on a was killed by signal 9 (exit code 137) in generation 1, steady, beside members that exited 0; "
+        "restarting from its checkpoint", "fault")
+    gang = dataclasses.replace(job(*ended), elastic=None)
+    assert outcome(gang, ended, generation=1) == Finish(J.FAILED, -9, "worker 1 failed (exit code -9)")
+    again = dataclasses.replace(job(*ended), run_start_steps=(90, 90, 90), restart_causes=("fault", "fault"))
+    stuck = outcome(again, ended, generation=1)
+    assert isinstance(stuck, Finish) and stuck.state is J.FAILED and "each restarted from the checkpoint at step 90" \
+        in stuck.reason

@@ -115,9 +115,12 @@ def test_a_leaver_that_exited_0_does_not_make_the_loss_of_the_kept_workers_a_fai
     assert outcome(job(), ended, 2) == Requeue(
         "worker 0 on h0 was lost (no exit record: killed with its supervisor, or its host went down; exit code "
         "137) in generation 2, steady, and no member is left; restarting from its checkpoint", FAULT_CAUSE)
-    # a member that exited 0 without being asked to leave had finished: the loss beside it fails the job
+    # a member that exited 0 without being asked to leave had finished the training; the ones
+    # lost beside it had not finished the script: the job resumes from the last checkpoint
     finished = [worker(0, W.LOST, None), worker(1, W.LOST, None), worker(2, W.EXITED, 0)]
-    assert outcome(job(), finished, 2) == Finish(JobState.FAILED, -9, "worker 0 lost (exit code None)")
+    assert outcome(job(), finished, 2) == Requeue(
+        "worker 0 on h0 was lost (no exit record: killed with its supervisor, or its host went down; exit code "
+        "137) in generation 2, steady, beside members that exited 0; restarting from its checkpoint", FAULT_CAUSE)
     # the kept worker finished after the leavers left: a success, whatever the leavers did
     done = [worker(0, W.EXITED, 0), retired(1, W.EXITED, 0), retired(2, W.EXITED, 0)]
     assert outcome(job(), done, 2) == Finish(JobState.SUCCEEDED, 0, "all workers exited 0")

@@ -59,6 +59,7 @@ POINTS: dict[str, str] = {
     "split.replan": "a member made a new split of the global batch, before the step that commits it",
     "checkpoint.write": "checkpoint written to its temporary file, before the rename",
     "cancel.stop": "SIGTERM seen, before the final checkpoint",
+    "training.finished": "the last step committed and checkpointed, before the script's code after it",
     "coordinator.publish": "coordinator, before it publishes a generation",
     "coordinator.formed": "coordinator, after it recorded a formed generation",
     "scale.spawned": "gpuflex scale: newcomers spawned, before the resize request is sent",

@@ -94,6 +94,7 @@ class Boundary:
             self.checkpoint()
             if ctx.rdzv is not None and ctx.rank == 0:
                 ctx.rdzv.set(keys.FINISHED, "1")
+            if failpoints.ARMED: failpoints.hit("training.finished", **ctx.where())
             return False
         if ckpt or (ctx.rank == 0 and time.monotonic() - state.last_checkpoint >= ctx.checkpoint_interval_s):
             self.checkpoint(agreed=ckpt)
