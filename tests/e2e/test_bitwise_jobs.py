@@ -30,6 +30,7 @@ from tests.e2e.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, e
 from tests.e2e.test_hetero_split import favours_the_fast
 
 pytestmark = pytest.mark.e2e   # a job of real workers and a coordinator
+FORK_START = True   # the `ej` fixture's jobs fork their workers from a warm interpreter
 
 BITWISE = str(REPO / "examples" / "bitwise_mlp.py")
 ARGS = ["--hidden", "32", "--global-batch-size", "64", "--seed", "3"]

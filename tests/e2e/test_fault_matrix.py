@@ -80,7 +80,7 @@ def fm(home):
     cfg.write_text(
         f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
         f"[jobs]\ncancel_grace_s = {GRACE_S}\ncheckpoint_interval_s = 1\npg_timeout_s = {PG_TIMEOUT_S}\n"
-        f"heartbeat_timeout_s = {HEARTBEAT_S}\n\n"
+        f"heartbeat_timeout_s = {HEARTBEAT_S}\nfork_start = true\n\n"
         f'[[hosts]]\nname = "local"\ngpus = "cpu:4"\nworkdir = "{home}/work"\n')
     cli = GpuflexCLI(home, cfg)
     yield cli

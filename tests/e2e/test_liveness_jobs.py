@@ -41,7 +41,7 @@ def lj(home):
     cfg = home / "g.toml"
     cfg.write_text(
         f'[database]\nurl = "sqlite:///{home}/g.db"\n\n'
-        "[jobs]\ncancel_grace_s = 10\ncheckpoint_interval_s = 1\npg_timeout_s = 3\nheartbeat_timeout_s = 3\n\n"
+        "[jobs]\ncancel_grace_s = 10\ncheckpoint_interval_s = 1\npg_timeout_s = 3\nheartbeat_timeout_s = 3\nfork_start = true\n\n"
         f'[[hosts]]\nname = "local"\ngpus = "cpu:4"\nworkdir = "{home}/work"\n')
     cli = GpuflexCLI(home, cfg)
     yield cli

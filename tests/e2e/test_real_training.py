@@ -57,7 +57,7 @@ def standalone(tmp_path_factory, script: str, args: tuple[str, ...]) -> dict:
 def local_pool(home):
     """A local pool of 3 CPU slots; the process group's timeout is 3 s."""
     cfg = home / "g.toml"
-    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n{JOBS_TOML}'
+    cfg.write_text(f'[database]\nurl = "sqlite:///{home}/g.db"\n\n{JOBS_TOML.rstrip()}\nfork_start = true\n\n'
                    f'[[hosts]]\nname = "local"\ngpus = "cpu:3"\nworkdir = "{home}/work"\n')
     cli = GpuflexCLI(home, cfg)
     yield cli

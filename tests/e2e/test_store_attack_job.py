@@ -21,6 +21,8 @@ from tests.e2e.test_elastic_jobs import (DEADLINE_S, assert_matches_reference, e
 
 ATTACKER = str(TESTS / "fakes" / "store_attacker.py")
 
+FORK_START = True   # the `ej` fixture's jobs fork their workers from a warm interpreter
+
 
 def test_a_process_without_the_secret_cannot_forge_a_generation_a_resize_or_state(ej, tmp_path_factory, home):
     report, marker = home / "r.json", home / "pwned"
