@@ -36,7 +36,7 @@ def request(config: Config, pool: Pool, job: Job, message: dict[str, Any], wait_
             if time.monotonic() >= deadline or not coordinator_alive(config, pool, job):
                 if type(e) is not TransportError:
                     raise
-                # "gpu01: connection refused by ..." alone does not say what was asked of gpu01
+                # "gpu01: SSH connection refused by ..." alone does not say what was asked of gpu01
                 why = str(e).removeprefix(f"{e.host}: ")
                 raise TransportError(e.host, f"cannot reach job {job.id}'s coordinator: {why}") from e
             time.sleep(0.2)

@@ -47,6 +47,21 @@ def unix_exchange(path: str, payload: bytes, timeout: float) -> bytes:
     return buf
 
 
+def socket_error(e: Exception) -> str:
+    """Why a unix socket request failed, in words for a person (not "[Errno 111]")."""
+    if isinstance(e, ConnectionRefusedError):
+        return "connection refused: nothing listens on it (its process is gone)"
+    if isinstance(e, FileNotFoundError):
+        return "no such socket (its process has not made it, or is gone)"
+    if isinstance(e, PermissionError):
+        return "permission denied"
+    if isinstance(e, TimeoutError):
+        return "no answer in time"
+    if isinstance(e, ValueError):
+        return f"the reply is not JSON: {e}"
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
 def unix_request(path: str, message: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Send one JSON line to a unix socket and read one JSON line back.
 
@@ -65,7 +80,7 @@ def relay(path: str, line: str, timeout: float) -> dict:
     try:
         reply = unix_request(os.path.expanduser(path), message, timeout)
     except (OSError, ValueError) as e:
-        return {"ok": False, "error": f"{type(e).__name__}: {e}", "relay_error": True}
+        return {"ok": False, "error": socket_error(e), "relay_error": True}
     if not isinstance(reply, dict):
         return {"ok": False, "error": f"the server sent a non-object reply: {reply!r:.200}", "relay_error": True}
     return reply

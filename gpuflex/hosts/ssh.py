@@ -91,9 +91,9 @@ def connect_error(host: HostConfig, exc: BaseException) -> TransportError:
         how = f"identity file {host.identity_file}" if host.identity_file else "the agent or default keys"
         return TransportError(host.name, f"authentication failed for {_user(host)}@{where} with {how}: {exc}")
     if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
-        return TransportError(host.name, f"connection refused by {where}")
+        return TransportError(host.name, f"SSH connection refused by {where}")
     if isinstance(exc, ConnectionRefusedError):
-        return TransportError(host.name, f"connection refused by {where}")
+        return TransportError(host.name, f"SSH connection refused by {where}")
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return TransportError(host.name, f"connection to {where} timed out after {host.connect_timeout_s} s")
     if isinstance(exc, paramiko.SSHException):

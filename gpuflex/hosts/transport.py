@@ -29,7 +29,7 @@ from typing import Any, Callable
 from gpuflex.config import HostConfig
 from gpuflex.errors import CommandTimeout, TransportError
 from gpuflex.hosts import gather, hostops
-from gpuflex.hosts.relay import unix_request
+from gpuflex.hosts.relay import socket_error, unix_request
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,8 +270,8 @@ class LocalTransport(Transport):
     def control_request(self, path: str, message: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
         try:
             return unix_request(os.path.expanduser(path), message, timeout)
-        except OSError as e:
-            raise TransportError(self.host.name, f"control socket {path}: {e}") from None
+        except (OSError, ValueError) as e:
+            raise TransportError(self.host.name, f"control socket {path}: {socket_error(e)}") from None
 
 
 _TILDE = re.compile(r"^(~(?:[A-Za-z_][A-Za-z0-9._-]*)?/)")   # ~/ or ~user/; never ~-/ or ~+/ (OLDPWD, PWD)

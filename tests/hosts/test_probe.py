@@ -236,7 +236,7 @@ def test_gpuflex_hosts_json_over_three_sshd_hosts(ssh_bed, tmp_path):
         assert (na["utilization_pct"], na["verdict"], na["holder"]) == (None, "free", None)
         assert view["gpu03"]["reachable"] is True and view["gpu03"]["devices"] == []
         assert view["dead"]["reachable"] is False
-        assert view["dead"]["error"] == "dead: connection refused by 127.0.0.9:9"
+        assert view["dead"]["error"] == "dead: SSH connection refused by 127.0.0.9:9"
         for name in ("gpu01", "gpu02", "gpu03"):
             assert view[name]["error"] is None
 
@@ -250,7 +250,7 @@ def test_gpuflex_hosts_json_over_three_sshd_hosts(ssh_bed, tmp_path):
         table = CliRunner().invoke(app, ["--config", str(cfg), "hosts"])
         assert table.exit_code == 0, table.output
         assert "unreachable" in table.output and str(sleeper.pid) in table.output
-        assert "dead: connection refused by 127.0.0.9:9" in table.output
+        assert "dead: SSH connection refused by 127.0.0.9:9" in table.output
     finally:
         sleeper.kill()
         sleeper.wait()

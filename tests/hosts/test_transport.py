@@ -11,6 +11,7 @@ import pytest
 from gpuflex.config import HostConfig
 from gpuflex.errors import TransportError
 from gpuflex.hosts.supervisor import local_deadline
+from gpuflex.hosts.relay import relay
 from gpuflex.hosts.transport import (CommandResult, LocalTransport, SpawnSpec, Transport, exit_on_our_clock,
                                      make_transport, register_transport, spawn_request)
 
@@ -170,3 +171,25 @@ def test_the_local_status_reply_carries_this_hosts_time(tmp_path):
     (st,) = LocalTransport(HostConfig(name="local")).status([(None, str(exit_path))])
     # the same clock: moved by the reply's transit only, which here is microseconds
     assert st.returncode == 3 and st.exit["host_ended_at"] == 100.0 and 100.0 <= st.exit["ended_at"] < 100.1
+
+
+def test_a_control_socket_that_cannot_be_reached_is_named_in_words_not_an_errno(tmp_path):
+    """A coordinator's or worker's socket whose process is gone: "[Errno 111] Connection
+    refused" (or the relay's "ConnectionRefusedError: ...") reached users as it was."""
+    import socket
+
+    t = LocalTransport(HostConfig(name="local", address="local"))
+    with pytest.raises(TransportError) as missing:
+        t.control_request(str(tmp_path / "gone.sock"), {"op": "status"}, timeout=1)
+    assert str(missing.value) == f"local: control socket {tmp_path / 'gone.sock'}: no such socket (its process has " \
+                                 "not made it, or is gone)"
+    path = tmp_path / "dead.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(path))   # bound, never listening: as a socket whose process died
+        with pytest.raises(TransportError) as refused:
+            t.control_request(str(path), {"op": "status"}, timeout=1)
+    assert str(refused.value).endswith("connection refused: nothing listens on it (its process is gone)")
+    assert "Errno" not in str(refused.value)
+    reply = relay(str(path), '{"op": "status"}', 1.0)
+    assert reply == {"ok": False, "error": "connection refused: nothing listens on it (its process is gone)",
+                     "relay_error": True}

@@ -126,7 +126,7 @@ def test_each_problem_is_named_with_its_verdict_and_fix(name):
 
 
 def test_an_unreachable_host_skips_every_other_check():
-    found = lines(reach=Reach("ssh", where="10.0.0.1:22", stage="connect", error="connection refused by 10.0.0.1:22"),
+    found = lines(reach=Reach("ssh", where="10.0.0.1:22", stage="connect", error="SSH connection refused by 10.0.0.1:22"),
                   facts=None, smi=None, clock=None)
     assert found["ssh"].verdict is Verdict.FAIL and "sshd runs there" in found["ssh"].fix
     assert {c: f.verdict for c, f in found.items() if c != "ssh"} == dict.fromkeys(CHECKS[1:], Verdict.SKIP)

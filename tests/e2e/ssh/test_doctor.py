@@ -201,7 +201,7 @@ def test_unpinned_and_unreachable_hosts_are_named_with_their_fix(sick):
     _, found, _ = sick
     assert "which " in found["stranger", "ssh"]["detail"] and "does not pin" in found["stranger", "ssh"]["detail"]
     assert found["stranger", "ssh"]["fix"].endswith("then: gpuflex hosts trust stranger")
-    assert found["gone", "ssh"]["detail"].startswith("connection refused by 127.0.0.9:")
+    assert found["gone", "ssh"]["detail"].startswith("SSH connection refused by 127.0.0.9:")
     assert found["gone", "python"]["detail"] == "not checked: gone not reachable"
 
 

@@ -175,7 +175,7 @@ def test_fan_out_reports_refused_and_silent_hosts_beside_the_good_ones(ssh_bed):
         results = fan_out(hosts, lambda h: ts[h.name].run(["echo", h.name]).stdout.strip(), timeout=30)
         assert list(results) == ["gpu01", "dead", "silent", "gpu02"]
         assert results["gpu01"].value == "gpu01" and results["gpu02"].value == "gpu02"
-        assert str(results["dead"].error) == f"dead: connection refused by 127.0.0.9:{dead_port}"
+        assert str(results["dead"].error) == f"dead: SSH connection refused by 127.0.0.9:{dead_port}"
         assert str(results["silent"].error).startswith(
             f"silent: no SSH server answered at 127.0.0.10:{silent.getsockname()[1]} within 0.5 s")
         for t in ts.values():
