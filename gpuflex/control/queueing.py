@@ -65,9 +65,8 @@ def starting(ops: Ops, free: list[HostFree]) -> shares.Starting | None:
     if ops.config.harvest.policy != "throughput":
         return None
     jobs = queries.jobs(ops.session, (*queries.ACTIVE, JobState.QUEUED))
-    return shares.starting(((j.user, j.max_workers * max(j.gpus_per_worker, 1),
-                                 sum(len(w.gpus) for w in j.members) if j.state is not JobState.QUEUED else 0)
-                                for j in jobs), sum(len(h.devices) for h in free))
+    return shares.starting((shares.claim(j, j.state is not JobState.QUEUED) for j in jobs),
+                           sum(len(h.devices) for h in free))
 
 
 def over_quota(ops: Ops, job: Job) -> str | None:

@@ -287,10 +287,8 @@ def plan(jobs: Sequence[JobView], gpus: Sequence[GpuView], settings: HarvestSett
 
 def starting(jobs: Sequence[JobView], free: Mapping[str, list[int]]) -> shares.Starting:
     """The throughput policy's start sizes and order (shares.Starting) for this pool."""
-    return shares.starting(((j.user, j.max_workers * max(j.gpus_per_worker, 1),
-                                 sum(len(w.gpus) for w in j.members) if j.state in ACTIVE else 0)
-                                for j in jobs if j.state in ACTIVE or j.state == JobState.QUEUED),
-                               sum(len(d) for d in free.values()))
+    return shares.starting((shares.claim(j, j.state in ACTIVE) for j in jobs
+                            if j.state in ACTIVE or j.state == JobState.QUEUED), sum(len(d) for d in free.values()))
 
 
 def _by_throughput(growers, size, hosts_of, idle, free, waiting, room, settings, now, leaving_now,

@@ -6,7 +6,7 @@ jobs with `Starting`."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
 
 def fair_shares(demand: Mapping[str, float], pool: float) -> dict[str, float]:
@@ -51,6 +51,14 @@ class Starting:
     def took(self, user: str, devices: int) -> None:
         """A job of the user started on `devices` (the next placements see it)."""
         self.held[user] = self.held.get(user, 0) + devices
+
+
+def claim(job: Any, running: bool) -> tuple[str, int, int]:
+    """(user, devices at its MAX, devices it holds) of a job, as `starting` takes them: a
+    harvest plan's JobView or a database Job (`user`, `max_workers`, `gpus_per_worker`,
+    `members` with their `gpus`); a queued one holds none."""
+    return (job.user, job.max_workers * max(job.gpus_per_worker, 1),
+            sum(len(w.gpus) for w in job.members) if running else 0)
 
 
 def starting(jobs: Iterable[tuple[str, int, int]], idle: int) -> Starting:
