@@ -548,6 +548,7 @@ def part_cost(c: Check) -> dict:
             "--steps", str(steps)]
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPUFLEX_")}, "CUDA_VISIBLE_DEVICES": "0"}
     res: dict = {"rates": {}}
+    (c.files / "profile").mkdir(exist_ok=True)
     for mode in ("standalone", "standalone-bitwise", "job-ckpt2", "job-ckpt60"):
         if c.left() < 15:
             break
@@ -556,7 +557,6 @@ def part_cost(c: Check) -> dict:
         argv = [sys.executable, TRAIN, "--mode", "elastic", *args, "--step-times", str(times)]
         if mode.startswith("standalone"):
             bitwise = mode.endswith("bitwise")   # profiled over steps 100..129, as the profile part
-            (c.files / "profile").mkdir(exist_ok=True)
             c.run(argv + (["--exact", "bitwise", "--profile", str(c.files / "profile" / "bitwise.txt")] if bitwise else []),
                   env=env)
         else:
@@ -564,8 +564,8 @@ def part_cost(c: Check) -> dict:
             job = pool.submit(argv, "--workers", "1:1")
             if pool.wait_quietly(job, times, steps)["state"] != "succeeded":
                 pool.keep_logs(job, f"cost-{mode}")
-        res["rates"][mode], _ = rate(times, skip=140)   # after the profiled steps
-        res["rates"][mode] = round(res["rates"][mode], 2)
+        steps_per_s, _ = rate(times, skip=140)   # after the profiled steps
+        res["rates"][mode] = round(steps_per_s, 2)
     r = res["rates"]
     if r.get("standalone") and r.get("standalone-bitwise"):
         res["bitwise/default"] = round(r["standalone-bitwise"] / r["standalone"], 3)

@@ -79,8 +79,7 @@ class UnitGrads:
         self.small = [i for i, p in enumerate(params) if p.numel() <= CHUNK]
         self.large = [i for i, p in enumerate(params) if p.numel() > CHUNK]
         self.small_n = sum(params[i].numel() for i in self.small)
-        on_cpu = all(p.device.type == "cpu" for p in params)
-        self.chunk = CHUNK if on_cpu else max([params[i].numel() for i in self.large], default=CHUNK)
+        self.chunk = CHUNK if self._on_cpu() else max([params[i].numel() for i in self.large], default=CHUNK)
         self.offsets: list[int] = [0] * len(params)   # each parameter's place in the integer sum
         off = 0
         for i in self.small + self.large:
