@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 from typing import Any, Callable, NoReturn
 
 from gpuflex.errors import INTERRUPTED_EXIT   # no import beyond the standard library
@@ -31,17 +32,32 @@ def main() -> None:
     finished()
 
 
-def interrupt_again(default: Callable[[Any], object]) -> Callable[[Any], object]:
+def interrupt_again(default: Callable[[Any], object], delay: float = 0.01) -> Callable[[Any], object]:
     """An unraisable-exception hook that sends a Ctrl-C again. One that lands in a callback
     Python cannot raise from (a weakref's, run by the garbage collector in the middle of an
     import) was printed as "Exception ignored ... KeyboardInterrupt" with its traceback, and
-    lost: the command went on. Sent again, it lands in ordinary code: one line, exit 130."""
+    lost: the command went on. Sent again, it lands in ordinary code: one line, exit 130.
+    It is sent from a timer thread to the main thread, after the hook has returned: sent
+    from the hook itself (`signal.raise_signal`), Python ran the handler at once, inside the
+    hook, and printed "Exception ignored in sys.unraisablehook" with a traceback instead. One
+    that lands in such a callback again is sent again."""
     def hook(unraisable: Any) -> object:
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            signal.raise_signal(signal.SIGINT)   # ignored once the command is `finished`
+            send_sigint_later(delay)
             return None
         return default(unraisable)
     return hook
+
+
+def send_sigint_later(delay: float) -> None:
+    """SIGINT to the main thread in `delay` seconds (a blocking call there is woken as by a
+    real Ctrl-C); ignored once the command is `finished`. The timer is a daemon thread: it
+    never holds the process open."""
+    main_thread = threading.main_thread().ident
+    assert main_thread is not None
+    timer = threading.Timer(delay, signal.pthread_kill, (main_thread, signal.SIGINT))
+    timer.daemon = True
+    timer.start()
 
 
 def finished() -> None:
