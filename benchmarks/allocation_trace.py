@@ -55,6 +55,7 @@ from gpuflex.config import HarvestSettings  # noqa: E402
 from gpuflex.policy.fairshare import decayed_hours  # noqa: E402
 from gpuflex.policy.harvest import (Grow, GpuView, JobView, Place, Requeue, Share, Shrink, WorkerView,  # noqa: E402
                                     Yield, plan)
+from gpuflex.policy.shares import fair_shares  # noqa: E402
 from gpuflex.policy.throughput import Point  # noqa: E402
 from gpuflex.states import JobState  # noqa: E402
 
@@ -204,7 +205,7 @@ def simulate(policy: str, specs: list[Spec], owners, hosts: list[str], gpus: int
         for r in runs.values():
             if r.spec.arrival <= now and r.ended is None:
                 demand[r.spec.user] += r.spec.asked if policy == "static" else r.spec.hi
-        fair = _water_fill(demand, free_gpus)
+        fair = fair_shares(demand, free_gpus)
         queued = {r.spec.user for r in runs.values() if r.spec.arrival <= now and r.ended is None and not r.workers}
         for u in USERS:
             if demand[u]:
@@ -254,23 +255,6 @@ def _usage(holds, since, held, now) -> dict[str, float]:
         u = held[ref].spec.user if ref in held else None
         if u is not None:
             out[u] = out.get(u, 0.0) + decayed_hours(a, None, now, HALF_LIFE_H)
-    return out
-
-
-def _water_fill(demand: dict[str, int], capacity: int) -> dict[str, float]:
-    """Max-min fair split of `capacity` among users by what each could use."""
-    out = {u: 0.0 for u in demand}
-    left, active = float(capacity), [u for u in demand if demand[u] > 0]
-    while active and left > 1e-9:
-        each = left / len(active)
-        for u in list(active):
-            give = min(each, demand[u] - out[u])
-            out[u] += give
-            left -= give
-            if demand[u] - out[u] <= 1e-9:
-                active.remove(u)
-        if all(demand[u] - out[u] > 1e-9 for u in active) and each * len(active) >= left - 1e-9:
-            break
     return out
 
 

@@ -63,3 +63,10 @@ def test_the_seeds_report_has_a_line_a_seed_and_counts_the_goals_met(trace, resu
     assert lines[-1].startswith("goals met on 2 seeds: JCT vs static ")
     t, s = results[2], results[0]
     assert f"x{t['avg_jct_h'] / s['avg_jct_h']:.2f}" in lines[1]
+
+
+def test_the_share_measure_is_max_min_fair(trace):
+    """The measure's fair share is the policy's own (gpuflex.policy.shares): a user who could
+    use 8 of 12 GPUs beside one who could use 2 is owed 8. The script's own split stopped
+    early and owed them 6, flattering every policy's share."""
+    assert trace.fair_shares({"ann": 2, "cho": 8}, 12) == {"ann": 2.0, "cho": 8.0}
