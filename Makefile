@@ -103,10 +103,11 @@ chromium:
 # the heaviest files first (tests/tiers.py). Not the default: on the 2-core machine the suite is
 # CPU-bound on its jobs' torch processes, so two workers took 56 min 37 s against ~61 min
 # serially, and one end-to-end test failed under that load (docs/testing.md). 0: in this
-# process, one test at a time (also for -s or pdb).
+# process, one test at a time (also for -s or pdb). --durations: the 40 slowest tests are
+# printed at the end, so that a run (CI's included) says where the suite's time went.
 TEST_WORKERS ?= 0
 test: venv bytecode sshd iptables cc postgresql podman prometheus chromium
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=40 $(PYTEST_ARGS)
 
 # The tests that start no process or server: the markers are tests/tiers.py's. On two pytest
 # workers (FAST_WORKERS), each test sent to whichever worker is free: 104 s against 170 s in
