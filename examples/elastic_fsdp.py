@@ -17,6 +17,7 @@ alone, e.g. an evaluation on rank 0 only).
 import argparse
 import hashlib
 import json
+import os
 import time
 
 import torch
@@ -97,6 +98,8 @@ def main():
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-while", metavar="PATH",
+                    help="sleep --step-sleep after a step only while PATH exists (a test holds the pace)")
     ap.add_argument("--busy-at", type=int, nargs="*", default=[],
                     help="steps after whose optimizer step rank 0 is busy (--busy-s), e.g. an evaluation")
     ap.add_argument("--busy-s", type=float, default=0.0)
@@ -133,7 +136,7 @@ def main():
                 params = run.full_parameters()   # every member: an all-gather under FSDP
             if run.is_primary and run.step in args.busy_at:
                 time.sleep(args.busy_s)
-            if args.step_sleep:
+            if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
                 time.sleep(args.step_sleep)
     if run.is_primary and args.report:
         write_report(args.report, params, args, run.step, run.step_log, {} if args.untracked else run.samples)

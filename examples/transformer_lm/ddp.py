@@ -141,6 +141,8 @@ def main():
     ap.add_argument("--eval-sleep", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-while", metavar="PATH",
+                    help="sleep --step-sleep after a step only while PATH exists (a test holds the pace)")
     ap.add_argument("--raise-at-step", type=int, default=-1)
     ap.add_argument("--raise-rank", type=int, default=0)
     ap.add_argument("--out-dir")
@@ -191,7 +193,7 @@ def main():
         loss_mean = torch.tensor(step_loss)
         dist.all_reduce(loss_mean)
         loss_mean = loss_mean.item() / world
-        if args.step_sleep:
+        if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
             time.sleep(args.step_sleep)
     if rank == 0 and args.report:
         write_report(args.report, model.module, args, args.steps, loss_mean, best_val_loss, evals, [], {})

@@ -12,6 +12,7 @@ import argparse
 import hashlib
 import json
 import math
+import os
 import random
 import time
 
@@ -141,6 +142,8 @@ def main():
     ap.add_argument("--eval-sleep", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--sleep-while", metavar="PATH",
+                    help="sleep --step-sleep after a step only while PATH exists (a test holds the pace)")
     ap.add_argument("--raise-at-step", type=int, default=-1)
     ap.add_argument("--raise-rank", type=int, default=0)
     ap.add_argument("--report")
@@ -179,7 +182,7 @@ def main():
         opt.step()
         opt.zero_grad(set_to_none=True)
         loss_mean = run.global_mean(step_loss)
-        if args.step_sleep:
+        if args.step_sleep and (args.sleep_while is None or os.path.exists(args.sleep_while)):
             time.sleep(args.step_sleep)
     if run.is_primary and args.report:
         write_report(args.report, model, args, run.step, loss_mean, best["val_loss"], evals, run.step_log, run.samples)

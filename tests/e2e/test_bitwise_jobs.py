@@ -128,9 +128,10 @@ LM_ARGS = ["--steps", "100", "--global-batch-size", "24", "--micro-batch-size", 
 
 def test_the_transformer_lm_unchanged_in_bitwise_mode_resized_re_split_and_killed_has_the_standalone_bits(
         ej, tmp_path, home):
-    report = home / "lm.json"
-    job = ej.submit([sys.executable, LM, *LM_ARGS, "--step-sleep", "0.6", "--report", str(report)],
-                    "--workers", "1:3", "--env", "GPUFLEX_EXACT=bitwise")
+    report, hold = home / "lm.json", home / "lm.hold"
+    hold.touch()   # the pace held until the last resize is in; then the job runs out at full speed
+    job = ej.submit([sys.executable, LM, *LM_ARGS, "--step-sleep", "0.6", "--sleep-while", str(hold),
+                     "--report", str(report)], "--workers", "1:3", "--env", "GPUFLEX_EXACT=bitwise")
     scale(ej, job["id"], 3)
     three = wait_for(ej, job["id"], lambda j: j["world_size"] == 3 and len(live_members(j)) == 3, "world size 3")
     planned = re_split_by_a_slowed_member(ej, job["id"], three, unit=3, batch=24)
@@ -139,7 +140,8 @@ def test_the_transformer_lm_unchanged_in_bitwise_mode_resized_re_split_and_kille
     after = wait_for(ej, job["id"], lambda j: j["generation"] > planned["generation"] and j["state"] == "running"
                      and j["world_size"] == 2, "recovery without the victim")
     scale(ej, job["id"], 1)
-    scale(ej, job["id"], 2)
+    scale(ej, job["id"], 2)   # --wait: the generation of 2 runs
+    hold.unlink()
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())

@@ -297,16 +297,18 @@ def test_on_the_local_pool_1_3_2_4_in_place_ends_as_the_unsharded_run(ej, home, 
     """`gpuflex submit` and `gpuflex scale` (the issue's sequence): the survivor keeps its
     process through every resize, no rollback, the job succeeds, every sample once, and the
     final parameters are allclose to the unsharded run's."""
-    report = home / "r.json"
+    report, hold = home / "r.json", home / "hold"
     epochs = ["--epochs", "8"]   # 128 steps: still running after three resizes (newcomers import torch)
-    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--report", str(report)],
-                    "--workers", "1:4")
+    hold.touch()   # the pace held until the last resize is in; then the job runs out at full speed
+    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--sleep-while", str(hold),
+                     "--report", str(report)], "--workers", "1:4")
     scale(ej, job["id"], 1)
     first = wait_for(ej, job["id"], lambda j: step_of(j) >= 2, "some steps at world size 1")
     survivor = live_members(first)[0]["pid"]
     for n in (3, 2, 4):
         scale(ej, job["id"], n)
     assert live_members(ej.json("status", str(job["id"])))[0]["pid"] == survivor
+    hold.unlink()
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
@@ -438,8 +440,9 @@ def test_a_cancelled_sharded_job_resumes_at_another_size_with_resume_from(ej, ho
     with A's shards cut for 3, and ends as the unsharded run, every sample once (its logs
     go on from A's)."""
     epochs = ["--epochs", "4"]
-    argv = [sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2"]
-    a = ej.submit([*argv, "--report", str(home / "a.json")], "--workers", "2", "--elastic", "inplace")
+    argv = [sys.executable, str(EXAMPLE), *ARGS, *epochs]
+    a = ej.submit([*argv, "--step-sleep", "0.2", "--report", str(home / "a.json")], "--workers", "2",
+                  "--elastic", "inplace")   # paced: cancelled mid-run; B is not
     wait_for(ej, a["id"], lambda j: step_of(j) >= 10, "steps of job A")
     ej.ok("cancel", str(a["id"]))
     a_done = ej.wait_final(a["id"], DEADLINE_S)
