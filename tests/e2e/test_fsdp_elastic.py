@@ -323,13 +323,15 @@ def test_untracked_the_vote_rides_the_step_barrier_through_a_grow_and_checkpoint
     its first forward (agreement.pack, no collective of its own): rank 0's switch to the grown
     generation and its checkpoint requests (1 s interval) reach every member that way; the
     job ends as the unsharded run, every step once."""
-    report = home / "r.json"
+    report, hold = home / "r.json", home / "hold"
     epochs = ["--epochs", "4"]
-    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--untracked",
-                     "--report", str(report)], "--workers", "2:3", "--elastic", "inplace")
+    hold.touch()   # the pace held until the grow is in; then the job runs out at full speed
+    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--sleep-while", str(hold),
+                     "--untracked", "--report", str(report)], "--workers", "2:3", "--elastic", "inplace")
     scale(ej, job["id"], 2)
     wait_for(ej, job["id"], lambda j: step_of(j) >= 4 and j["world_size"] == 2, "steps at world size 2")
     scale(ej, job["id"], 3)
+    hold.unlink()
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded" and done["restarts"] == 0, done
     r = json.loads(report.read_text())
@@ -397,10 +399,11 @@ def test_a_member_killed_then_the_store_lost_each_restart_the_job_from_its_distr
     since. Then, in the restarted run, the job store killed: every member exits
     STORE_LOST_EXIT and the job restarts again from its DCP checkpoint (not from step 0).
     It ends as the unsharded run, every sample once."""
-    report = home / "r.json"
+    report, hold = home / "r.json", home / "hold"
     epochs = ["--epochs", "4"]   # 64 steps; 1 s checkpoints (the ej config)
-    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--report", str(report)],
-                    "--workers", "2:3", "--elastic", "inplace")
+    hold.touch()   # the pace held until the store is killed; then the job runs out at full speed
+    job = ej.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--sleep-while", str(hold),
+                     "--report", str(report)], "--workers", "2:3", "--elastic", "inplace")
     running = wait_for(ej, job["id"], lambda j: step_of(j) >= 12 and j["world_size"] == 3, "steps at world size 3")
     victim = live_members(running)[1]
     os.kill(victim["pid"], 9)
@@ -417,6 +420,8 @@ def test_a_member_killed_then_the_store_lost_each_restart_the_job_from_its_distr
     assert restarted["restarts"] == 1, restarted
     (store_pgid,) = db_rows(home / "g.db", "SELECT store_pgid FROM jobs WHERE id = ?", (job["id"],))[0]
     os.killpg(store_pgid, 9)
+    wait_for(ej, job["id"], lambda j: j["restarts"] == 2 and j["state"] == "running", "the restart after the store")
+    hold.unlink()
     done = ej.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded" and done["restarts"] == 2, done
     first_run = done["workers"][:3]

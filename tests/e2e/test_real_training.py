@@ -119,13 +119,15 @@ def test_transformer_with_a_rank0_evaluation_longer_than_the_pg_timeout_resized_
     """Rank 0 evaluates for 6 s at steps 0, 20 and 40 while the others wait at the step's
     gradient all-reduce, longer than pg_timeout_s = 3: a busy member, not a dead one."""
     cli = local_pool
-    report = home / "lm.json"
+    report, hold = home / "lm.json", home / "lm.hold"
+    hold.touch()   # the steps' pace held until the grow is in (the evaluations keep their 6 s)
     job = cli.submit([sys.executable, LM, *LM_ARGS, "--eval-sleep", "6", "--step-sleep", "0.4",
-                      "--report", str(report)],
+                      "--sleep-while", str(hold), "--report", str(report)],
                      "--workers", "2:3")
     scale(cli, job["id"], 2)   # the pool fits 3: most likely before the first generation formed
     two = wait_for(cli, job["id"], lambda j: step_of(j) >= 3 and j["world_size"] == 2, "steps at world size 2")
     scale(cli, job["id"], 3)
+    hold.unlink()
     done = cli.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", (done.get("exit_reason"), done["workers"])
     assert not (faults := restarts_and_rollbacks(cli, job["id"])), [(e["kind"], e["message"], e["data"]) for e in faults]

@@ -27,10 +27,11 @@ def fj(ssh_hosts, home):
 
 
 def test_a_sharded_job_across_sshd_hosts_resizes_in_place_and_survives_a_kill(fj, home, tmp_path):
-    report = home / "r.json"
+    report, hold = home / "r.json", home / "hold"
     epochs = ["--epochs", "6"]   # 96 steps
-    job = fj.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--report", str(report)],
-                    "--workers", "1:3")
+    hold.touch()   # the pace held until the restart after the kill; then the job runs out at full speed
+    job = fj.submit([sys.executable, str(EXAMPLE), *ARGS, *epochs, "--step-sleep", "0.2", "--sleep-while", str(hold),
+                     "--report", str(report)], "--workers", "1:3")
     scale(fj, job["id"], 3)
     grown = wait_for(fj, job["id"], lambda j: step_of(j) >= 6 and j["world_size"] == 3, "steps at world size 3")
     assert len({w["host"] for w in live_members(grown)}) >= 2, grown["workers"]
@@ -40,6 +41,8 @@ def test_a_sharded_job_across_sshd_hosts_resizes_in_place_and_survives_a_kill(fj
                       "steps at world size 2")
     assert live_members(shrunk)[0]["pid"] == survivor   # resized in place
     os.kill(live_members(shrunk)[1]["pid"], signal.SIGKILL)
+    wait_for(fj, job["id"], lambda j: j["restarts"] == 1 and j["state"] == "running", "the restart after the kill")
+    hold.unlink()
     done = fj.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded" and done["restarts"] == 1, done
     assert SHARDS_LOST_EXIT in [w["exit_code"] for w in done["workers"]], done["workers"]
