@@ -44,10 +44,12 @@ def hosts_of(job: dict) -> set[str]:
 
 
 def test_example_across_three_hosts_resized_2_5_3(sj, tmp_path_factory, home):
-    report = home / "r.json"
+    report, hold = home / "r.json", home / "hold"
     # long enough that the last resize lands before the end even when starting 3 newcomers
-    # takes tens of seconds on a loaded host (10 epochs once ended first)
-    job = sj.submit(example_argv(report, epochs=24, sleep=0.05), "--workers", "2:5")
+    # takes tens of seconds on a loaded host (10 epochs once ended first): the pace is held
+    # until the last resize is in, then the job runs out at full speed
+    hold.touch()
+    job = sj.submit(example_argv(report, epochs=24, sleep=0.05, hold=hold), "--workers", "2:5")
     assert {w["host"] for w in job["workers"]} == {"gpu01", "gpu02", "gpu03"}
     scale(sj, job["id"], 2)
     two = wait_for(sj, job["id"], lambda j: step_of(j) >= 5 and len(live_members(j)) == 2, "2 workers")
@@ -58,6 +60,7 @@ def test_example_across_three_hosts_resized_2_5_3(sj, tmp_path_factory, home):
     gpus = [(w["host"], tuple(w["gpus"])) for w in live_members(five)]
     assert len(set(gpus)) == 5                 # never two workers on one GPU
     scale(sj, job["id"], 3)
+    hold.unlink()
     done = sj.wait_final(job["id"], DEADLINE_S)
     assert done["state"] == "succeeded", done
     r = json.loads(report.read_text())
