@@ -55,7 +55,14 @@ def send_sigint_later(delay: float) -> None:
     never holds the process open."""
     main_thread = threading.main_thread().ident
     assert main_thread is not None
-    timer = threading.Timer(delay, signal.pthread_kill, (main_thread, signal.SIGINT))
+
+    def send() -> None:
+        try:
+            signal.pthread_kill(main_thread, signal.SIGINT)
+        except OSError:   # the process is ending: nothing left to interrupt, and no traceback
+            pass
+
+    timer = threading.Timer(delay, send)
     timer.daemon = True
     timer.start()
 
