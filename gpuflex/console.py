@@ -14,6 +14,8 @@ from typing import Any, Callable, NoReturn
 
 from gpuflex.errors import INTERRUPTED_EXIT   # no import beyond the standard library
 
+RESEND_S = 0.01   # a Ctrl-C Python could not raise is sent again this long after (interrupt_again)
+
 
 def main() -> None:
     sys.unraisablehook = interrupt_again(sys.unraisablehook)
@@ -32,7 +34,7 @@ def main() -> None:
     finished()
 
 
-def interrupt_again(default: Callable[[Any], object], delay: float = 0.01) -> Callable[[Any], object]:
+def interrupt_again(default: Callable[[Any], object]) -> Callable[[Any], object]:
     """An unraisable-exception hook that sends a Ctrl-C again. One that lands in a callback
     Python cannot raise from (a weakref's, run by the garbage collector in the middle of an
     import) was printed as "Exception ignored ... KeyboardInterrupt" with its traceback, and
@@ -43,7 +45,7 @@ def interrupt_again(default: Callable[[Any], object], delay: float = 0.01) -> Ca
     that lands in such a callback again is sent again."""
     def hook(unraisable: Any) -> object:
         if isinstance(unraisable.exc_value, KeyboardInterrupt):
-            send_sigint_later(delay)
+            send_sigint_later(RESEND_S)
             return None
         return default(unraisable)
     return hook

@@ -34,10 +34,11 @@ here judge the workers' ends:
   say); the restart resumes from the last step's checkpoint and runs only that. Members
   that all exited 0 because a stop was agreed before the end of training (the
   coordinator's `stopped`: a worker got a SIGTERM that no cancel, time limit or requeue of
-  gpuflex's sent, e.g. a host shutting down or someone's `kill`) did not finish it: Requeue (cause "stopped", not counted against --retries) up to
-  STOP_RESTARTS times, then FAILED with 128 + SIGTERM. Else SUCCEEDED when they all exited 0,
-  FAILED with the first bad exit code otherwise. A restarted job's Finish carries its restarts:
-  its final event says "succeeded after N restart(s)".
+  gpuflex's sent, e.g. a host shutting down or someone's `kill`) did not finish it:
+  Requeue (cause "stopped", not counted against --retries) up to STOP_RESTARTS times, then
+  FAILED with 128 + SIGTERM. Else SUCCEEDED when they all exited 0, FAILED with the first
+  bad exit code otherwise. A restarted job's Finish carries its restarts: its final event
+  says "succeeded after N restart(s)".
 """
 
 from __future__ import annotations
